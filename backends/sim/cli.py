@@ -1,0 +1,159 @@
+"""``llm-gateway sim``: options (vLLM's names where vLLM has the option) and the runner."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from typing import Final
+
+from backends.sim.config import SimConfig
+from backends.sim.faults import Faults, FaultsError
+from backends.sim.runner import SimServer
+
+DESCRIPTION: Final = (
+    "Run a simulated vLLM 0.32 server: the same HTTP API, SSE format, errors and "
+    "/metrics, over a simulated engine (continuous batching, chunked prefill, paged KV "
+    "cache with prefix caching and preemption) stepped on simulated time, with faults "
+    "on demand. Engine options keep vLLM's names; --sim-* options set the cost model."
+)
+
+_D = SimConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the simulator's options to ``parser``."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    net = parser.add_argument_group("server")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    net.add_argument("--port", type=int, default=8000, help="port to listen on (0: any)")
+    net.add_argument("--admin-token", default=None, help="enable /sim/* with this Bearer token")
+    net.add_argument("--enable-server-load-tracking", action="store_true", help="/load counts")
+    net.add_argument(
+        "--enable-request-id-headers", action="store_true", help="echo X-Request-Id back"
+    )
+
+    eng = parser.add_argument_group("engine (vLLM engine arguments)")
+    eng.add_argument("--model", default=_D.model)
+    eng.add_argument("--served-model-name", default=None, help="name clients use")
+    eng.add_argument("--max-model-len", type=int, default=_D.max_model_len)
+    eng.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=_D.max_num_batched_tokens)
+    eng.add_argument(
+        "--max-num-queued-reqs", type=int, default=None, help="503 beyond (default unbounded)"
+    )
+    eng.add_argument("--block-size", type=int, default=_D.block_size)
+    eng.add_argument(
+        "--num-gpu-blocks-override",
+        type=int,
+        default=_D.num_gpu_blocks_override,
+        help="number of KV cache blocks",
+    )
+    eng.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=_D.enable_prefix_caching,
+    )
+    eng.add_argument("--seed", type=int, default=_D.seed)
+
+    sim = parser.add_argument_group("simulation (step cost model and output)")
+    sim.add_argument("--sim-step-base-ms", type=float, default=_D.step_base_ms)
+    sim.add_argument("--sim-prefill-us-per-token", type=float, default=_D.prefill_us_per_token)
+    sim.add_argument("--sim-decode-us-per-seq", type=float, default=_D.decode_us_per_seq)
+    sim.add_argument(
+        "--sim-attention-ns-per-token",
+        type=float,
+        default=_D.attention_ns_per_token,
+        help="per context token read by each decoding sequence",
+    )
+    sim.add_argument("--sim-output", choices=["random", "echo"], default=_D.output)
+    sim.add_argument("--sim-output-len-min", type=int, default=_D.output_len_min)
+    sim.add_argument("--sim-output-len-max", type=int, default=_D.output_len_max)
+    sim.add_argument(
+        "--startup-delay", type=float, default=0.0, help="seconds bound but not answering"
+    )
+
+    flt = parser.add_argument_group("faults (also changeable at run time via /sim/faults)")
+    flt.add_argument("--slowdown", type=float, default=1.0, help="multiplies step durations")
+    flt.add_argument("--error-rate", type=float, default=0.0, help="fraction answered with error")
+    flt.add_argument("--error-status", type=int, default=500)
+    flt.add_argument("--hang-before-first-byte", action="store_true")
+    flt.add_argument("--hang-after-tokens", type=int, default=None, help="streams stall after N")
+    flt.add_argument("--refuse-connections", action="store_true")
+    flt.add_argument("--unhealthy", action="store_true", help="/health answers 503")
+
+
+def config_from_args(args: argparse.Namespace) -> SimConfig:
+    return SimConfig(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_queued_reqs=args.max_num_queued_reqs,
+        block_size=args.block_size,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        enable_prefix_caching=args.enable_prefix_caching,
+        enable_server_load_tracking=args.enable_server_load_tracking,
+        enable_request_id_headers=args.enable_request_id_headers,
+        step_base_ms=args.sim_step_base_ms,
+        prefill_us_per_token=args.sim_prefill_us_per_token,
+        decode_us_per_seq=args.sim_decode_us_per_seq,
+        attention_ns_per_token=args.sim_attention_ns_per_token,
+        output=args.sim_output,
+        output_len_min=args.sim_output_len_min,
+        output_len_max=args.sim_output_len_max,
+        seed=args.seed,
+        admin_token=args.admin_token,
+        startup_delay_s=args.startup_delay,
+    )
+
+
+def faults_from_args(args: argparse.Namespace) -> Faults:
+    return Faults(
+        slowdown=args.slowdown,
+        error_rate=args.error_rate,
+        error_status=args.error_status,
+        hang_before_first_byte=args.hang_before_first_byte,
+        hang_after_tokens=args.hang_after_tokens,
+        refuse_connections=args.refuse_connections,
+        unhealthy=args.unhealthy,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT or SIGTERM; 2 on bad options."""
+    try:
+        config = config_from_args(args)
+        faults = faults_from_args(args)
+    except (ValueError, FaultsError) as exc:
+        print(f"llm-gateway sim: {exc}", file=sys.stderr)
+        return 2
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency off Windows
+        asyncio.run(_serve(config, faults, args.host, args.port))
+    else:
+        uvloop.run(_serve(config, faults, args.host, args.port))
+    return 0
+
+
+async def _serve(config: SimConfig, faults: Faults, host: str, port: int) -> None:
+    server = SimServer(config, host=host, port=port, faults=faults)
+    await server.start()
+    print(
+        f"llm-gateway sim: serving {config.model_name!r} on {server.url}",
+        file=sys.stderr,
+        flush=True,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()

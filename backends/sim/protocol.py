@@ -1,0 +1,199 @@
+"""OpenAI request bodies, as vLLM 0.32 reads them: validation in, plain values out.
+
+Pure: a parsed JSON body goes in, a ``GenerateParams`` (or an ``ApiError`` carrying
+vLLM's status, type and message) comes out. Sampling parameters the simulator does
+not model (temperature, top_p, stop, ...) are accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Final
+
+from backends.sim.config import SimConfig
+from backends.sim.tokens import (
+    OutputText,
+    message_text,
+    mix64,
+    natural_length,
+    prompt_seed,
+    render_chat,
+    tokenize,
+)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's and vLLM's default for /v1/completions
+
+_ERROR_TYPES: Final = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+}
+
+
+class ApiError(Exception):
+    """An error answered with vLLM's envelope ``{"error": {...}}``."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+    def envelope(self) -> dict[str, Any]:
+        return error_envelope(self.status, self.message, self.param)
+
+
+def error_envelope(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = _ERROR_TYPES.get(status)
+    if kind is None:
+        kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateParams:
+    """What the simulator needs from a completions or chat completions body."""
+
+    chat: bool
+    model: str | None
+    prompt_ids: tuple[int, ...]
+    echo_words: tuple[str, ...]
+    max_tokens: int | None
+    stream: bool
+    include_usage: bool
+    continuous_usage_stats: bool
+    ignore_eos: bool
+    seed: int | None
+
+
+def parse_generate(body: Any, *, chat: bool) -> GenerateParams:
+    """Validate a request body the way vLLM does, raising ``ApiError(400)``."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = _opt(body, "model", str)
+    if chat:
+        prompt_ids, words = _chat_prompt(body)
+        max_tokens = _opt(body, "max_completion_tokens", int)
+        if max_tokens is None:
+            max_tokens = _opt(body, "max_tokens", int)
+    else:
+        prompt_ids, words = _completion_prompt(body)
+        max_tokens = _opt(body, "max_tokens", int)
+        if "max_tokens" not in body:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    n = _opt(body, "n", int)
+    if n not in (None, 1):
+        raise ApiError(400, "The simulator supports n=1 only.", "n")
+    stream = bool(_opt(body, "stream", bool))
+    options = _opt(body, "stream_options", dict)
+    if options is not None and not stream:
+        raise ApiError(400, "Stream options can only be defined when `stream=True`.")
+    options = options or {}
+    return GenerateParams(
+        chat=chat,
+        model=model,
+        prompt_ids=prompt_ids,
+        echo_words=words,
+        max_tokens=max_tokens,
+        stream=stream,
+        include_usage=bool(_opt(options, "include_usage", bool)),
+        continuous_usage_stats=bool(_opt(options, "continuous_usage_stats", bool)),
+        ignore_eos=bool(_opt(body, "ignore_eos", bool)),
+        seed=_opt(body, "seed", int),
+    )
+
+
+def _opt(body: dict[str, Any], key: str, kind: type[Any]) -> Any:
+    value = body.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ApiError(
+            400,
+            f"1 validation error: {key}: Input should be a valid {kind.__name__}",
+            key,
+        )
+    return value
+
+
+def _completion_prompt(body: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        words = tuple(prompt.split())
+        ids = tuple(tokenize(prompt))
+    elif isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) for t in prompt
+    ):
+        words = ()
+        ids = tuple(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise ApiError(400, "The simulator supports one prompt per request.", "prompt")
+    else:
+        raise ApiError(
+            400,
+            "1 validation error: prompt: Input should be a string or a list of token ids",
+            "prompt",
+        )
+    if not ids:
+        raise ApiError(400, "The prompt cannot be empty.", "prompt")
+    return ids, words
+
+
+def _chat_prompt(body: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(
+            400, "1 validation error: messages: Field required (a non-empty list)", "messages"
+        )
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(
+                400, "1 validation error: messages: each message needs a 'role'", "messages"
+            )
+        content = m.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise ApiError(
+                400,
+                "1 validation error: messages: content must be a string or a list of parts",
+                "messages",
+            )
+    ids = tuple(tokenize(render_chat(messages)))
+    return ids, tuple(message_text(messages[-1]).split())
+
+
+def plan_output(params: GenerateParams, config: SimConfig) -> tuple[int, str, OutputText]:
+    """Check lengths against the context and decide the answer: (tokens, reason, text).
+
+    As in vLLM 0.32: a prompt that fills the context, or ``max_tokens`` above
+    ``max_model_len``, is a 400; otherwise ``max_tokens`` is clamped to the room left.
+    """
+    limit = config.max_model_len
+    n_prompt = len(params.prompt_ids)
+    if n_prompt >= limit:
+        raise ApiError(
+            400,
+            f"This model's maximum context length is {limit} tokens. However, your prompt "
+            f"contains {n_prompt} input tokens. Please reduce the length of the input prompt.",
+        )
+    if params.max_tokens is not None and params.max_tokens > limit:
+        raise ApiError(
+            400,
+            f"'max_tokens' or 'max_completion_tokens' is too large: {params.max_tokens}. "
+            f"This model's maximum context length is {limit} tokens.",
+            "max_tokens",
+        )
+    room = limit - n_prompt
+    budget = room if params.max_tokens is None else min(params.max_tokens, room)
+    base = config.seed if params.seed is None else mix64(params.seed) ^ config.seed
+    seed = prompt_seed(params.prompt_ids, base)
+    source = params.echo_words if config.output == "echo" else ()
+    if not params.ignore_eos:
+        natural = natural_length(seed, config.output_len_min, config.output_len_max)
+        if natural <= budget:
+            return natural, "stop", OutputText(seed, source, eos_index=natural - 1)
+    return budget, "length", OutputText(seed, source)

@@ -1,0 +1,272 @@
+"""The HTTP surface of vLLM 0.32 that a gateway touches, served from the simulated engine.
+
+Run it with ``handler_cancellation=True`` (``runner.py`` and ``testing.py`` do): a
+client that goes away then cancels its handler, whose ``finally`` aborts the request
+in the engine, queued or running, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Final
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from backends.sim import admin
+from backends.sim.config import SimConfig
+from backends.sim.driver import RequestHandle
+from backends.sim.faults import Faults
+from backends.sim.metrics import ServerCounters, SimCollector, make_registry, render
+from backends.sim.protocol import ApiError, GenerateParams, error_envelope, parse_generate
+from backends.sim.protocol import plan_output as plan
+from backends.sim.responses import DONE, ResponseFormat, dumps
+from backends.sim.state import SimState
+from backends.sim.tokens import OutputText
+
+VLLM_VERSION: Final = "0.32.0"
+STATE: Final = web.AppKey("sim_state", SimState)
+_SSE_HEADERS: Final = {"Content-Type": "text/event-stream; charset=utf-8"}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def create_app(
+    config: SimConfig,
+    faults: Faults | None = None,
+    clock: Callable[[], float] = time.monotonic,
+) -> web.Application:
+    """The simulator's aiohttp app; its engine loop runs while the app does."""
+    app = web.Application(middlewares=[_gate], client_max_size=64 * 1024 * 1024)
+    state = SimState(config, faults, clock)
+    app[STATE] = state
+    registry = make_registry(
+        SimCollector(
+            config.model_name,
+            state.driver,
+            lambda: ServerCounters(state.injected_errors, state.in_flight),
+        )
+    )
+    app.cleanup_ctx.append(_engine_loop)
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=render(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/ping", health)
+    app.router.add_post("/ping", health)
+    app.router.add_get("/version", version)
+    app.router.add_get("/load", load)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    admin.add_routes(app, state)
+    return app
+
+
+async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(state.driver.run(), name="sim-engine")
+    task.add_done_callback(state.engine_stopped)
+    delay = state.config.startup_delay_s
+    timer = loop.call_later(delay, state.ready.set) if delay > 0 else None
+    if timer is None:
+        state.ready.set()
+    yield
+    if timer is not None:
+        timer.cancel()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+
+
+@web.middleware
+async def _gate(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    if not state.ready.is_set():
+        await state.ready.wait()  # loading the model: the socket is bound, nobody answers
+    if state.faults.refuse_connections and request.transport is not None:
+        request.transport.abort()  # a keep-alive connection made before the fault
+        return web.Response(status=503)  # never delivered: the connection is gone
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        return _json({"detail": "Not Found"}, status=404)
+    except web.HTTPMethodNotAllowed:
+        return _json({"detail": "Method Not Allowed"}, status=405)
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.Response(status=503 if state.faults.unhealthy or state.engine_dead else 200)
+
+
+async def version(request: web.Request) -> web.Response:
+    return _json({"version": VLLM_VERSION})
+
+
+async def load(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    n = state.in_flight if state.config.enable_server_load_tracking else 0
+    return _json({"server_load": n})
+
+
+async def models(request: web.Request) -> web.Response:
+    config = request.app[STATE].config
+    name = config.model_name
+    created = int(time.time())
+    card = {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": config.model,
+        "parent": None,
+        "max_model_len": config.max_model_len,
+        "permission": [
+            {
+                "id": f"modelperm-{uuid.uuid4().hex}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
+    }
+    return _json({"object": "list", "data": [card]})
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=False)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, chat=True)
+
+
+def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response(data, status=status, headers=headers, dumps=dumps)
+
+
+def _error(status: int, message: str, param: str | None = None) -> web.Response:
+    return _json(error_envelope(status, message, param), status=status)
+
+
+async def _hang() -> None:
+    """Wait until the client goes away (which cancels the handler)."""
+    await asyncio.get_running_loop().create_future()
+
+
+async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
+    state = request.app[STATE]
+    config = state.config
+    if request.content_type != "application/json":
+        return _error(400, "Unsupported Media Type: Only 'application/json' is allowed")
+    try:
+        body = await request.json()
+    except ValueError as exc:
+        return _error(400, f"JSON decode error: {exc}")
+    try:
+        params = parse_generate(body, chat=chat)
+        if params.model is not None and params.model != config.model_name:
+            raise ApiError(404, f"The model `{params.model}` does not exist.", "model")
+        output_len, reason, output = plan(params, config)
+    except ApiError as exc:
+        return _json(exc.envelope(), status=exc.status)
+
+    faults = state.faults
+    if faults.error_rate > 0 and state.rng.random() < faults.error_rate:
+        state.injected_errors += 1
+        return _error(faults.error_status, "Injected fault (simulator).")
+    if faults.hang_before_first_byte:
+        await _hang()
+    limit = config.max_num_queued_reqs
+    if limit is not None and len(state.engine.waiting) >= limit:
+        return _error(503, "The engine's request queue is full.")
+
+    header_id = request.headers.get("X-Request-Id")
+    base_id = header_id or uuid.uuid4().hex
+    headers = {"X-Request-Id": base_id} if config.enable_request_id_headers else {}
+    fmt = ResponseFormat(
+        chat=chat,
+        response_id=("chatcmpl-" if chat else "cmpl-") + base_id,
+        created=int(time.time()),
+        model=params.model or config.model_name,
+        prompt_tokens=len(params.prompt_ids),
+    )
+    driver = state.driver
+    handle = driver.submit(params.prompt_ids, output_len, reason, output, stream=params.stream)
+    state.in_flight += 1
+    try:
+        if params.stream:
+            return await _stream(
+                request, state, handle, fmt=fmt, params=params, output=output, headers=headers
+            )
+        await handle.tokens()
+        n = handle.num_tokens
+        full = fmt.full(output.text(n), handle.finish_reason or reason, n)
+        return _json(full, headers=headers)
+    finally:
+        state.in_flight -= 1
+        driver.release(handle)
+
+
+async def _stream(
+    request: web.Request,
+    state: SimState,
+    handle: RequestHandle,
+    *,
+    fmt: ResponseFormat,
+    params: GenerateParams,
+    output: OutputText,
+    headers: dict[str, str],
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+    await resp.prepare(request)
+    continuous = params.continuous_usage_stats
+    sent = 0
+    hung = False
+    try:
+        while not hung:
+            events = await handle.tokens()
+            parts: list[bytes] = []
+            if fmt.chat and sent == 0:
+                parts.append(fmt.role_chunk())
+            for ev in events:
+                stall_at = state.faults.hang_after_tokens
+                if stall_at is not None and sent >= stall_at:
+                    hung = True
+                    break
+                parts.append(
+                    fmt.token_chunk(
+                        output.piece(ev.index),
+                        ev.finish_reason,
+                        ev.index + 1 if continuous else None,
+                    )
+                )
+                sent += 1
+            finished = handle.finished and not hung and sent == handle.num_tokens
+            if finished:
+                if params.include_usage:
+                    parts.append(fmt.usage_chunk(sent))
+                parts.append(DONE)
+            if parts:
+                await resp.write(b"".join(parts))
+            if finished:
+                await resp.write_eof()
+                return resp
+        await _hang()
+    except ConnectionError:
+        pass  # the client went away mid-write; the caller's finally aborts the request
+    return resp

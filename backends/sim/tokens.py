@@ -1,0 +1,116 @@
+"""Tokenisation and output text: simple, deterministic, stable across processes.
+
+A token is a whitespace-separated word. Words of the simulator's own vocabulary get
+ids 0..VOCAB_SIZE-1, any other word a stable id above that (CRC-32, never Python's
+salted ``hash`` of a string), so the same text always gives the same ids, in every
+process. Generated words come from the vocabulary, so a generated answer pasted into
+the next prompt tokenises back to the ids that were generated, and a multi-turn chat
+hits the prefix cache the way it would on a real server.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+_M64: Final = (1 << 64) - 1
+_ONSETS: Final = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "st", "tr")
+_VOWELS: Final = ("a", "e", "i", "o", "u", "ai", "ou", "ea")
+_CODAS: Final = ("", "n", "r", "s")
+
+VOCAB: Final[tuple[str, ...]] = tuple(o + v + c for o in _ONSETS for v in _VOWELS for c in _CODAS)
+VOCAB_SIZE: Final = len(VOCAB)
+_VOCAB_INDEX: Final[dict[str, int]] = {w: i for i, w in enumerate(VOCAB)}
+
+
+def word_id(word: str) -> int:
+    known = _VOCAB_INDEX.get(word)
+    if known is not None:
+        return known
+    return VOCAB_SIZE + zlib.crc32(word.encode("utf-8", "surrogatepass"))
+
+
+def tokenize(text: str) -> list[int]:
+    """Token ids of ``text``: one per whitespace-separated word."""
+    return [word_id(w) for w in text.split()]
+
+
+def render_chat(messages: Sequence[dict[str, Any]]) -> str:
+    """One prompt string for a chat, the same for the same messages.
+
+    Each message becomes ``<|role|> content`` on its own line, then the generation
+    prompt ``<|assistant|>``; content given as parts keeps its text parts.
+    """
+    lines = [f"<|{m['role']}|> {message_text(m)}" for m in messages]
+    lines.append("<|assistant|>")
+    return "\n".join(lines)
+
+
+def message_text(message: dict[str, Any]) -> str:
+    content = message.get("content")
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return " ".join(
+        part["text"]
+        for part in content
+        if isinstance(part, dict) and isinstance(part.get("text"), str)
+    )
+
+
+def mix64(x: int) -> int:
+    """SplitMix64's finaliser: a cheap, well-spread, deterministic hash of an int."""
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def prompt_seed(prompt_ids: Sequence[int], seed: int) -> int:
+    """A seed derived from the prompt, so the same prompt gets the same answer.
+
+    The hash of a tuple of ints is not salted, so this is stable across processes.
+    """
+    return mix64((hash(tuple(prompt_ids)) ^ seed) & _M64)
+
+
+def natural_length(seed: int, low: int, high: int) -> int:
+    """How many tokens an answer runs before its EOS token (EOS included)."""
+    return low + mix64(seed ^ 0x5DEECE66D) % (high - low + 1)
+
+
+@dataclass(frozen=True, slots=True)
+class OutputText:
+    """The answer to one request, token by token: ``token_id(i)`` and ``piece(i)``.
+
+    ``random`` draws vocabulary words from the seed; ``echo`` repeats ``source``
+    (the prompt's words) cyclically. ``eos_index`` is the position of the EOS token,
+    whose text is empty, or None when the answer is cut by length.
+    """
+
+    seed: int
+    source: tuple[str, ...] = ()
+    eos_index: int | None = None
+
+    def token_id(self, index: int) -> int:
+        if index == self.eos_index:
+            return EOS_TOKEN_ID
+        if self.source:
+            return word_id(self.source[index % len(self.source)])
+        return mix64(self.seed + index) % VOCAB_SIZE
+
+    def piece(self, index: int) -> str:
+        if index == self.eos_index:
+            return ""
+        if self.source:
+            return " " + self.source[index % len(self.source)]
+        return " " + VOCAB[mix64(self.seed + index) % VOCAB_SIZE]
+
+    def text(self, count: int) -> str:
+        return "".join(self.piece(i) for i in range(count))
+
+
+EOS_TOKEN_ID: Final = VOCAB_SIZE - 1 + (1 << 33)  # outside both id ranges above

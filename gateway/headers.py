@@ -1,0 +1,70 @@
+"""Which headers cross the gateway, in each direction."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Final
+
+from multidict import CIMultiDict, CIMultiDictProxy
+
+# RFC 9110 section 7.6.1 hop-by-hop headers, plus the ones the gateway sets itself.
+_HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+# Never sent upstream: the client's credentials (a backend has its own key) and encodings the
+# gateway would then have to undo.
+_NOT_UPSTREAM: Final = _HOP_BY_HOP | {"authorization", "cookie", "accept-encoding", "x-api-key"}
+_NOT_DOWNSTREAM: Final = _HOP_BY_HOP | {"server", "date", "set-cookie"}
+
+REQUEST_ID: Final = "X-Request-Id"
+_REQUEST_ID_OK: Final = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+
+
+def valid_request_id(value: str | None) -> str | None:
+    """The client's request id if it is safe to reuse (short, no spaces or odd bytes)."""
+    if value and _REQUEST_ID_OK.match(value):
+        return value
+    return None
+
+
+def _listed_in_connection(headers: Mapping[str, str]) -> set[str]:
+    conn = headers.get("Connection")
+    if not conn:
+        return set()
+    return {t.strip().lower() for t in conn.split(",") if t.strip()}
+
+
+def upstream_headers(client: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
+    extra = _listed_in_connection(client)
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in client.items():
+        lk = k.lower()
+        if lk not in _NOT_UPSTREAM and lk not in extra:
+            out.add(k, v)
+    out[REQUEST_ID] = request_id
+    return out
+
+
+def downstream_headers(upstream: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
+    extra = _listed_in_connection(upstream)
+    out: CIMultiDict[str] = CIMultiDict()
+    for k, v in upstream.items():
+        lk = k.lower()
+        if lk not in _NOT_DOWNSTREAM and lk not in extra:
+            out.add(k, v)
+    out[REQUEST_ID] = request_id
+    return out

@@ -1,0 +1,48 @@
+"""structlog setup: JSON lines in production, a console renderer on a terminal."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import MutableMapping
+from typing import Any, Final, Literal
+
+import structlog
+
+_SECRET_KEYS: Final = frozenset(
+    {"authorization", "api_key", "apikey", "x-api-key", "password", "token", "secret"}
+)
+
+
+def redact_secrets(
+    _logger: Any, _method: str, event: MutableMapping[str, Any]
+) -> MutableMapping[str, Any]:
+    """Never let a credential reach a log line, whatever a caller passes."""
+    for key in list(event):
+        if key.lower() in _SECRET_KEYS:
+            event[key] = "[redacted]"
+    return event
+
+
+def configure_logging(
+    level: str = "info", fmt: Literal["auto", "json", "console"] = "auto"
+) -> None:
+    use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
+    renderer: Any = (
+        structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
+    )
+    structlog.configure(
+        processors=[
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            redact_secrets,
+            structlog.processors.format_exc_info,
+            renderer,
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(
+            logging.getLevelNamesMapping()[level.upper()]
+        ),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )

@@ -1,0 +1,60 @@
+"""The one server middleware: request id in, errors out in OpenAI's envelope."""
+
+from __future__ import annotations
+
+import uuid
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from gateway.errors import GatewayError, error_envelope
+from gateway.headers import REQUEST_ID, valid_request_id
+from gateway.keys import REQUEST_ID_KEY
+
+log = structlog.get_logger("gateway.errors")
+
+_HTTP_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+}
+
+
+def error_response(err: GatewayError) -> web.Response:
+    return web.json_response(err.envelope(), status=err.status, headers=err.headers)
+
+
+@web.middleware
+async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    request_id = valid_request_id(request.headers.get(REQUEST_ID)) or uuid.uuid4().hex
+    request[REQUEST_ID_KEY] = request_id
+    try:
+        resp = await handler(request)
+    except GatewayError as err:
+        resp = error_response(err)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.text and exc.text != exc.reason else exc.reason
+        resp = web.json_response(
+            error_envelope(
+                f"{message} ({request.method} {request.path})"
+                if exc.status in (404, 405)
+                else message,
+                _HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error"),
+            ),
+            status=exc.status,
+            headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
+        )
+    except Exception:
+        log.exception("unhandled_error", request_id=request_id, path=request.path)
+        resp = web.json_response(
+            error_envelope("The gateway failed to handle this request.", "internal_error"),
+            status=500,
+        )
+    if not resp.prepared:
+        resp.headers[REQUEST_ID] = request_id
+    return resp

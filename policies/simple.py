@@ -1,0 +1,66 @@
+"""Baseline policies for comparison: ``round_robin``, ``random`` and ``power_of_two``."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from policies.scoring import Weights, score
+from policies.types import BackendSnapshot, Rng, RouteFacts
+
+
+@dataclass(slots=True)
+class RoundRobin:
+    """Cycles through the candidates; the cursor survives changes in the candidate list."""
+
+    name: str = "round_robin"
+    _cursor: int = 0
+
+    def choose(
+        self, facts: RouteFacts, candidates: list[BackendSnapshot]
+    ) -> BackendSnapshot | None:
+        if not candidates:
+            return None
+        choice = candidates[self._cursor % len(candidates)]
+        self._cursor = (self._cursor + 1) % 1_000_000_007
+        return choice
+
+
+@dataclass(slots=True)
+class RandomChoice:
+    rng: Rng = field(default_factory=random.Random)
+    name: str = "random"
+
+    def choose(
+        self, facts: RouteFacts, candidates: list[BackendSnapshot]
+    ) -> BackendSnapshot | None:
+        if not candidates:
+            return None
+        return candidates[self.rng.randrange(len(candidates))]
+
+
+@dataclass(slots=True)
+class PowerOfTwo:
+    """Two distinct random candidates; the lower score wins, a tie goes to either at random."""
+
+    weights: Weights = field(default_factory=Weights)
+    rng: Rng = field(default_factory=random.Random)
+    name: str = "power_of_two"
+
+    def choose(
+        self, facts: RouteFacts, candidates: list[BackendSnapshot]
+    ) -> BackendSnapshot | None:
+        n = len(candidates)
+        if n == 0:
+            return None
+        if n == 1:
+            return candidates[0]
+        i = self.rng.randrange(n)
+        j = self.rng.randrange(n - 1)
+        if j >= i:
+            j += 1
+        a, b = candidates[i], candidates[j]
+        sa, sb = score(a, self.weights), score(b, self.weights)
+        if sa == sb:
+            return a if self.rng.random() < 0.5 else b
+        return a if sa < sb else b

@@ -1,0 +1,99 @@
+"""A client that goes away aborts its request in every phase, frees its slot and blocks,
+and is counted by phase, never in vllm:request_success."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from backends.sim import FAST, RunningSim, running_sim
+
+from .conftest import chat_body, completion_body
+
+LONG: dict[str, Any] = {"max_tokens": 4000, "ignore_eos": True}
+
+
+def assert_clean(sim: RunningSim) -> None:
+    assert not sim.engine.running
+    assert not sim.engine.waiting
+    assert sim.engine.pool.usage == 0.0
+    assert sum(sim.engine.stats.request_success.values()) == 0
+
+
+async def test_disconnect_while_queued(client: aiohttp.ClientSession) -> None:
+    async with running_sim(FAST.replace(max_num_seqs=1)) as sim:
+        body = completion_body(stream=True, **LONG)
+        running = await client.post(f"{sim.url}/v1/completions", json=body)
+        queued = await client.post(f"{sim.url}/v1/completions", json=body)
+        await sim.wait_for(lambda: len(sim.engine.waiting) == 1, what="one queued")
+        queued.close()
+        await sim.wait_for(lambda: sim.engine.stats.aborted["queued"] == 1, what="abort")
+        assert not sim.engine.waiting
+        assert len(sim.engine.running) == 1  # the other request is untouched
+        running.close()
+        await sim.wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, what="abort 2")
+        assert_clean(sim)
+
+
+async def test_disconnect_during_prefill(client: aiohttp.ClientSession) -> None:
+    # 4,000 prompt tokens in chunks of 16: about 250 steps of prefill.
+    config = FAST.replace(max_num_batched_tokens=16, max_model_len=8192)
+    async with running_sim(config) as sim:
+        body = completion_body("w " * 4000, stream=True, **LONG)
+        resp = await client.post(f"{sim.url}/v1/completions", json=body)
+        await sim.wait_for(lambda: sim.engine.pool.usage > 0, what="prefill under way")
+        assert sim.engine.running[0].phase() == "prefill"
+        resp.close()
+        await sim.wait_for(lambda: sim.engine.stats.aborted["prefill"] == 1, what="abort")
+        assert_clean(sim)
+        assert sim.engine.stats.generation_tokens == 0
+
+
+async def test_disconnect_during_decode_stops_generation(
+    sim: RunningSim, client: aiohttp.ClientSession
+) -> None:
+    body = chat_body(stream=True, **LONG)
+    async with client.post(f"{sim.url}/v1/chat/completions", json=body) as resp:
+        chunks = 0
+        async for line in resp.content:
+            chunks += line.startswith(b"data: ")
+            if chunks == 6:  # the role chunk and five tokens
+                break
+        resp.close()
+    await sim.wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, what="abort")
+    assert_clean(sim)
+    generated = sim.engine.stats.generation_tokens
+    assert 5 <= generated < 4000
+    assert sim.driver.steps < 4000
+
+
+async def test_disconnect_of_a_non_streaming_request(
+    sim: RunningSim, client: aiohttp.ClientSession
+) -> None:
+    task = asyncio.create_task(
+        client.post(f"{sim.url}/v1/completions", json=completion_body(**LONG))
+    )
+    await sim.wait_for(lambda: sim.engine.stats.generation_tokens > 3, what="decoding")
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    await sim.wait_for(lambda: sum(sim.engine.stats.aborted.values()) == 1, what="abort")
+    assert sim.engine.stats.aborted["decode"] == 1
+    assert_clean(sim)
+
+
+async def test_slot_freed_by_an_abort_admits_the_next_request(
+    client: aiohttp.ClientSession,
+) -> None:
+    async with running_sim(FAST.replace(max_num_seqs=1)) as sim:
+        hog = await client.post(
+            f"{sim.url}/v1/completions", json=completion_body(stream=True, **LONG)
+        )
+        waiter = asyncio.create_task(
+            client.post(f"{sim.url}/v1/completions", json=completion_body(max_tokens=3))
+        )
+        await sim.wait_for(lambda: len(sim.engine.waiting) == 1, what="queued")
+        hog.close()
+        async with await waiter as resp:
+            assert (await resp.json())["usage"]["completion_tokens"] == 3

@@ -1,0 +1,78 @@
+"""Configuration enters once: TOML file, then GATEWAY_* environment, then flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from gateway.settings import load_settings
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    for k in list(os.environ):
+        if k.startswith("GATEWAY_"):
+            monkeypatch.delenv(k)
+
+
+def test_backends_from_comma_separated_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GATEWAY_BACKENDS", "http://a:8000, http://b:8000/")
+    monkeypatch.setenv("GATEWAY_POLICY", "power_of_two")
+    monkeypatch.setenv("GATEWAY_WEIGHTS__QUEUE", "5")
+    s = load_settings()
+    assert [b.url for b in s.backends] == ["http://a:8000", "http://b:8000"]
+    assert [b.id for b in s.backends] == ["a:8000", "b:8000"]
+    assert s.policy == "power_of_two"
+    assert s.weights.queue == 5
+    assert s.weights.active == 2
+
+
+def test_toml_file_then_environment_then_overrides(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text(
+        'port = 9000\npolicy = "round_robin"\nbackends = ["http://x:1", '
+        '{ url = "http://y:2", name = "y", api_key = "sk-y" }]\n'
+        "[weights]\nactive = 1.5\n[upstream]\nidle_timeout = 30\n"
+    )
+    s = load_settings(cfg)
+    assert (s.port, s.policy, s.weights.active, s.upstream.idle_timeout) == (
+        9000,
+        "round_robin",
+        1.5,
+        30,
+    )
+    assert s.backends[1].id == "y"
+    assert s.backends[1].api_key is not None
+    assert s.backends[1].api_key.get_secret_value() == "sk-y"
+    assert "sk-y" not in repr(s)
+    monkeypatch.setenv("GATEWAY_PORT", "9100")
+    assert load_settings(cfg).port == 9100
+    assert load_settings(cfg, port=9200).port == 9200
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "prot = 1\n",  # unknown key
+        'policy = "fastest"\n',
+        'backends = ["ftp://a"]\n',
+        'backends = ["http://a:1", "http://a:1"]\n',
+        "[weights]\nqueue = -1\n",
+    ],
+)
+def test_bad_config_is_refused(tmp_path: Path, text: str) -> None:
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text(text)
+    with pytest.raises(ValidationError):
+        load_settings(cfg)
+
+
+def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        load_settings(tmp_path / "nope.toml")

@@ -1,7 +1,9 @@
-"""Background reads of each backend: its model list (``/v1/models``) and load (``/metrics``).
+"""Background reads of each backend: health probes, model lists and load figures.
 
-One task per backend and per kind, so a slow backend delays only its own figures. Results go
-into the pool; the request path never waits on any of this.
+Per backend, three loops: ``GET /health`` every probe interval (with its own timeout, so a
+backend that accepts connections but never answers is caught), ``GET /v1/models`` now and then,
+and ``GET /metrics`` on a short interval. Results go into the pool; the request path never
+waits on any of this. Backends can be watched and unwatched at run time (discovery).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 
 import structlog
 
+from backends.health import Health
 from backends.pool import BackendPool
 from backends.state import BackendState
 from backends.upstream import UpstreamClient, json_or_none
@@ -28,6 +31,8 @@ class MonitorSettings:
     scrape_interval: float
     scrape_timeout: float
     models_interval: float
+    probe_interval: float
+    probe_timeout: float
 
 
 def parse_model_list(raw: bytes) -> list[str] | None:
@@ -54,40 +59,76 @@ class BackendMonitor:
         self._client = client
         self._settings = settings
         self._clock = clock
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, list[asyncio.Task[None]]] = {}
 
     async def start(self, *, first_round_timeout: float = 2.0) -> None:
-        """Read every backend's models once (bounded wait), then keep reading in the background."""
+        """Probe every backend once (bounded wait), then keep watching in the background."""
         backends = self._pool.all()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(first_round_timeout):
-                await asyncio.gather(*(self.refresh_models(b) for b in backends))
+                await asyncio.gather(*(self._first_look(b) for b in backends))
         for b in backends:
-            if not b.reachable:
-                log.warning("backend_unreachable", backend=b.id, reason="no model list yet")
-        for b in backends:
-            self._tasks.append(asyncio.create_task(self._models_loop(b), name=f"models:{b.id}"))
-            self._tasks.append(asyncio.create_task(self._load_loop(b), name=f"scrape:{b.id}"))
+            self.watch(b)
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        tasks = [t for ts in self._tasks.values() for t in ts]
+        for t in tasks:
             t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
+
+    def watch(self, backend: BackendState) -> None:
+        if backend.id in self._tasks:
+            return
+        self._tasks[backend.id] = [
+            asyncio.create_task(self._probe_loop(backend), name=f"probe:{backend.id}"),
+            asyncio.create_task(self._models_loop(backend), name=f"models:{backend.id}"),
+            asyncio.create_task(self._load_loop(backend), name=f"scrape:{backend.id}"),
+        ]
+
+    def unwatch(self, backend_id: str) -> None:
+        for t in self._tasks.pop(backend_id, []):
+            t.cancel()
+
+    def watching(self) -> set[str]:
+        return set(self._tasks)
+
+    async def _first_look(self, backend: BackendState) -> None:
+        if await self.probe(backend):
+            await self.refresh_models(backend)
+
+    async def probe(self, backend: BackendState) -> bool:
+        try:
+            status, _ = await self._client.get(
+                backend.spec, "/health", within=self._settings.probe_timeout
+            )
+            ok, error = status == 200, f"/health answered {status}"
+        except UpstreamError as exc:
+            ok, error = False, exc.message
+        before, after = self._pool.record_probe(backend.id, ok, "" if ok else error)
+        if before is not after:
+            emit = log.info if after is Health.UP else log.warning
+            emit(
+                "backend_health",
+                backend=backend.id,
+                state=after.value,
+                was=before.value,
+                reason=None if ok else error,
+            )
+        return ok
 
     async def refresh_models(self, backend: BackendState) -> bool:
         try:
             status, raw = await self._client.get(
                 backend.spec, "/v1/models", within=self._settings.scrape_timeout
             )
-        except UpstreamError as exc:
-            self._mark_unreachable(backend, exc.message)
+        except UpstreamError:
             return False
         models = parse_model_list(raw) if status == 200 else None
         if models is None:
-            self._mark_unreachable(backend, f"/v1/models answered {status} without a model list")
+            log.warning("backend_models_unreadable", backend=backend.id, status=status)
             return False
-        if not backend.reachable or backend.models != frozenset(models):
+        if not backend.models_known or backend.models != frozenset(models):
             log.info("backend_models", backend=backend.id, models=models)
         self._pool.record_models(backend.id, models)
         return True
@@ -100,26 +141,33 @@ class BackendMonitor:
                 backend.spec, "/metrics", within=self._settings.scrape_timeout
             )
             if status != 200:
-                return False
+                raise MetricsFormatError(f"/metrics answered {status}")
             reading = parse_load(raw.decode("utf-8", "replace"))
         except (UpstreamError, MetricsFormatError):
+            self._pool.record_scrape_failed(backend.id)
             return False
         self._pool.record_load(backend.id, reading, began_at=began_at, sent_at_start=sent_at_start)
         return True
 
-    def _mark_unreachable(self, backend: BackendState, why: str) -> None:
-        if backend.reachable:
-            log.warning("backend_unreachable", backend=backend.id, reason=why)
-        self._pool.record_unreachable(backend.id)
+    async def _probe_loop(self, backend: BackendState) -> None:
+        interval = self._settings.probe_interval
+        await asyncio.sleep(interval)
+        while True:
+            started = self._clock()
+            was_up = backend.up
+            if await self.probe(backend) and not was_up:
+                await self.refresh_models(backend)
+            await asyncio.sleep(max(0.0, interval - (self._clock() - started)))
 
     async def _models_loop(self, backend: BackendState) -> None:
         while True:
-            # A backend whose models are unknown is retried at the scrape pace.
-            fast = not (backend.reachable and backend.models_known)
+            # Until its models are known, a backend is asked at the probe pace.
+            known = backend.models_known
             await asyncio.sleep(
-                self._settings.scrape_interval if fast else self._settings.models_interval
+                self._settings.models_interval if known else self._settings.probe_interval
             )
-            await self.refresh_models(backend)
+            if backend.up or not known:
+                await self.refresh_models(backend)
 
     async def _load_loop(self, backend: BackendState) -> None:
         interval = self._settings.scrape_interval

@@ -1,30 +1,42 @@
 """The backend pool: the one place backend state changes, and where snapshots are taken.
 
-The request path calls ``candidates`` then ``acquire``; background monitors call the
-``record_*`` methods. Everything runs on one event loop, so there are no locks.
+The request path calls ``candidates`` then ``acquire``, and reports each attempt's outcome on
+its ``Lease``; background monitors and discovery call the ``record_*``, ``add`` and ``remove``
+methods. Everything runs on one event loop, so there are no locks.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
+import structlog
+
+from backends.circuit import Circuit, CircuitBreaker, CircuitPolicy
+from backends.health import Health, HealthPolicy, HealthTracker
 from backends.state import BackendSpec, BackendState
 from backends.vllm_metrics import LoadReading
 from gateway.errors import ModelNotFound, NoBackendAvailable
 from policies import BackendSnapshot
 
 Clock = Callable[[], float]
+log = structlog.get_logger("backends.pool")
 
 
 class Lease:
-    """One request's claim on a backend; ``release`` gives it back exactly once."""
+    """One attempt's claim on a backend.
 
-    __slots__ = ("_released", "backend")
+    The request path reports ``succeeded`` or ``failed`` (for the circuit breaker) and must
+    ``release``; release is idempotent, so the in-flight count drops exactly once.
+    """
 
-    def __init__(self, backend: BackendState) -> None:
+    __slots__ = ("_pool", "_released", "_verdict", "backend")
+
+    def __init__(self, pool: BackendPool, backend: BackendState) -> None:
+        self._pool = pool
         self.backend = backend
         self._released = False
+        self._verdict: bool | None = None
         backend.in_flight += 1
         backend.sent_total += 1
 
@@ -32,10 +44,32 @@ class Lease:
     def released(self) -> bool:
         return self._released
 
+    def succeeded(self) -> None:
+        if self._verdict is None:
+            self._verdict = True
+            self.backend.circuit.on_success()
+
+    def failed(self) -> None:
+        if self._verdict is None:
+            self._verdict = False
+            before = self.backend.circuit.state
+            self.backend.circuit.on_failure(self._pool.now())
+            if before is not Circuit.OPEN and self.backend.circuit.state is Circuit.OPEN:
+                log.warning(
+                    "circuit_opened",
+                    backend=self.backend.id,
+                    cooldown_s=self.backend.circuit.current_cooldown,
+                )
+
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self.backend.in_flight -= 1
+        if self._released:
+            return
+        self._released = True
+        if self._verdict is None:
+            self.backend.circuit.on_abandoned()
+        self.backend.in_flight -= 1
+        if self.backend.removed and self.backend.in_flight == 0:
+            self._pool.forget(self.backend.id)
 
 
 class BackendPool:
@@ -45,31 +79,47 @@ class BackendPool:
         *,
         stale_after: float,
         retry_after: int = 1,
+        health: HealthPolicy | None = None,
+        circuit: CircuitPolicy | None = None,
         clock: Clock = time.monotonic,
     ) -> None:
-        self._backends: dict[str, BackendState] = {s.id: BackendState(spec=s) for s in specs}
         self._stale_after = stale_after
         self._retry_after = retry_after
+        self._health_policy = health or HealthPolicy()
+        self._circuit_policy = circuit or CircuitPolicy()
         self._clock = clock
+        self._backends: dict[str, BackendState] = {}
         self._by_model: dict[str, list[BackendState]] = {}
+        for spec in specs:
+            self.add(spec)
+
+    def now(self) -> float:
+        return self._clock()
 
     # -- reading ---------------------------------------------------------------------------
 
     def all(self) -> list[BackendState]:
         return list(self._backends.values())
 
-    def get(self, backend_id: str) -> BackendState:
-        return self._backends[backend_id]
+    def get(self, backend_id: str) -> BackendState | None:
+        return self._backends.get(backend_id)
 
     def models(self) -> list[str]:
         """The union of the models the backends were last seen serving."""
         return sorted(self._by_model)
 
-    def routable(self, backend: BackendState) -> bool:
-        return backend.reachable and backend.models_known
+    def routable(self, backend: BackendState, now: float) -> bool:
+        return (
+            backend.health.state is Health.UP
+            and backend.models_known
+            and not backend.draining
+            and not backend.removed
+            and backend.circuit.allows(now)
+        )
 
     def ready(self) -> bool:
-        return any(self.routable(b) for b in self._backends.values())
+        now = self._clock()
+        return any(self.routable(b, now) for b in self._backends.values())
 
     def snapshot(self, backend: BackendState, now: float) -> BackendSnapshot:
         load = backend.load
@@ -84,8 +134,8 @@ class BackendPool:
             kv_cache_usage=load.kv_cache_usage,
         )
 
-    def candidates(self, model: str) -> list[BackendSnapshot]:
-        """Snapshots of the routable backends serving ``model``.
+    def candidates(self, model: str, exclude: Collection[str] = ()) -> list[BackendSnapshot]:
+        """Snapshots of the routable backends serving ``model``, less ``exclude``.
 
         Raises ``ModelNotFound`` if no backend serves it, ``NoBackendAvailable`` if those that
         do cannot take a request now.
@@ -94,7 +144,9 @@ class BackendPool:
         if not serving:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         now = self._clock()
-        snaps = [self.snapshot(b, now) for b in serving if self.routable(b)]
+        snaps = [
+            self.snapshot(b, now) for b in serving if b.id not in exclude and self.routable(b, now)
+        ]
         if not snaps:
             raise NoBackendAvailable(
                 f"No backend serving `{model}` is available right now.",
@@ -103,27 +155,85 @@ class BackendPool:
         return snaps
 
     def acquire(self, backend_id: str) -> Lease:
-        return Lease(self._backends[backend_id])
+        backend = self._backends[backend_id]
+        backend.circuit.on_send(self._clock())
+        return Lease(self, backend)
 
-    # -- writing (monitors) ----------------------------------------------------------------
+    # -- writing (monitors, discovery, admin) ----------------------------------------------
+
+    def add(self, spec: BackendSpec) -> BackendState:
+        """Add a backend; it gets no traffic until a probe has seen it up."""
+        existing = self._backends.get(spec.id)
+        if existing is not None:
+            existing.removed = False
+            return existing
+        state = BackendState(
+            spec=spec,
+            health=HealthTracker(self._health_policy),
+            circuit=CircuitBreaker(self._circuit_policy),
+        )
+        self._backends[spec.id] = state
+        return state
+
+    def remove(self, backend_id: str) -> None:
+        """No new requests; the backend is forgotten once its in-flight requests end."""
+        b = self._backends.get(backend_id)
+        if b is None:
+            return
+        b.removed = True
+        if b.in_flight == 0:
+            self.forget(backend_id)
+
+    def forget(self, backend_id: str) -> None:
+        if self._backends.pop(backend_id, None) is not None:
+            self._reindex()
+
+    def set_draining(self, backend_id: str, draining: bool) -> bool:
+        b = self._backends.get(backend_id)
+        if b is None:
+            return False
+        b.draining = draining
+        return True
 
     def record_models(self, backend_id: str, models: Iterable[str]) -> None:
-        b = self._backends[backend_id]
-        b.models = frozenset(models)
+        b = self._backends.get(backend_id)
+        if b is None:
+            return
+        new = frozenset(models)
+        changed = not b.models_known or new != b.models
+        b.models = new
         b.models_known = True
-        b.reachable = True
-        self._reindex()
+        if changed:
+            self._reindex()
 
-    def record_unreachable(self, backend_id: str) -> None:
-        self._backends[backend_id].reachable = False
+    def record_probe(self, backend_id: str, ok: bool, error: str = "") -> tuple[Health, Health]:
+        """Feed one health probe's result; return the state before and after."""
+        b = self._backends.get(backend_id)
+        if b is None:
+            return Health.UNKNOWN, Health.UNKNOWN
+        before = b.health.state
+        stale = self._clock() - b.load_at > self._stale_after
+        if ok:
+            after = b.health.probe_ok()
+        else:
+            after = b.health.probe_failed(error, scrape_failing=b.scrape_failing or stale)
+        return before, after
 
     def record_load(
         self, backend_id: str, reading: LoadReading, *, began_at: float, sent_at_start: int
     ) -> None:
-        b = self._backends[backend_id]
+        b = self._backends.get(backend_id)
+        if b is None:
+            return
         b.load = reading
         b.load_at = began_at
         b.sent_at_scrape = sent_at_start
+        b.scrape_failing = False
+
+    def record_scrape_failed(self, backend_id: str) -> None:
+        b = self._backends.get(backend_id)
+        if b is not None:
+            b.scrape_failing = True
 
     def _reindex(self) -> None:
         by_model: dict[str, list[BackendState]] = {}

@@ -4,24 +4,30 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from backends.circuit import CircuitBreaker, CircuitPolicy
+from backends.health import Health, HealthPolicy, HealthTracker
 from backends.vllm_metrics import LoadReading
 
 
 @dataclass(frozen=True, slots=True)
 class BackendSpec:
-    """What configuration says about a backend."""
+    """What configuration (or discovery) says about a backend."""
 
     id: str
     url: str
     api_key: str | None = None
+    source: str = "static"  # "static", or the DNS name it was discovered under
 
 
 @dataclass(slots=True)
 class BackendState:
     spec: BackendSpec
+    health: HealthTracker = field(default_factory=lambda: HealthTracker(HealthPolicy()))
+    circuit: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(CircuitPolicy()))
     models: frozenset[str] = frozenset()
     models_known: bool = False
-    reachable: bool = False
+    draining: bool = False
+    removed: bool = False  # gone from discovery: no new requests, in-flight ones finish
     in_flight: int = 0
     sent_total: int = 0
     # sent_total when the newest successful scrape began: what was sent after it is invisible
@@ -29,7 +35,12 @@ class BackendState:
     sent_at_scrape: int = 0
     load: LoadReading | None = None
     load_at: float = field(default=float("-inf"))
+    scrape_failing: bool = False
 
     @property
     def id(self) -> str:
         return self.spec.id
+
+    @property
+    def up(self) -> bool:
+        return self.health.state is Health.UP

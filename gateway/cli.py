@@ -51,10 +51,10 @@ def _serve(args: argparse.Namespace) -> int:
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"llm-gateway: bad configuration: {exc}", file=sys.stderr)
         return 2
-    if not settings.backends:
+    if not settings.backends and not settings.discovery.dns:
         print(
-            "llm-gateway: no backends configured (set GATEWAY_BACKENDS, --backends or "
-            "'backends' in the config file)",
+            "llm-gateway: no backends configured (set GATEWAY_BACKENDS, --backends, "
+            "GATEWAY_DISCOVERY__DNS or 'backends' in the config file)",
             file=sys.stderr,
         )
         return 2

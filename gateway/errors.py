@@ -3,8 +3,17 @@
     GatewayError                      500 internal_error
     ├── InvalidRequest                400 invalid_request_error
     │   └── BodyTooLarge              413 invalid_request_error
+    ├── AuthenticationError           401 authentication_error / invalid_api_key
+    ├── RateLimited                   429 requests|tokens / rate_limit_exceeded
+    │                                     (+ Retry-After, x-ratelimit-*)
     ├── ModelNotFound                 404 invalid_request_error / model_not_found
     ├── NoBackendAvailable            503 service_unavailable (+ Retry-After)
+    ├── ShuttingDown                  503 service_unavailable (connection closed after it)
+    ├── LimitsUnavailable             503 service_unavailable / limits_unavailable
+    │                                     (limit store down, fail-closed; + Retry-After)
+    ├── AdmissionRejected             503 service_unavailable (+ Retry-After)
+    │   ├── QueueFull                     / queue_full (admission queue at its bound)
+    │   └── QueueTimeout                  / queue_timeout (waited the maximum time)
     └── UpstreamError                 an upstream attempt failed before a response was relayed
         ├── UpstreamUnreachable       502 bad_gateway (connect error, reset, closed early)
         ├── UpstreamProtocolError     502 bad_gateway (the backend answered nonsense)
@@ -51,6 +60,29 @@ class BodyTooLarge(InvalidRequest):
     default_code = "request_too_large"
 
 
+class AuthenticationError(GatewayError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class RateLimited(GatewayError):
+    """429; ``limit_type`` ("requests" or "tokens") is the envelope's type, as OpenAI sends it."""
+
+    status = 429
+    type = "requests"
+    default_code = "rate_limit_exceeded"
+
+    def __init__(
+        self, message: str, *, limit_type: str, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message, headers=headers)
+        self.limit_type = limit_type
+
+    def envelope(self) -> dict[str, Any]:
+        return error_envelope(self.message, self.limit_type, param=self.param, code=self.code)
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -64,6 +96,40 @@ class NoBackendAvailable(GatewayError):
 
     def __init__(self, message: str, *, retry_after: int) -> None:
         super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class LimitsUnavailable(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    default_code = "limits_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class AdmissionRejected(GatewayError):
+    status = 503
+    type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class QueueFull(AdmissionRejected):
+    default_code = "queue_full"
+
+
+class QueueTimeout(AdmissionRejected):
+    default_code = "queue_timeout"
+
+
+class ShuttingDown(GatewayError):
+    status = 503
+    type = "service_unavailable"
+    default_code = "shutting_down"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Connection": "close", "Retry-After": "1"})
 
 
 class UpstreamError(GatewayError):

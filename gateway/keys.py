@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Final
 
 from aiohttp import web
@@ -9,13 +10,25 @@ from aiohttp import web
 from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.upstream import UpstreamClient
+from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
+
+
+@dataclass(slots=True)
+class Lifecycle:
+    """Set when the process starts shutting down: /ready turns 503, new requests are refused."""
+
+    stopping: bool = False
+
 
 SETTINGS: Final = web.AppKey("settings", Settings)
 POOL: Final = web.AppKey("pool", BackendPool)
 ROUTER: Final = web.AppKey("router", Router)
+RETRY: Final = web.AppKey("retry", RetryPolicy)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 MONITOR: Final = web.AppKey("monitor", BackendMonitor)
+LIFECYCLE: Final = web.AppKey("lifecycle", Lifecycle)
+GATEWAY: Final = web.AppKey("gateway", web.Application)  # on the admin app: the main app
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -8,9 +8,9 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.errors import GatewayError, error_envelope
+from gateway.errors import GatewayError, ShuttingDown, error_envelope
 from gateway.headers import REQUEST_ID, valid_request_id
-from gateway.keys import REQUEST_ID_KEY
+from gateway.keys import LIFECYCLE, REQUEST_ID_KEY
 
 log = structlog.get_logger("gateway.errors")
 
@@ -32,6 +32,8 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
     request_id = valid_request_id(request.headers.get(REQUEST_ID)) or uuid.uuid4().hex
     request[REQUEST_ID_KEY] = request_id
     try:
+        if request.app[LIFECYCLE].stopping and request.path.startswith("/v1/"):
+            raise ShuttingDown("The gateway is shutting down; retry on another replica.")
         resp = await handler(request)
     except GatewayError as err:
         resp = error_response(err)

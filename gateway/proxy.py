@@ -1,30 +1,75 @@
 """The request path: parse, pick, forward, relay, release. Read it top to bottom.
 
-Every request holds at most one lease on a backend, released in one ``finally`` on every way
-out: success, error, timeout and client disconnect (aiohttp cancels the handler when the
-client goes away, because the server runs with ``handler_cancellation``). Closing the
-upstream response early closes its connection, which is how vLLM learns to abort.
+Every attempt holds one lease on a backend, released in one ``finally`` on every way out:
+success, error, timeout and client disconnect (aiohttp cancels the handler when the client
+goes away, because the server runs with ``handler_cancellation``). Closing the upstream
+response early closes its connection, which is how vLLM learns to abort. An attempt that
+fails before anything has reached the client is retried on another backend.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import random
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 from aiohttp import web
+from multidict import CIMultiDict
 
-from backends.upstream import UpstreamClient
-from gateway.errors import BodyTooLarge, InvalidRequest
+from backends.pool import Lease
+from gateway.errors import (
+    BodyTooLarge,
+    GatewayError,
+    InvalidRequest,
+    NoBackendAvailable,
+    UpstreamError,
+)
 from gateway.headers import downstream_headers, upstream_headers
-from gateway.keys import REQUEST_ID_KEY, ROUTER, SETTINGS, UPSTREAM
+from gateway.keys import LIFECYCLE, REQUEST_ID_KEY, RETRY, ROUTER, SETTINGS, UPSTREAM
 from gateway.relay import Ending, relay_body, relay_stream
+from gateway.retry import RETRYABLE_STATUS
 from policies import RouteFacts
 
 log = structlog.get_logger("gateway.request")
 
 _EVENT_STREAM = "text/event-stream"
+_rng = random.Random()
+
+
+class _RetryableStatus(Exception):
+    def __init__(self, status: int) -> None:
+        self.status = status
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request, for its log event (and, later, metrics and traces)."""
+
+    request_id: str
+    model: str
+    started: float
+    backends: list[str] = field(default_factory=list)
+    status: int = 0
+    ending: str = "client_disconnect"
+    first_token_at: float | None = None
+
+    def log_fields(self) -> dict[str, Any]:
+        ttft = self.first_token_at
+        return {
+            "request_id": self.request_id,
+            "model": self.model,
+            "backend": self.backends[-1] if self.backends else None,
+            "attempts": len(self.backends),
+            "tried": self.backends if len(self.backends) > 1 else None,
+            "status": self.status,
+            "ending": self.ending,
+            "ttft_ms": None if ttft is None else round((ttft - self.started) * 1e3, 2),
+            "duration_ms": round((time.monotonic() - self.started) * 1e3, 2),
+        }
 
 
 async def read_json_body(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]]:
@@ -59,54 +104,104 @@ def route_facts(doc: dict[str, Any]) -> RouteFacts:
 
 async def forward(request: web.Request, path: str) -> web.StreamResponse:
     app = request.app
-    settings = app[SETTINGS]
-    started = time.monotonic()
-    request_id: str = request[REQUEST_ID_KEY]
-    raw, doc = await read_json_body(request, settings.max_body_bytes)
+    raw, doc = await read_json_body(request, app[SETTINGS].max_body_bytes)
     facts = route_facts(doc)
-
-    lease, candidates = app[ROUTER].pick(facts)
-    backend = lease.backend.spec
-    client: UpstreamClient = app[UPSTREAM]
-    status = 0
-    ending = "client_disconnect"
-    first_token_at: float | None = None
+    record = RequestRecord(request[REQUEST_ID_KEY], facts.model, time.monotonic())
+    call = _Call(request, path, raw, upstream_headers(request.headers, record.request_id), record)
+    router, retry = app[ROUTER], app[RETRY]
+    last_error: GatewayError | None = None
     try:
-        upstream = await client.open(
-            backend, path, raw, upstream_headers(request.headers, request_id)
-        )
-        complete = False
-        try:
-            status = upstream.response.status
-            headers = downstream_headers(upstream.response.headers, request_id)
-            if upstream.response.content_type == _EVENT_STREAM:
-                resp, result = await relay_stream(request, upstream, headers, time.monotonic)
-                first_token_at = result.first_token_at
-                complete = result.ending is Ending.COMPLETE
-                ending = result.ending.value
-            else:
-                resp = await relay_body(upstream, headers, client)
-                complete = True
-                ending = "complete"
-        finally:
-            client.finish(upstream, complete=complete)
-        return resp
-    except Exception as exc:
-        ending = type(exc).__name__
+        while True:
+            try:
+                lease, _ = router.pick(facts, exclude=record.backends)
+            except NoBackendAvailable:
+                if last_error is not None:  # every candidate failed: say how the last did
+                    raise last_error from None
+                raise
+            record.backends.append(lease.backend.id)
+            may_retry = len(record.backends) < retry.max_attempts
+            try:
+                return await _attempt(call, lease, may_retry)
+            except (UpstreamError, _RetryableStatus) as exc:
+                last_error = (
+                    exc
+                    if isinstance(exc, UpstreamError)
+                    else UpstreamError(f"backend answered {exc.status}")
+                )
+                wait = retry.backoff(len(record.backends), _rng)
+                elapsed = time.monotonic() - record.started
+                if not retry.may_retry(len(record.backends), elapsed, wait):
+                    raise last_error from None
+                log.info(
+                    "upstream_retry",
+                    request_id=record.request_id,
+                    backend=lease.backend.id,
+                    error=last_error.message,
+                    wait_ms=round(wait * 1e3, 1),
+                )
+                await asyncio.sleep(wait)
+            finally:
+                lease.release()
+    except GatewayError as exc:
+        record.status, record.ending = exc.status, type(exc).__name__
         raise
     finally:
-        lease.release()
-        log.info(
-            "request",
-            request_id=request_id,
-            model=facts.model,
-            backend=backend.id,
-            status=status,
-            ending=ending,
-            ttft_ms=None if first_token_at is None else round((first_token_at - started) * 1e3, 2),
-            duration_ms=round((time.monotonic() - started) * 1e3, 2),
-            candidates=len(candidates),
-        )
+        log.info("request", **record.log_fields())
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """What every attempt of one request sends."""
+
+    request: web.Request
+    path: str
+    body: bytes
+    headers: CIMultiDict[str]
+    record: RequestRecord
+
+
+async def _attempt(call: _Call, lease: Lease, may_retry: bool) -> web.StreamResponse:
+    """One backend's try. Raises (UpstreamError, _RetryableStatus) only if nothing was sent."""
+    request, record = call.request, call.record
+    client = request.app[UPSTREAM]
+    try:
+        upstream = await client.open(lease.backend.spec, call.path, call.body, call.headers)
+    except UpstreamError:
+        lease.failed()
+        raise
+    complete = False
+    try:
+        status = upstream.response.status
+        if status >= 500:
+            lease.failed()
+        if may_retry and status in RETRYABLE_STATUS:
+            raise _RetryableStatus(status)
+        record.status = status
+        out_headers = downstream_headers(upstream.response.headers, record.request_id)
+        if upstream.response.content_type == _EVENT_STREAM:
+            try:
+                resp, result = await relay_stream(request, upstream, out_headers, time.monotonic)
+            except UpstreamError:
+                lease.failed()
+                raise
+            record.first_token_at = result.first_token_at
+            record.ending = result.ending.value
+            complete = result.ending is Ending.COMPLETE
+            if result.ending is Ending.UPSTREAM_ERROR:
+                lease.failed()
+        else:
+            try:
+                resp = await relay_body(upstream, out_headers, client)
+            except UpstreamError:
+                lease.failed()
+                raise
+            record.ending = Ending.COMPLETE.value
+            complete = True
+        if complete and status < 500:
+            lease.succeeded()
+        return resp
+    finally:
+        client.finish(upstream, complete=complete)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -130,11 +225,15 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    pool = request.app[ROUTER].pool
-    if pool.ready():
+    settings = request.app[SETTINGS]
+    if request.app[LIFECYCLE].stopping:
+        reason = "shutting down"
+    elif not request.app[ROUTER].pool.ready():
+        reason = "no routable backend"
+    else:
         return web.json_response({"status": "ready"})
     return web.json_response(
-        {"status": "not ready", "reason": "no routable backend"},
+        {"status": "not ready", "reason": reason},
         status=503,
-        headers={"Retry-After": str(request.app[SETTINGS].retry_after_seconds)},
+        headers={"Retry-After": str(settings.retry_after_seconds)},
     )

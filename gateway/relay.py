@@ -2,7 +2,8 @@
 
 A stream is relayed read by read: every chunk the backend sends is written to the client as it
 arrives, untouched. The relay watches only for the first token (to time it) and reports how
-the answer ended; the caller decides what that means for the backend.
+the answer ended. It reads the first chunk before sending anything to the client, so a backend
+that fails before its first byte raises, and the caller may still try another backend.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class RelayResult:
 
 def stream_error_event(err: UpstreamError) -> bytes:
     """How a failure after the stream began reaches the client: as vLLM reports one."""
-    body = json.dumps(err.envelope() | {"object": "error"}, separators=(",", ":"))
+    body = json.dumps(err.envelope(), separators=(",", ":"))
     return b"data: " + body.encode() + b"\n\ndata: [DONE]\n\n"
 
 
@@ -45,15 +46,26 @@ async def relay_stream(
     headers: CIMultiDict[str],
     now: Callable[[], float],
 ) -> tuple[web.StreamResponse, RelayResult]:
-    """Relay an event stream chunk by chunk, until either side ends it."""
+    """Relay an event stream chunk by chunk, until either side ends it.
+
+    Raises ``UpstreamError`` if the backend fails before its first chunk (nothing sent yet).
+    """
+    content = upstream.response.content
+    idle = upstream.watch
+    try:
+        chunk = await content.readany()
+    except CLIENT_ERRORS as exc:
+        raise translate(exc, upstream.backend) from exc
     resp = web.StreamResponse(status=upstream.response.status, headers=headers)
     result = RelayResult(ending=Ending.COMPLETE)
     first_token = FirstTokenWatch()
-    idle = upstream.watch
-    content = upstream.response.content
     try:
         await resp.prepare(request)
-        while True:
+        while chunk:
+            idle.activity += 1
+            if not first_token.seen and first_token.feed(chunk):
+                result.first_token_at = now()
+            await resp.write(chunk)
             try:
                 chunk = await content.readany()
             except CLIENT_ERRORS as exc:
@@ -61,12 +73,6 @@ async def relay_stream(
                 result.error = translate(exc, upstream.backend)
                 await resp.write(stream_error_event(result.error))
                 break
-            if not chunk:
-                break
-            idle.activity += 1
-            if not first_token.seen and first_token.feed(chunk):
-                result.first_token_at = now()
-            await resp.write(chunk)
         await resp.write_eof()
     except ConnectionResetError:  # the client went away between two writes
         result.ending = Ending.CLIENT_DISCONNECT

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from backends.pool import BackendPool, Lease
 from gateway.errors import NoBackendAvailable
 from policies import BackendSnapshot, Policy, RouteFacts
@@ -13,9 +15,14 @@ class Router:
         self.policy = policy  # swapped whole, never mutated, when ops change it live
         self._retry_after = retry_after
 
-    def pick(self, facts: RouteFacts) -> tuple[Lease, list[BackendSnapshot]]:
-        """Lease the policy's choice; also return the candidates it chose among."""
-        candidates = self.pool.candidates(facts.model)
+    def pick(
+        self, facts: RouteFacts, exclude: Collection[str] = ()
+    ) -> tuple[Lease, list[BackendSnapshot]]:
+        """Lease the policy's choice among routable backends not in ``exclude``.
+
+        Also returns the candidates it chose among (for logs and metrics).
+        """
+        candidates = self.pool.candidates(facts.model, exclude)
         choice = self.policy.choose(facts, candidates)
         if choice is None:
             raise NoBackendAvailable(

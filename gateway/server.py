@@ -1,4 +1,8 @@
-"""Runs the app on uvloop until SIGINT or SIGTERM."""
+"""Runs the gateway (and its admin API, when a token is set) on uvloop until SIGINT/SIGTERM.
+
+Shutdown: ``/ready`` turns 503 at once, the listeners close, new requests on open connections
+get 503, and in-flight streams have ``shutdown_grace`` seconds to finish before they are cut.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,9 @@ import signal
 import structlog
 from aiohttp import web
 
+from gateway.admin import create_admin_app
 from gateway.app import create_app
+from gateway.keys import LIFECYCLE
 from gateway.logs import configure_logging
 from gateway.settings import Settings
 
@@ -35,18 +41,41 @@ def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=shutdown_timeout,
+        handle_signals=False,
     )
 
 
+async def stop_gracefully(app: web.Application, runners: list[web.AppRunner]) -> None:
+    app[LIFECYCLE].stopping = True
+    log.info("gateway_stopping")
+    for runner in runners:
+        await runner.cleanup()
+    log.info("gateway_stopped")
+
+
 async def run_until_signalled(settings: Settings) -> None:
-    runner = make_runner(create_app(settings))
+    app = create_app(settings)
+    runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
     await runner.setup()
+    runners = [runner]
     site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
     await site.start()
+    admin_address = None
+    if settings.admin.token is not None:
+        admin = make_runner(
+            create_admin_app(app, settings.admin.token.get_secret_value()), shutdown_timeout=1
+        )
+        await admin.setup()
+        admin_site = web.TCPSite(admin, settings.admin.host, settings.admin.port)
+        await admin_site.start()
+        runners.insert(0, admin)
+        admin_address = admin_site.name
     log.info(
         "gateway_listening",
         address=site.name,
+        admin=admin_address,
         backends=[b.id for b in settings.backends],
+        discovery=settings.discovery.dns or None,
         policy=settings.policy,
     )
     stop = asyncio.Event()
@@ -55,9 +84,8 @@ async def run_until_signalled(settings: Settings) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         await stop.wait()
-        log.info("gateway_stopping")
     finally:
-        await runner.cleanup()
+        await stop_gracefully(app, runners)
 
 
 def serve(settings: Settings) -> None:

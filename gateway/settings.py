@@ -31,6 +31,7 @@ class BackendSettings(BaseModel):
     url: str
     name: str | None = None
     api_key: SecretStr | None = None
+    drain: bool = Field(False, description="start draining: no new requests")
 
     @field_validator("url")
     @classmethod
@@ -78,6 +79,73 @@ class ScrapeSettings(BaseModel):
     models_interval: float = Field(10.0, gt=0, description="seconds between /v1/models reads")
 
 
+class HealthSettings(BaseModel):
+    """Active probes (GET /health) and the passive circuit breaker."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    interval: float = Field(2.0, gt=0, description="seconds between probes of each backend")
+    timeout: float = Field(1.0, gt=0, description="a probe with no answer by then failed")
+    fall: int = Field(3, ge=1, description="consecutive failed probes to mark a backend down")
+    rise: int = Field(2, ge=1, description="consecutive good probes to bring it back")
+    circuit_threshold: int = Field(5, ge=1, description="consecutive failures to open")
+    circuit_cooldown: float = Field(5.0, gt=0, description="first open period, seconds")
+    circuit_growth: float = Field(2.0, ge=1, description="cooldown factor on each re-opening")
+    circuit_max_cooldown: float = Field(120.0, gt=0)
+
+
+class RetrySettings(BaseModel):
+    """Failover to another backend, only before the first byte has reached the client."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_attempts: int = Field(3, ge=1, description="attempts per request, the first included")
+    deadline: float = Field(15.0, gt=0, description="no new attempt after this many seconds")
+    backoff_base: float = Field(0.05, ge=0)
+    backoff_max: float = Field(2.0, ge=0)
+    backoff_factor: float = Field(1.5, ge=1)
+    jitter: float = Field(0.2, ge=0, le=1, description="+/- this fraction of each backoff")
+
+
+class DiscoverySettings(BaseModel):
+    """Backends found by re-resolving DNS names: every A/AAAA record is a backend."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    dns: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, description="host:port names, e.g. vllm:8000"
+    )
+    interval: float = Field(5.0, gt=0, description="seconds between re-resolutions")
+    scheme: Literal["http", "https"] = "http"
+    api_key: SecretStr | None = None
+
+    @field_validator("dns", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        return v
+
+    @field_validator("dns", mode="after")
+    @classmethod
+    def _host_port(cls, v: list[str]) -> list[str]:
+        for name in v:
+            host, sep, port = name.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"discovery name must be host:port, got {name!r}")
+        return v
+
+
+class AdminSettings(BaseModel):
+    """The admin API: its own listener, and off unless a token is set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8081, ge=0, le=65535)
+    token: SecretStr | None = Field(None, description="bearer token; no token, no admin API")
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_",
@@ -92,6 +160,13 @@ class Settings(BaseSettings):
     weights: WeightSettings = Field(default_factory=WeightSettings)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
+    health: HealthSettings = Field(default_factory=HealthSettings)
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
+    admin: AdminSettings = Field(default_factory=AdminSettings)
+    shutdown_grace: float = Field(
+        30.0, ge=0, description="seconds in-flight streams get to finish on SIGTERM"
+    )
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with a 503")
     log_level: Literal["debug", "info", "warning", "error"] = "info"

@@ -110,6 +110,7 @@ class FakeBackend:
         'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.0\n'
     )
     models_status: int = 200
+    health_status: int = 200
     seen: list[Seen] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
@@ -138,7 +139,7 @@ class FakeBackend:
         return web.Response(text=self.metrics_text, content_type="text/plain")
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response()
+        return web.Response(status=self.health_status)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         seen = Seen(
@@ -249,7 +250,12 @@ async def running_gateway(
 ) -> AsyncIterator[RunningGateway]:
     scrape = {"interval": 0.05, "timeout": 0.5, "stale_after": 1.0, "models_interval": 0.2}
     scrape.update(overrides.pop("scrape", {}))
-    settings = Settings(backends=backend_urls, scrape=scrape, log_level="warning", **overrides)
-    app = create_app(settings)
+    health = {"interval": 0.05, "timeout": 0.5}
+    health.update(overrides.pop("health", {}))
+    resolver = overrides.pop("resolver", None)
+    settings = Settings(
+        backends=backend_urls, scrape=scrape, health=health, log_level="warning", **overrides
+    )
+    app = create_app(settings, resolver=resolver)
     async with serve_app(app) as url:
         yield RunningGateway(url=url, app=app)

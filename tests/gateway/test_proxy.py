@@ -255,11 +255,11 @@ async def test_body_over_limit_is_413_whether_length_is_declared_or_chunked() ->
 
 async def test_no_routable_backend_is_503_with_retry_after() -> None:
     fake = FakeBackend()
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with running_fake(fake), running_gateway([fake.url], health={"fall": 1}) as gw:
         async with aiohttp.ClientSession() as s:
             assert (await post(s, gw.url + "/v1/completions", CHAT))[0] == 200
-            fake.models_status = 500  # the next model refresh fails: backend unreachable
-            await wait_for(lambda: not gw.ready(), what="backend marked unreachable")
+            fake.health_status = 503  # the next probe fails: backend down
+            await wait_for(lambda: not gw.ready(), what="backend marked down")
             status, doc, resp = await post(s, gw.url + "/v1/completions", CHAT)
             async with s.get(gw.url + "/ready") as ready:
                 ready_status = ready.status
@@ -273,9 +273,11 @@ async def test_backend_unreachable_is_502() -> None:
     fake = FakeBackend()
     async with contextlib.AsyncExitStack() as stack:
         await stack.enter_async_context(running_fake(fake))
-        # Model lists are re-read rarely here, so the gateway still believes in the backend.
+        # Probes are rare here, so the gateway still believes in the backend; one attempt.
         gw = await stack.enter_async_context(
-            running_gateway([fake.url], scrape={"models_interval": 60})
+            running_gateway(
+                [fake.url], health={"interval": 60}, retry={"max_attempts": 1}
+            )
         )
         async with aiohttp.ClientSession() as s:
             assert (await post(s, gw.url + "/v1/completions", CHAT))[0] == 200

@@ -1,0 +1,88 @@
+"""Passive health: a per-backend circuit breaker, pure and driven by an injected clock.
+
+    closed --(``threshold`` consecutive failures)--> open
+    open --(cooldown elapsed)--> half-open: exactly one trial request is let through
+    half-open --trial succeeds--> closed (cooldown back to its base)
+    half-open --trial fails--> open again, cooldown x ``growth`` (up to ``max_cooldown``)
+
+A failure is a connect error, a reset or a 5xx; a 4xx is the client's fault and counts as
+success. A trial request that ends without a verdict (the client left) gives the trial back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Circuit(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class CircuitPolicy:
+    threshold: int = 5
+    cooldown: float = 5.0
+    growth: float = 2.0
+    max_cooldown: float = 120.0
+
+    def __post_init__(self) -> None:
+        if self.threshold < 1 or self.cooldown <= 0 or self.growth < 1:
+            raise ValueError("threshold >= 1, cooldown > 0 and growth >= 1 are required")
+
+
+@dataclass(slots=True)
+class CircuitBreaker:
+    policy: CircuitPolicy
+    state: Circuit = Circuit.CLOSED
+    failures: int = 0
+    opened_at: float = 0.0
+    current_cooldown: float = 0.0
+    trial_in_flight: bool = False
+    times_opened: int = 0
+
+    def allows(self, now: float) -> bool:
+        """Whether a new request may be sent now (does not claim the half-open trial)."""
+        if self.state is Circuit.CLOSED:
+            return True
+        if self.state is Circuit.OPEN:
+            return now - self.opened_at >= self.current_cooldown
+        return not self.trial_in_flight
+
+    def on_send(self, now: float) -> None:
+        """A request is being sent: past the cooldown it becomes the half-open trial."""
+        if self.state is Circuit.OPEN and now - self.opened_at >= self.current_cooldown:
+            self.state = Circuit.HALF_OPEN
+        if self.state is Circuit.HALF_OPEN:
+            self.trial_in_flight = True
+
+    def on_success(self) -> None:
+        self.failures = 0
+        if self.state is Circuit.HALF_OPEN:
+            self.state = Circuit.CLOSED
+            self.current_cooldown = 0.0
+        self.trial_in_flight = False
+
+    def on_failure(self, now: float) -> None:
+        self.failures += 1
+        if self.state is Circuit.HALF_OPEN:
+            self._open(now, grow=True)
+        elif self.state is Circuit.CLOSED and self.failures >= self.policy.threshold:
+            self._open(now, grow=False)
+        self.trial_in_flight = False
+
+    def on_abandoned(self) -> None:
+        """The request ended without telling us anything about the backend."""
+        self.trial_in_flight = False
+
+    def _open(self, now: float, *, grow: bool) -> None:
+        if grow and self.current_cooldown > 0:
+            cooldown = min(self.current_cooldown * self.policy.growth, self.policy.max_cooldown)
+        else:
+            cooldown = self.policy.cooldown
+        self.state = Circuit.OPEN
+        self.opened_at = now
+        self.current_cooldown = cooldown
+        self.times_opened += 1

@@ -1,0 +1,58 @@
+"""Active health of one backend, from its probes: a pure state machine.
+
+``unknown`` until the first probe answers (a new backend gets no traffic before that), then
+``up`` or ``down``. Down after ``fall`` consecutive probe failures; back up only after ``rise``
+consecutive successes. A failing or stale metrics scrape lowers the bar to go down by one probe,
+but never marks a backend down on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Health(enum.Enum):
+    UNKNOWN = "unknown"
+    UP = "up"
+    DOWN = "down"
+
+
+@dataclass(frozen=True, slots=True)
+class HealthPolicy:
+    fall: int = 3
+    rise: int = 2
+
+    def __post_init__(self) -> None:
+        if self.fall < 1 or self.rise < 1:
+            raise ValueError("fall and rise must be at least 1")
+
+
+@dataclass(slots=True)
+class HealthTracker:
+    policy: HealthPolicy
+    state: Health = Health.UNKNOWN
+    failures: int = 0
+    successes: int = 0
+    last_error: str | None = None
+
+    def probe_ok(self) -> Health:
+        self.failures = 0
+        self.successes += 1
+        self.last_error = None
+        if self.state is Health.UNKNOWN or (
+            self.state is Health.DOWN and self.successes >= self.policy.rise
+        ):
+            self.state = Health.UP
+        return self.state
+
+    def probe_failed(self, error: str, *, scrape_failing: bool = False) -> Health:
+        self.successes = 0
+        self.failures += 1
+        self.last_error = error
+        needed = max(1, self.policy.fall - (1 if scrape_failing else 0))
+        if self.state is not Health.DOWN and (
+            self.failures >= needed or self.state is Health.UNKNOWN
+        ):
+            self.state = Health.DOWN
+        return self.state

@@ -1,0 +1,30 @@
+"""When and how long to wait before trying another backend. Pure."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from policies import Rng
+
+# Answers that mean "this backend cannot take it now", worth another backend's try.
+RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = 3
+    deadline: float = 15.0
+    backoff_base: float = 0.05
+    backoff_max: float = 2.0
+    backoff_factor: float = 1.5
+    jitter: float = 0.2
+
+    def backoff(self, failed_attempts: int, rng: Rng) -> float:
+        """Seconds to wait after the ``failed_attempts``-th failure (1-based), jittered."""
+        raw = self.backoff_base * self.backoff_factor ** max(0, failed_attempts - 1)
+        capped = min(raw, self.backoff_max)
+        return max(0.0, capped * (1.0 + self.jitter * (2.0 * rng.random() - 1.0)))
+
+    def may_retry(self, attempts_made: int, elapsed: float, next_wait: float) -> bool:
+        return attempts_made < self.max_attempts and elapsed + next_wait < self.deadline

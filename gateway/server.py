@@ -72,7 +72,7 @@ async def run_until_signalled(settings: Settings) -> None:
         admin_address = admin_site.name
     log.info(
         "gateway_listening",
-        address=site.name,
+        address=", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses),
         admin=admin_address,
         backends=[b.id for b in settings.backends],
         discovery=settings.discovery.dns or None,

@@ -14,17 +14,18 @@ from typing import Any
 from aiohttp import web
 from multidict import CIMultiDict
 
+from gateway.admin import create_admin_app
 from gateway.app import create_app
 from gateway.keys import POOL
 from gateway.server import make_runner
 from gateway.settings import Settings
 
 
-def bound_socket() -> socket.socket:
+def bound_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     """A listening socket on a free loopback port, kept open so no other process takes it."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
+    sock.bind((host, port))
     return sock
 
 
@@ -88,6 +89,7 @@ class Seen:
     started_at: float
     ended_at: float | None = None
     ending: str | None = None  # "complete", "cancelled", "write_failed"
+    transport: asyncio.BaseTransport | None = None
 
 
 Behaviour = Callable[[web.Request, "FakeBackend", Seen], Awaitable[web.StreamResponse]]
@@ -111,6 +113,8 @@ class FakeBackend:
     )
     models_status: int = 200
     health_status: int = 200
+    health_hangs: bool = False
+    probes: list[tuple[float, int]] = field(default_factory=list)
     seen: list[Seen] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
     url: str = ""
@@ -139,6 +143,9 @@ class FakeBackend:
         return web.Response(text=self.metrics_text, content_type="text/plain")
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.health_hangs:
+            await self.release.wait()
+        self.probes.append((time.monotonic(), self.health_status))
         return web.Response(status=self.health_status)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
@@ -147,6 +154,7 @@ class FakeBackend:
             headers=CIMultiDict(request.headers),
             body=await request.read(),
             started_at=time.monotonic(),
+            transport=request.transport,
         )
         self.seen.append(seen)
         try:
@@ -209,19 +217,50 @@ async def hang_before_headers(
 
 
 @asynccontextmanager
-async def running_fake(fake: FakeBackend) -> AsyncIterator[FakeBackend]:
+async def running_fake(
+    fake: FakeBackend, *, sock: socket.socket | None = None
+) -> AsyncIterator[FakeBackend]:
     runner = web.AppRunner(
         fake.app(), handler_cancellation=True, access_log=None, shutdown_timeout=0.2
     )
     await runner.setup()
-    sock = bound_socket()
+    sock = sock or bound_socket()
     await web.SockSite(runner, sock).start()
-    fake.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    host, port = sock.getsockname()[:2]
+    fake.url = f"http://{host}:{port}"
     fake.runner = runner
     try:
         yield fake
     finally:
         await runner.cleanup()
+
+
+async def kill(fake: FakeBackend) -> None:
+    """Crash ``fake``: reset every open request's connection and stop listening."""
+    for seen in fake.seen:
+        if seen.ended_at is None and seen.transport is not None:
+            seen.transport.abort()
+    assert fake.runner is not None
+    await fake.runner.cleanup()
+
+
+@asynccontextmanager
+async def hung_server() -> AsyncIterator[str]:
+    """A server that accepts connections and never answers (a hung or loading engine)."""
+    held: list[asyncio.StreamWriter] = []
+
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        held.append(writer)
+
+    sock = bound_socket()
+    server = await asyncio.start_server(hold, sock=sock)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        for w in held:
+            w.transport.abort()
+        server.close()
+        await server.wait_closed()
 
 
 @asynccontextmanager
@@ -236,6 +275,8 @@ async def stopped(fake: FakeBackend) -> AsyncIterator[None]:
 class RunningGateway:
     url: str
     app: web.Application
+    runner: web.AppRunner
+    admin_url: str | None = None
 
     def in_flight(self) -> dict[str, int]:
         return {b.id: b.in_flight for b in self.app[POOL].all()}
@@ -253,9 +294,28 @@ async def running_gateway(
     health = {"interval": 0.05, "timeout": 0.5}
     health.update(overrides.pop("health", {}))
     resolver = overrides.pop("resolver", None)
+    overrides.setdefault("shutdown_grace", 0.5)
     settings = Settings(
         backends=backend_urls, scrape=scrape, health=health, log_level="warning", **overrides
     )
     app = create_app(settings, resolver=resolver)
-    async with serve_app(app) as url:
-        yield RunningGateway(url=url, app=app)
+    runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
+    await runner.setup()
+    sock = bound_socket()
+    await web.SockSite(runner, sock).start()
+    gw = RunningGateway(url=f"http://127.0.0.1:{sock.getsockname()[1]}", app=app, runner=runner)
+    admin_runner = None
+    if settings.admin.token is not None:
+        admin_runner = make_runner(
+            create_admin_app(app, settings.admin.token.get_secret_value()), shutdown_timeout=0.5
+        )
+        await admin_runner.setup()
+        admin_sock = bound_socket()
+        await web.SockSite(admin_runner, admin_sock).start()
+        gw.admin_url = f"http://127.0.0.1:{admin_sock.getsockname()[1]}"
+    try:
+        yield gw
+    finally:
+        if admin_runner is not None:
+            await admin_runner.cleanup()
+        await runner.cleanup()

@@ -128,7 +128,9 @@ class BackendPool:
         return BackendSnapshot(
             id=backend.id,
             in_flight=backend.in_flight,
-            sent_since_scrape=backend.sent_total - backend.sent_at_scrape,
+            # Sent after the scrape began and, at most, still in flight: a finished request
+            # is in no queue, whatever the last scrape says.
+            sent_since_scrape=min(backend.sent_total - backend.sent_at_scrape, backend.in_flight),
             queue_depth=load.waiting,
             running=load.running,
             kv_cache_usage=load.kv_cache_usage,

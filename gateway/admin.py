@@ -6,13 +6,16 @@ Never open by default: without ``admin.token`` in the settings it is not served 
 from __future__ import annotations
 
 import hmac
+from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 
 from backends.state import BackendState
-from gateway.errors import GatewayError, error_envelope
+from gateway.errors import GatewayError, InvalidRequest, error_envelope
 from gateway.keys import GATEWAY, POOL, ROUTER
+from gateway.reload import change_policy, describe_policy, reload_settings
+from policies import score
 
 
 class AdminNotFound(GatewayError):
@@ -39,9 +42,12 @@ def _token_middleware(token: str) -> Middleware:
     return check
 
 
-def backend_view(b: BackendState, now: float) -> dict[str, object]:
+def backend_view(
+    b: BackendState, now: float, snapshot: Any = None, weights: Any = None
+) -> dict[str, object]:
     load = b.load
     return {
+        "score": None if snapshot is None or weights is None else score(snapshot, weights),
         "id": b.id,
         "url": b.spec.url,
         "source": b.spec.source,
@@ -61,11 +67,13 @@ def backend_view(b: BackendState, now: float) -> dict[str, object]:
 
 async def list_backends(request: web.Request) -> web.Response:
     pool = request.app[GATEWAY][POOL]
+    policy = request.app[GATEWAY][ROUTER].policy
+    weights = getattr(policy, "weights", None)
     now = pool.now()
     return web.json_response(
         {
-            "policy": request.app[GATEWAY][ROUTER].policy.name,
-            "backends": [backend_view(b, now) for b in pool.all()],
+            "policy": policy.name,
+            "backends": [backend_view(b, now, pool.snapshot(b, now), weights) for b in pool.all()],
         }
     )
 
@@ -83,10 +91,35 @@ def _set_draining(draining: bool) -> Handler:
     return handler
 
 
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise InvalidRequest("The body must be JSON.") from exc
+
+
+async def put_policy(request: web.Request) -> web.Response:
+    return web.json_response(change_policy(request.app[GATEWAY], await _json_body(request)))
+
+
+async def get_policy(request: web.Request) -> web.Response:
+    return web.json_response(describe_policy(request.app[GATEWAY]))
+
+
+async def post_reload(request: web.Request) -> web.Response:
+    result = reload_settings(request.app[GATEWAY])
+    return web.json_response(
+        {"applied": result.applied, "restart_required": result.restart_required}
+    )
+
+
 def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app = web.Application(middlewares=[_token_middleware(token)])
     app[GATEWAY] = gateway
     app.router.add_get("/admin/backends", list_backends)
+    app.router.add_get("/admin/policy", get_policy)
+    app.router.add_put("/admin/policy", put_policy)
+    app.router.add_post("/admin/reload", post_reload)
     app.router.add_post("/admin/backends/{backend_id}/drain", _set_draining(True))
     app.router.add_post("/admin/backends/{backend_id}/undrain", _set_draining(False))
     return app

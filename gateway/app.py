@@ -6,32 +6,40 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from aiohttp import web
+from opentelemetry.sdk.trace import TracerProvider
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.circuit import CircuitPolicy
 from backends.discovery import DnsDiscovery, Resolver
 from backends.health import HealthPolicy
 from backends.monitor import BackendMonitor, MonitorSettings
 from backends.pool import BackendPool
-from backends.state import BackendSpec
 from backends.upstream import UpstreamClient
 from gateway import proxy
-from gateway.keys import LIFECYCLE, MONITOR, POOL, RETRY, ROUTER, SETTINGS, UPSTREAM, Lifecycle
+from gateway.keys import (
+    LIFECYCLE,
+    METRICS,
+    MONITOR,
+    POOL,
+    RETRY,
+    ROUTER,
+    SETTINGS,
+    TRACER,
+    UPSTREAM,
+    Lifecycle,
+)
+from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_context
+from gateway.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
 from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
+from gateway.tracing import provider_from_settings, tracer_from
 from policies import Weights, make_policy
 
 
-def backend_specs(settings: Settings) -> list[BackendSpec]:
-    return [
-        BackendSpec(
-            id=b.id,
-            url=b.url,
-            api_key=b.api_key.get_secret_value() if b.api_key else None,
-        )
-        for b in settings.backends
-    ]
+async def _shutdown_tracing(provider: TracerProvider) -> None:
+    await asyncio.to_thread(provider.shutdown)
 
 
 def _pool(settings: Settings) -> BackendPool:
@@ -107,13 +115,30 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
     return ctx
 
 
-def create_app(settings: Settings, *, resolver: Resolver | None = None) -> web.Application:
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def create_app(
+    settings: Settings,
+    *,
+    resolver: Resolver | None = None,
+    tracer_provider: TracerProvider | None = None,
+    loader: SettingsLoader | None = None,
+) -> web.Application:
+    """The gateway app.
+
+    ``loader`` re-reads the configuration for a reload (SIGHUP, ``POST /admin/reload``);
+    ``resolver`` and ``tracer_provider`` replace the real ones in tests.
+    """
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[request_context],
         handler_args={"max_field_size": 16 * 1024},
     )
     app[SETTINGS] = settings
+    app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)
     app[LIFECYCLE] = Lifecycle()
     pool = _pool(settings)
     app[POOL] = pool
@@ -132,10 +157,18 @@ def create_app(settings: Settings, *, resolver: Resolver | None = None) -> web.A
         backoff_factor=r.backoff_factor,
         jitter=r.jitter,
     )
+    metrics = GatewayMetrics()
+    metrics.watch_backends(pool, lambda: app[ROUTER].policy, lambda: 0)
+    app[METRICS] = metrics
+    provider = tracer_provider or provider_from_settings(settings.tracing)
+    app[TRACER] = tracer_from(provider)
+    if provider is not None and tracer_provider is None:
+        app.on_cleanup.append(lambda _: _shutdown_tracing(provider))
     app.cleanup_ctx.append(_backends_ctx(resolver))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_get("/v1/models", proxy.list_models)
     app.router.add_get("/health", proxy.health)
     app.router.add_get("/ready", proxy.ready)
+    app.router.add_get("/metrics", metrics_endpoint)
     return app

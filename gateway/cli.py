@@ -40,14 +40,14 @@ def _serve(args: argparse.Namespace) -> int:
     from gateway.server import serve
     from gateway.settings import load_settings
 
+    overrides = {
+        "host": args.host,
+        "port": args.port,
+        "backends": args.backends,
+        "policy": args.policy,
+    }
     try:
-        settings = load_settings(
-            args.config,
-            host=args.host,
-            port=args.port,
-            backends=args.backends,
-            policy=args.policy,
-        )
+        settings = load_settings(args.config, **overrides)
     except (ValidationError, FileNotFoundError, ValueError) as exc:
         print(f"llm-gateway: bad configuration: {exc}", file=sys.stderr)
         return 2
@@ -58,7 +58,7 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    serve(settings)
+    serve(settings, loader=lambda: load_settings(args.config, **overrides))
     return 0
 
 
@@ -72,6 +72,18 @@ def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     sim_cli.add_arguments(p)
     p.set_defaults(func=sim_cli.run)
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    import gateway.plan.cli as plan_cli
+
+    p = sub.add_parser(
+        "plan",
+        help="size GPUs, KV cache and vLLM engine arguments for a model",
+        description=plan_cli.DESCRIPTION,
+    )
+    plan_cli.add_arguments(p)
+    p.set_defaults(func=plan_cli.run)
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -116,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_serve(sub)
     _add_sim(sub)
+    _add_plan(sub)
     _add_demo(sub)
     return parser
 

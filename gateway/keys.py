@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from typing import Final
 
 from aiohttp import web
+from opentelemetry.trace import Tracer
 
 from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.upstream import UpstreamClient
+from gateway.metrics import GatewayMetrics
 from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
@@ -29,6 +31,8 @@ RETRY: Final = web.AppKey("retry", RetryPolicy)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 MONITOR: Final = web.AppKey("monitor", BackendMonitor)
 LIFECYCLE: Final = web.AppKey("lifecycle", Lifecycle)
+METRICS: Final = web.AppKey("metrics", GatewayMetrics)
+TRACER: Final = web.AppKey[Tracer | None]("tracer")
 GATEWAY: Final = web.AppKey("gateway", web.Application)  # on the admin app: the main app
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -13,25 +13,39 @@ import asyncio
 import json
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
 from aiohttp import web
 from multidict import CIMultiDict
+from opentelemetry.trace import Span, SpanKind, set_span_in_context
 
 from backends.pool import Lease
+from backends.upstream import Upstream
 from gateway.errors import (
     BodyTooLarge,
     GatewayError,
     InvalidRequest,
     NoBackendAvailable,
     UpstreamError,
+    UpstreamTimeout,
 )
 from gateway.headers import downstream_headers, upstream_headers
-from gateway.keys import LIFECYCLE, REQUEST_ID_KEY, RETRY, ROUTER, SETTINGS, UPSTREAM
+from gateway.keys import (
+    LIFECYCLE,
+    METRICS,
+    REQUEST_ID_KEY,
+    RETRY,
+    ROUTER,
+    SETTINGS,
+    TRACER,
+    UPSTREAM,
+)
+from gateway.record import RequestRecord, finish
 from gateway.relay import Ending, relay_body, relay_stream
 from gateway.retry import RETRYABLE_STATUS
+from gateway.tracing import annotate, attempt_span, end_attempt, inject, parent_context
 from policies import RouteFacts
 
 log = structlog.get_logger("gateway.request")
@@ -43,33 +57,6 @@ _rng = random.Random()
 class _RetryableStatus(Exception):
     def __init__(self, status: int) -> None:
         self.status = status
-
-
-@dataclass(slots=True)
-class RequestRecord:
-    """What happened to one request, for its log event (and, later, metrics and traces)."""
-
-    request_id: str
-    model: str
-    started: float
-    backends: list[str] = field(default_factory=list)
-    status: int = 0
-    ending: str = "client_disconnect"
-    first_token_at: float | None = None
-
-    def log_fields(self) -> dict[str, Any]:
-        ttft = self.first_token_at
-        return {
-            "request_id": self.request_id,
-            "model": self.model,
-            "backend": self.backends[-1] if self.backends else None,
-            "attempts": len(self.backends),
-            "tried": self.backends if len(self.backends) > 1 else None,
-            "status": self.status,
-            "ending": self.ending,
-            "ttft_ms": None if ttft is None else round((ttft - self.started) * 1e3, 2),
-            "duration_ms": round((time.monotonic() - self.started) * 1e3, 2),
-        }
 
 
 async def read_json_body(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]]:
@@ -108,20 +95,44 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
     facts = route_facts(doc)
     record = RequestRecord(request[REQUEST_ID_KEY], facts.model, time.monotonic())
     call = _Call(request, path, raw, upstream_headers(request.headers, record.request_id), record)
+    tracer = app[TRACER]
+    if tracer is None:
+        try:
+            return await _route(call, facts, None)
+        finally:
+            finish(app, record)
+    with tracer.start_as_current_span(
+        f"POST {path}",
+        context=parent_context(request.headers),
+        kind=SpanKind.SERVER,
+        attributes={"gen_ai.request.model": facts.model, "http.request.id": record.request_id},
+    ) as span:
+        try:
+            return await _route(call, facts, span)
+        finally:
+            finish(app, record)
+            annotate(span, record)
+
+
+async def _route(call: _Call, facts: RouteFacts, span: Span | None) -> web.StreamResponse:
+    """Pick a backend and try it; on a failure before the first byte, try another."""
+    app, record = call.request.app, call.record
     router, retry = app[ROUTER], app[RETRY]
     last_error: GatewayError | None = None
     try:
         while True:
             try:
-                lease, _ = router.pick(facts, exclude=record.backends)
+                lease, candidates = router.pick(facts, exclude=record.backends)
             except NoBackendAvailable:
                 if last_error is not None:  # every candidate failed: say how the last did
                     raise last_error from None
                 raise
             record.backends.append(lease.backend.id)
+            if not record.candidates:
+                record.candidates = candidates
             may_retry = len(record.backends) < retry.max_attempts
             try:
-                return await _attempt(call, lease, may_retry)
+                return await _attempt(call, lease, may_retry, span)
             except (UpstreamError, _RetryableStatus) as exc:
                 last_error = (
                     exc
@@ -132,6 +143,7 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
                 elapsed = time.monotonic() - record.started
                 if not retry.may_retry(len(record.backends), elapsed, wait):
                     raise last_error from None
+                app[METRICS].retries.labels(lease.backend.id, type(last_error).__name__).inc()
                 log.info(
                     "upstream_retry",
                     request_id=record.request_id,
@@ -145,8 +157,6 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
     except GatewayError as exc:
         record.status, record.ending = exc.status, type(exc).__name__
         raise
-    finally:
-        log.info("request", **record.log_fields())
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,48 +170,75 @@ class _Call:
     record: RequestRecord
 
 
-async def _attempt(call: _Call, lease: Lease, may_retry: bool) -> web.StreamResponse:
+async def _attempt(
+    call: _Call, lease: Lease, may_retry: bool, parent: Span | None
+) -> web.StreamResponse:
     """One backend's try. Raises (UpstreamError, _RetryableStatus) only if nothing was sent."""
-    request, record = call.request, call.record
-    client = request.app[UPSTREAM]
+    app, record = call.request.app, call.record
+    client = app[UPSTREAM]
+    headers, span = call.headers, None
+    if parent is not None:
+        span = attempt_span(app[TRACER], parent, lease.backend.id, len(record.backends))
+        headers = CIMultiDict(headers)
+        inject(headers, set_span_in_context(span))
     try:
-        upstream = await client.open(lease.backend.spec, call.path, call.body, call.headers)
-    except UpstreamError:
+        upstream = await client.open(lease.backend.spec, call.path, call.body, headers)
+    except UpstreamError as exc:
         lease.failed()
+        end_attempt(span, 0, exc)
         raise
+    status = upstream.response.status
     complete = False
     try:
-        status = upstream.response.status
         if status >= 500:
             lease.failed()
         if may_retry and status in RETRYABLE_STATUS:
             raise _RetryableStatus(status)
         record.status = status
-        out_headers = downstream_headers(upstream.response.headers, record.request_id)
-        if upstream.response.content_type == _EVENT_STREAM:
-            try:
-                resp, result = await relay_stream(request, upstream, out_headers, time.monotonic)
-            except UpstreamError:
-                lease.failed()
-                raise
-            record.first_token_at = result.first_token_at
-            record.ending = result.ending.value
-            complete = result.ending is Ending.COMPLETE
-            if result.ending is Ending.UPSTREAM_ERROR:
-                lease.failed()
-        else:
-            try:
-                resp = await relay_body(upstream, out_headers, client)
-            except UpstreamError:
-                lease.failed()
-                raise
-            record.ending = Ending.COMPLETE.value
-            complete = True
+        resp, complete, error = await _relay(call, upstream, lease)
         if complete and status < 500:
             lease.succeeded()
+        record.ended_at = time.monotonic()
+        end_attempt(span, status, error)
         return resp
+    except asyncio.CancelledError:
+        record.abort_reason = "client_disconnect"
+        end_attempt(span, status, None)
+        raise
+    except BaseException as exc:
+        end_attempt(span, status, exc)
+        raise
     finally:
         client.finish(upstream, complete=complete)
+
+
+async def _relay(
+    call: _Call, upstream: Upstream, lease: Lease
+) -> tuple[web.StreamResponse, bool, UpstreamError | None]:
+    """Relay the answer; return the response, whether it completed, and a mid-stream error."""
+    record = call.record
+    headers = downstream_headers(upstream.response.headers, record.request_id)
+    try:
+        if upstream.response.content_type != _EVENT_STREAM:
+            body = await relay_body(upstream, headers, call.request.app[UPSTREAM])
+            record.ending = Ending.COMPLETE.value
+            return body, True, None
+        resp, result = await relay_stream(call.request, upstream, headers, time.monotonic)
+    except UpstreamError as exc:  # before anything reached the client
+        lease.failed()
+        if isinstance(exc, UpstreamTimeout):
+            record.abort_reason = "timeout"
+        raise
+    record.first_token_at = result.first_token_at
+    record.events = result.events
+    record.ending = result.ending.value
+    if result.ending is Ending.UPSTREAM_ERROR:
+        lease.failed()
+        record.abort_reason = "timeout" if isinstance(result.error, UpstreamTimeout) else "error"
+        return resp, False, result.error
+    if result.ending is Ending.CLIENT_DISCONNECT:
+        record.abort_reason = "client_disconnect"
+    return resp, result.ending is Ending.COMPLETE, None
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -32,6 +32,7 @@ class RelayResult:
     ending: Ending
     first_token_at: float | None = None
     error: UpstreamError | None = None
+    events: int = 0  # SSE "data:" events relayed
 
 
 def stream_error_event(err: UpstreamError) -> bytes:
@@ -63,6 +64,7 @@ async def relay_stream(
         await resp.prepare(request)
         while chunk:
             idle.activity += 1
+            result.events += chunk.count(b"data:")
             if not first_token.seen and first_token.feed(chunk):
                 result.first_token_at = now()
             await resp.write(chunk)

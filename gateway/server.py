@@ -7,6 +7,7 @@ get 503, and in-flight streams have ``shutdown_grace`` seconds to finish before 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 
 import structlog
@@ -14,8 +15,10 @@ from aiohttp import web
 
 from gateway.admin import create_admin_app
 from gateway.app import create_app
+from gateway.errors import InvalidRequest
 from gateway.keys import LIFECYCLE
 from gateway.logs import configure_logging
+from gateway.reload import SettingsLoader, reload_settings
 from gateway.settings import Settings
 
 log = structlog.get_logger("gateway.server")
@@ -53,8 +56,14 @@ async def stop_gracefully(app: web.Application, runners: list[web.AppRunner]) ->
     log.info("gateway_stopped")
 
 
-async def run_until_signalled(settings: Settings) -> None:
-    app = create_app(settings)
+def _reload(app: web.Application) -> None:
+    # A refused reload has been logged with its reason; the running configuration stays.
+    with contextlib.suppress(InvalidRequest):
+        reload_settings(app)
+
+
+async def run_until_signalled(settings: Settings, loader: SettingsLoader | None = None) -> None:
+    app = create_app(settings, loader=loader)
     runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
     await runner.setup()
     runners = [runner]
@@ -82,13 +91,14 @@ async def run_until_signalled(settings: Settings) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, _reload, app)
     try:
         await stop.wait()
     finally:
         await stop_gracefully(app, runners)
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, loader: SettingsLoader | None = None) -> None:
     configure_logging(settings.log_level, settings.log_format)
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        runner.run(run_until_signalled(settings))
+        runner.run(run_until_signalled(settings, loader))

@@ -146,6 +146,18 @@ class AdminSettings(BaseModel):
     token: SecretStr | None = Field(None, description="bearer token; no token, no admin API")
 
 
+class TracingSettings(BaseModel):
+    """OpenTelemetry export; no endpoint, no tracing."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    otlp_endpoint: str | None = Field(
+        None, description="OTLP/HTTP traces URL, e.g. http://otel-collector:4318/v1/traces"
+    )
+    service_name: str = "llm-gateway"
+    sample_ratio: float = Field(1.0, ge=0, le=1)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GATEWAY_",
@@ -164,6 +176,7 @@ class Settings(BaseSettings):
     retry: RetrySettings = Field(default_factory=RetrySettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    tracing: TracingSettings = Field(default_factory=TracingSettings)
     shutdown_grace: float = Field(
         30.0, ge=0, description="seconds in-flight streams get to finish on SIGTERM"
     )

@@ -294,11 +294,12 @@ async def running_gateway(
     health = {"interval": 0.05, "timeout": 0.5}
     health.update(overrides.pop("health", {}))
     resolver = overrides.pop("resolver", None)
+    tracer_provider = overrides.pop("tracer_provider", None)
+    loader = overrides.pop("loader", None)
     overrides.setdefault("shutdown_grace", 0.5)
-    settings = Settings(
-        backends=backend_urls, scrape=scrape, health=health, log_level="warning", **overrides
-    )
-    app = create_app(settings, resolver=resolver)
+    overrides.setdefault("log_level", "warning")
+    settings = Settings(backends=backend_urls, scrape=scrape, health=health, **overrides)
+    app = create_app(settings, resolver=resolver, tracer_provider=tracer_provider, loader=loader)
     runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
     await runner.setup()
     sock = bound_socket()

@@ -275,9 +275,7 @@ async def test_backend_unreachable_is_502() -> None:
         await stack.enter_async_context(running_fake(fake))
         # Probes are rare here, so the gateway still believes in the backend; one attempt.
         gw = await stack.enter_async_context(
-            running_gateway(
-                [fake.url], health={"interval": 60}, retry={"max_attempts": 1}
-            )
+            running_gateway([fake.url], health={"interval": 60}, retry={"max_attempts": 1})
         )
         async with aiohttp.ClientSession() as s:
             assert (await post(s, gw.url + "/v1/completions", CHAT))[0] == 200

@@ -1,0 +1,171 @@
+"""Prometheus metrics of the gateway, on a registry of its own (never the global one).
+
+Per-request figures are recorded once, when a request ends (``record_request``): nothing is
+observed per SSE chunk. Per-backend figures are read from the pool when Prometheus scrapes,
+by a collector, so they cost the request path nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Final
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from backends.circuit import Circuit
+from backends.health import Health
+from backends.pool import BackendPool
+from policies import Policy, Weights, score
+
+# From a few milliseconds (a cached prefix on an idle server) to minutes (long generations).
+LATENCY_BUCKETS: Final = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.35, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0,
+    7.5, 10.0, 15.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+)  # fmt: skip
+ITL_BUCKETS: Final = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
+)  # fmt: skip
+
+QUEUE_DEPTH_METRIC: Final = "inference_queue_depth"
+
+
+class BackendCollector(Collector):
+    """Per-backend gauges and the fleet's queue depth, read from the pool at scrape time."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        policy: Callable[[], Policy],
+        gateway_queue: Callable[[], int],
+    ) -> None:
+        self._pool = pool
+        self._policy = policy
+        self._gateway_queue = gateway_queue
+
+    def describe(self) -> list[Metric]:
+        return []  # collected lazily; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        pool = self._pool
+        now = pool.now()
+        # Policies without weights (round robin, random) still get the default load score.
+        weights: Weights = getattr(self._policy(), "weights", None) or Weights()
+        g = {
+            name: GaugeMetricFamily(f"llm_gateway_backend_{name}", doc, labels=labels)
+            for name, doc, labels in (
+                ("in_flight", "Requests in flight from this gateway.", ["backend"]),
+                ("queue_depth", "Scraped vllm:num_requests_waiting.", ["backend"]),
+                ("running", "Scraped vllm:num_requests_running.", ["backend"]),
+                ("kv_cache_usage", "Scraped vllm:kv_cache_usage_perc (0..1).", ["backend"]),
+                ("scrape_age_seconds", "Age of the newest good /metrics scrape.", ["backend"]),
+                ("up", "1 if the health probes say up.", ["backend"]),
+                ("health", "Health state (1 for the current one).", ["backend", "state"]),
+                ("circuit", "Circuit breaker state (1 for the current one).", ["backend", "state"]),
+                ("draining", "1 while draining.", ["backend"]),
+                ("score", "Current load score (lower is chosen first).", ["backend"]),
+            )
+        }
+        fleet_waiting = 0
+        for b in pool.all():
+            bid = [b.id]
+            g["in_flight"].add_metric(bid, b.in_flight)
+            if b.load is not None:
+                g["queue_depth"].add_metric(bid, b.load.waiting)
+                g["running"].add_metric(bid, b.load.running)
+                if b.load.kv_cache_usage is not None:
+                    g["kv_cache_usage"].add_metric(bid, b.load.kv_cache_usage)
+                g["scrape_age_seconds"].add_metric(bid, now - b.load_at)
+                fleet_waiting += b.load.waiting
+            g["up"].add_metric(bid, 1.0 if b.health.state is Health.UP else 0.0)
+            for h in Health:
+                g["health"].add_metric([b.id, h.value], 1.0 if b.health.state is h else 0.0)
+            for c in Circuit:
+                g["circuit"].add_metric([b.id, c.value], 1.0 if b.circuit.state is c else 0.0)
+            g["draining"].add_metric(bid, 1.0 if b.draining else 0.0)
+            g["score"].add_metric(bid, score(pool.snapshot(b, now), weights))
+        yield from g.values()
+        yield GaugeMetricFamily(
+            QUEUE_DEPTH_METRIC,
+            "Requests waiting in the fleet: every backend engine's queue (scraped) plus the "
+            "gateway's own admission queue. Scale the fleet on this.",
+            value=fleet_waiting + self._gateway_queue(),
+        )
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.requests = Counter(
+            "llm_gateway_requests",
+            "Requests by model, backend (the last one tried) and status.",
+            ["model", "backend", "status"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            "llm_gateway_request_duration_seconds",
+            "Time from the request's arrival to its end.",
+            ["model", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "llm_gateway_time_to_first_token_seconds",
+            "Time from the request's arrival to the first generated token, seen at the gateway.",
+            ["model", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "llm_gateway_inter_token_latency_seconds",
+            "Per request: mean time between output tokens after the first.",
+            ["model", "backend"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "llm_gateway_retries",
+            "Attempts that failed before the first byte and were retried elsewhere.",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.failovers = Counter(
+            "llm_gateway_failovers",
+            "Requests answered by a backend other than the first one chosen.",
+            ["model"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "llm_gateway_upstream_aborts",
+            "Upstream requests cut short, by reason.",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.rate_limited = Counter(
+            "llm_gateway_rate_limit_rejections",
+            "Requests refused by a limit, by API key name and reason.",
+            ["key", "reason"],
+            registry=r,
+        )
+        self.queue_length = Gauge(
+            "llm_gateway_admission_queue_length",
+            "Requests waiting in the gateway's admission queue.",
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "llm_gateway_admission_wait_seconds",
+            "Time requests spent in the admission queue.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.policy_changes = Counter(
+            "llm_gateway_policy_changes", "Live policy or weight changes.", registry=r
+        )
+
+    def watch_backends(
+        self, pool: BackendPool, policy: Callable[[], Policy], gateway_queue: Callable[[], int]
+    ) -> None:
+        self.registry.register(BackendCollector(pool, policy, gateway_queue))

@@ -1,0 +1,97 @@
+"""What happened to one request, and where that goes when it ends: one log event, metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiohttp import web
+
+from gateway.keys import METRICS, ROUTER
+from policies import BackendSnapshot, Weights, score
+
+log = structlog.get_logger("gateway.request")
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request: for its log event, its metrics and its span."""
+
+    request_id: str
+    model: str
+    started: float
+    backends: list[str] = field(default_factory=list)
+    candidates: list[BackendSnapshot] = field(default_factory=list)
+    status: int = 0
+    ending: str = "client_disconnect"
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    events: int = 0
+    abort_reason: str | None = None
+
+    @property
+    def backend(self) -> str:
+        return self.backends[-1] if self.backends else "none"
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def duration(self) -> float:
+        return (self.ended_at or time.monotonic()) - self.started
+
+    def mean_itl(self) -> float | None:
+        """Mean gap between output events after the first token (None if too few)."""
+        if self.first_token_at is None or self.ended_at is None or self.events < 3:
+            return None
+        # Events after the first token, less the closing [DONE] event.
+        return (self.ended_at - self.first_token_at) / (self.events - 2)
+
+    def log_fields(self, weights: Weights | None) -> dict[str, Any]:
+        ttft = self.ttft
+        fields: dict[str, Any] = {
+            "request_id": self.request_id,
+            "model": self.model,
+            "backend": self.backend,
+            "attempts": len(self.backends),
+            "status": self.status,
+            "ending": self.ending,
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
+            "duration_ms": round(self.duration * 1e3, 2),
+            "events": self.events or None,
+        }
+        if len(self.backends) > 1:
+            fields["tried"] = self.backends
+        if self.candidates:
+            fields["candidates"] = {
+                c.id: round(score(c, weights), 3) if weights else c.in_flight
+                for c in self.candidates
+            }
+        return fields
+
+
+def finish(app: web.Application, record: RequestRecord) -> None:
+    """Record a finished request: metrics always, the log event when info is enabled."""
+    if record.ended_at is None:
+        record.ended_at = time.monotonic()
+    metrics = app[METRICS]
+    backend = record.backend
+    metrics.requests.labels(record.model, backend, str(record.status)).inc()
+    metrics.duration.labels(record.model, backend).observe(record.duration)
+    ttft = record.ttft
+    if ttft is not None:
+        metrics.ttft.labels(record.model, backend).observe(ttft)
+    itl = record.mean_itl()
+    if itl is not None:
+        metrics.itl.labels(record.model, backend).observe(itl)
+    if record.abort_reason is not None:
+        metrics.aborts.labels(backend, record.abort_reason).inc()
+    if len(record.backends) > 1 and record.status and record.status < 500:
+        metrics.failovers.labels(record.model).inc()
+    if log.is_enabled_for(logging.INFO):
+        weights: Weights | None = getattr(app[ROUTER].policy, "weights", None)
+        log.info("request", **record.log_fields(weights))

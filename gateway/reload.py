@@ -1,0 +1,138 @@
+"""Live changes: a new policy or weights, and a re-read configuration file.
+
+Both are validated in full before anything changes: a bad change leaves the running
+configuration as it was and says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from backends.state import BackendSpec
+from gateway.errors import InvalidRequest
+from gateway.keys import METRICS, MONITOR, POOL, ROUTER
+from gateway.settings import Settings, WeightSettings
+from policies import PolicyName, Weights, make_policy
+
+log = structlog.get_logger("gateway.reload")
+
+SettingsLoader = Callable[[], Settings]
+
+
+@dataclass
+class ConfigSource:
+    """Where the configuration comes from, and what of it is in force now."""
+
+    load: SettingsLoader
+    current: Settings
+
+
+CONFIG: web.AppKey[ConfigSource] = web.AppKey("config_source")
+
+# Settings that take effect without a restart.
+_LIVE = frozenset({"backends", "policy", "weights"})
+
+
+class PolicyChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: PolicyName | None = None
+    weights: WeightSettings | None = None
+
+
+def describe_policy(app: web.Application) -> dict[str, Any]:
+    policy = app[ROUTER].policy
+    w: Weights | None = getattr(policy, "weights", None)
+    return {
+        "policy": policy.name,
+        "weights": None if w is None else {"active": w.active, "queue": w.queue, "kv": w.kv},
+    }
+
+
+def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
+    """Switch policy and/or weights; raises ``InvalidRequest`` and changes nothing if bad."""
+    try:
+        change = PolicyChange.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(f"Invalid policy change: {_errors(exc)}") from exc
+    old = describe_policy(app)
+    current = app[ROUTER].policy
+    name: PolicyName = change.policy or current.name  # type: ignore[assignment]
+    if change.weights is not None:
+        w = change.weights
+        weights = Weights(active=w.active, queue=w.queue, kv=w.kv)
+    else:
+        weights = getattr(current, "weights", None) or Weights()
+    app[ROUTER].policy = make_policy(name, weights)
+    new = describe_policy(app)
+    app[METRICS].policy_changes.inc()
+    log.info("policy_changed", old=old, new=new)
+    return new
+
+
+@dataclass
+class ReloadResult:
+    applied: list[str] = field(default_factory=list)
+    restart_required: list[str] = field(default_factory=list)
+
+
+def reload_settings(app: web.Application) -> ReloadResult:
+    """Re-read the configuration; apply what can change live, list what needs a restart."""
+    try:
+        new = app[CONFIG].load()
+    except (ValidationError, ValueError, OSError) as exc:
+        detail = _errors(exc) if isinstance(exc, ValidationError) else str(exc)
+        log.warning("reload_refused", reason=detail)
+        raise InvalidRequest(f"Configuration not reloaded: {detail}") from exc
+    old = app[CONFIG].current
+    result = ReloadResult()
+    for name in type(new).model_fields:
+        if getattr(old, name) != getattr(new, name):
+            (result.applied if name in _LIVE else result.restart_required).append(name)
+    if "policy" in result.applied or "weights" in result.applied:
+        w = new.weights
+        app[ROUTER].policy = make_policy(
+            new.policy, Weights(active=w.active, queue=w.queue, kv=w.kv)
+        )
+    if "backends" in result.applied:
+        _apply_backends(app, new)
+    # What needs a restart keeps its running value until then.
+    app[CONFIG].current = old.model_copy(update={k: getattr(new, k) for k in result.applied})
+    log.info("config_reloaded", applied=result.applied, restart_required=result.restart_required)
+    return result
+
+
+def _apply_backends(app: web.Application, new: Settings) -> None:
+    pool, monitor = app[POOL], app[MONITOR]
+    wanted = {spec.id: spec for spec in backend_specs(new)}
+    for b in pool.all():
+        if b.spec.source == "static" and b.id not in wanted:
+            monitor.unwatch(b.id)
+            pool.remove(b.id)
+    for spec in wanted.values():
+        monitor.watch(pool.add(spec))
+    for conf in new.backends:
+        pool.set_draining(conf.id, conf.drain)
+
+
+def backend_specs(settings: Settings) -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            id=b.id,
+            url=b.url,
+            api_key=b.api_key.get_secret_value() if b.api_key else None,
+        )
+        for b in settings.backends
+    ]
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+    )

@@ -1,0 +1,190 @@
+"""Metrics, traces and logs tell what happened to each request, and never leak a secret."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+from structlog.testing import capture_logs
+
+from backends.sim import FAST, Faults, running_sim
+from gateway.logs import redact_secrets
+from gateway.metrics import QUEUE_DEPTH_METRIC
+from tests.helpers import FakeBackend, running_fake, running_gateway, stream_chat, wait_for
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+
+async def scrape(s: aiohttp.ClientSession, url: str) -> dict[tuple[str, tuple[Any, ...]], float]:
+    async with s.get(url + "/metrics") as r:
+        assert r.status == 200
+        text = await r.text()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(samples: dict[tuple[str, tuple[Any, ...]], float], name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+async def test_request_counters_and_histograms_move() -> None:
+    fake = FakeBackend(behaviour=stream_chat(5))
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url]) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        bid = fake.url[7:]
+        for _ in range(3):
+            async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
+                await r.read()
+        async with s.post(gw.url + "/v1/chat/completions", json=CHAT | {"model": "x"}) as r:
+            assert r.status == 404
+        m = await scrape(s, gw.url)
+    assert value(m, "llm_gateway_requests_total", model="m", backend=bid, status="200") == 3
+    assert value(m, "llm_gateway_requests_total", model="x", backend="none", status="404") == 1
+    assert value(m, "llm_gateway_time_to_first_token_seconds_count", model="m", backend=bid) == 3
+    assert value(m, "llm_gateway_inter_token_latency_seconds_count", model="m", backend=bid) == 3
+    assert value(m, "llm_gateway_backend_up", backend=bid) == 1
+    assert value(m, "llm_gateway_backend_circuit", backend=bid, state="closed") == 1
+    assert value(m, "llm_gateway_backend_in_flight", backend=bid) == 0
+
+
+async def test_client_disconnect_raises_the_abort_counter() -> None:
+    fake = FakeBackend(behaviour=stream_chat(10, hold_after=2))
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url]) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        bid = fake.url[7:]
+        before = await scrape(s, gw.url)
+        r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
+        await wait_for(lambda: fake.active() == 1, what="stream running")
+        r.close()
+        await wait_for(lambda: fake.active() == 0, what="upstream closed")
+        await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="released")
+        after = await scrape(s, gw.url)
+    name = "llm_gateway_upstream_aborts_total"
+    assert value(before, name, backend=bid, reason="client_disconnect") == 0
+    assert value(after, name, backend=bid, reason="client_disconnect") == 1
+
+
+async def test_slow_backend_score_rises_and_queue_gauge_returns_to_zero() -> None:
+    config = FAST.replace(max_num_seqs=1)
+    async with (
+        running_sim(config, faults=Faults(slowdown=30)) as slow,
+        running_sim(config) as fast,
+        running_gateway([slow.url, fast.url], policy="round_robin") as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        slow_id, fast_id = slow.url[7:], fast.url[7:]
+        body = {"model": "sim-model", "prompt": "hello", "max_tokens": 20, "stream": True}
+
+        async def one() -> None:
+            async with s.post(gw.url + "/v1/completions", json=body) as r:
+                await r.read()
+
+        load = [asyncio.create_task(one()) for _ in range(8)]
+        # Summed over the run: the slow backend's score stays high while the fast one drains.
+        total: dict[str, float] = {slow_id: 0.0, fast_id: 0.0, "queue": 0.0}
+        while not all(t.done() for t in load):
+            m = await scrape(s, gw.url)
+            for bid in (slow_id, fast_id):
+                total[bid] += value(m, "llm_gateway_backend_score", backend=bid)
+            total["queue"] = max(total["queue"], value(m, QUEUE_DEPTH_METRIC))
+            await asyncio.sleep(0.02)  # sleep-ok: sampling interval while load runs
+        await asyncio.gather(*load)
+
+        async def drained() -> bool:
+            m = await scrape(s, gw.url)
+            return value(m, QUEUE_DEPTH_METRIC) == 0
+
+        deadline = asyncio.get_running_loop().time() + 5
+        while not await drained():
+            assert asyncio.get_running_loop().time() < deadline, "queue gauge stuck"
+            await asyncio.sleep(0.05)  # sleep-ok: waiting for the next backend scrape
+    assert total[slow_id] > 2 * total[fast_id]
+    assert total["queue"] > 0
+
+
+async def test_span_tree_and_trace_id_reach_the_backend() -> None:
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    fake = FakeBackend(behaviour=stream_chat(3))
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], tracer_provider=provider) as gw,
+        aiohttp.ClientSession() as s,
+        s.post(
+            gw.url + "/v1/chat/completions",
+            json=CHAT,
+            headers={"traceparent": f"00-{trace_id}-b7ad6b7169203331-01"},
+        ) as r,
+    ):
+        await r.read()
+    spans = {sp.name: sp for sp in exporter.get_finished_spans()}
+    server = spans["POST /v1/chat/completions"]
+    attempt = spans["upstream attempt"]
+    assert format(server.context.trace_id, "032x") == trace_id
+    assert server.parent is not None
+    assert format(server.parent.span_id, "016x") == "b7ad6b7169203331"
+    assert attempt.parent is not None
+    assert attempt.parent.span_id == server.context.span_id
+    assert attempt.attributes is not None
+    assert attempt.attributes["llm_gateway.backend"] == fake.url[7:]
+    assert attempt.attributes["http.response.status_code"] == 200
+    assert server.attributes is not None
+    assert server.attributes["gen_ai.request.model"] == "m"
+    assert server.attributes["llm_gateway.time_to_first_token_s"] > 0
+    sent = fake.seen[0].headers["traceparent"]
+    assert sent.split("-")[1] == trace_id
+    assert sent.split("-")[2] == format(attempt.context.span_id, "016x")
+
+
+async def test_one_log_event_per_request_with_routing_decision_and_no_secrets() -> None:
+    a, b = FakeBackend(behaviour=stream_chat(3)), FakeBackend(behaviour=stream_chat(3))
+    async with running_fake(a), running_fake(b):
+        backends: Any = [{"url": a.url, "api_key": "sk-backend-a"}, b.url]
+        async with (
+            running_gateway(backends, log_level="info") as gw,
+            aiohttp.ClientSession() as s,
+        ):
+            with capture_logs() as logs:
+                async with s.post(
+                    gw.url + "/v1/chat/completions",
+                    json=CHAT,
+                    headers={"Authorization": "Bearer sk-client-secret", "X-Request-Id": "r-1"},
+                ) as r:
+                    await r.read()
+    events = [e for e in logs if e["event"] == "request"]
+    assert len(events) == 1
+    e = events[0]
+    assert e["request_id"] == "r-1"
+    assert e["model"] == "m"
+    assert e["status"] == 200
+    assert e["ending"] == "complete"
+    assert e["backend"] in (a.url[7:], b.url[7:])
+    assert e["ttft_ms"] > 0
+    assert e["duration_ms"] >= e["ttft_ms"]
+    assert set(e["candidates"]) == {a.url[7:], b.url[7:]}
+    dumped = json.dumps(logs, default=str)
+    assert "sk-client-secret" not in dumped
+    assert "sk-backend-a" not in dumped
+
+
+def test_redaction_processor_hides_credentials_whatever_the_caller_passes() -> None:
+    event = {"event": "x", "Authorization": "Bearer sk-1", "api_key": "k", "ok": 1}
+    out = redact_secrets(None, "info", event)
+    assert out == {"event": "x", "Authorization": "[redacted]", "api_key": "[redacted]", "ok": 1}

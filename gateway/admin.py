@@ -10,10 +10,11 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.state import BackendState
 from gateway.errors import GatewayError, InvalidRequest, error_envelope
-from gateway.keys import GATEWAY, POOL, ROUTER
+from gateway.keys import GATEWAY, METRICS, POOL, ROUTER
 from gateway.reload import change_policy, describe_policy, reload_settings
 from policies import score
 
@@ -113,6 +114,11 @@ async def post_reload(request: web.Request) -> web.Response:
     )
 
 
+async def admin_metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[GATEWAY][METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
 def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app = web.Application(middlewares=[_token_middleware(token)])
     app[GATEWAY] = gateway
@@ -120,6 +126,7 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_get("/admin/policy", get_policy)
     app.router.add_put("/admin/policy", put_policy)
     app.router.add_post("/admin/reload", post_reload)
+    app.router.add_get("/admin/metrics", admin_metrics)
     app.router.add_post("/admin/backends/{backend_id}/drain", _set_draining(True))
     app.router.add_post("/admin/backends/{backend_id}/undrain", _set_draining(False))
     return app

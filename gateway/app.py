@@ -17,7 +17,9 @@ from backends.pool import BackendPool
 from backends.upstream import UpstreamClient
 from gateway import proxy
 from gateway.keys import (
+    ADMISSION,
     LIFECYCLE,
+    LIMITER,
     METRICS,
     MONITOR,
     POOL,
@@ -28,6 +30,9 @@ from gateway.keys import (
     UPSTREAM,
     Lifecycle,
 )
+from gateway.limits.admission import AdmissionQueue
+from gateway.limits.fairqueue import SaturationThresholds, fleet_saturated
+from gateway.limits.limiter import open_limiter
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_context
 from gateway.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
@@ -72,6 +77,7 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
             max_connections=s.upstream.max_connections,
         )
         app[UPSTREAM] = client
+        admission = app[ADMISSION]
         monitor = BackendMonitor(
             pool,
             client,
@@ -82,6 +88,7 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
                 probe_interval=s.health.interval,
                 probe_timeout=s.health.timeout,
             ),
+            on_change=admission.notify if admission is not None else None,
         )
         app[MONITOR] = monitor
         discovery_task: asyncio.Task[None] | None = None
@@ -113,6 +120,30 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
             await client.close()
 
     return ctx
+
+
+def _admission(settings: Settings, pool: BackendPool) -> AdmissionQueue | None:
+    adm = settings.limits.admission
+    if not adm.enabled:
+        return None
+    thresholds = SaturationThresholds.from_settings(adm)
+
+    def saturated() -> bool:
+        now = pool.now()
+        return fleet_saturated(
+            [pool.snapshot(b, now) for b in pool.all() if pool.routable(b, now)], thresholds
+        )
+
+    return AdmissionQueue(
+        saturated, max_size=adm.max_size, max_wait=adm.max_wait, retry_after=adm.retry_after
+    )
+
+
+async def _limits_ctx(app: web.Application) -> AsyncIterator[None]:
+    s = app[SETTINGS]
+    async with open_limiter(s.limits, retry_after=s.retry_after_seconds) as limiter:
+        app[LIMITER] = limiter
+        yield
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
@@ -157,9 +188,15 @@ def create_app(
         backoff_factor=r.backoff_factor,
         jitter=r.jitter,
     )
+    admission = _admission(settings, pool)
+    app[ADMISSION] = admission
     metrics = GatewayMetrics()
-    metrics.watch_backends(pool, lambda: app[ROUTER].policy, lambda: 0)
+    metrics.watch_backends(
+        pool, lambda: app[ROUTER].policy, lambda: admission.waiting if admission else 0
+    )
+    metrics.watch_limits(lambda: app[LIMITER].rejections, admission)
     app[METRICS] = metrics
+    app.cleanup_ctx.append(_limits_ctx)
     provider = tracer_provider or provider_from_settings(settings.tracing)
     app[TRACER] = tracer_from(provider)
     if provider is not None and tracer_provider is None:

@@ -1,30 +1,32 @@
-"""``llm-gateway``: the one console script, with a subcommand per job."""
+"""``llm-gateway``: the one console script, with a subcommand per job.
+
+Each subcommand's module is imported only when that subcommand runs: ``serve`` does not pay
+for the load tester's plotting library, and a problem in one tool cannot stop another.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pydantic import ValidationError
 
+Setup = Callable[[argparse.ArgumentParser], None]
 
-def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="run the gateway in front of vLLM (or simulated) backends",
-        description=(
-            "Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, "
-            "/v1/models) and route each request to the least loaded backend that serves its "
-            "model. Settings come from --config (TOML), then GATEWAY_* environment variables "
-            "(e.g. GATEWAY_BACKENDS=http://a:8000,http://b:8000, GATEWAY_POLICY=least_load), "
-            "then these flags."
-        ),
+
+def _setup_serve(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Serve the OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models) "
+        "and route each request to the least loaded backend that serves its model. Settings "
+        "come from --config (TOML), then GATEWAY_* environment variables (e.g. "
+        "GATEWAY_BACKENDS=http://a:8000,http://b:8000, GATEWAY_POLICY=least_load), then these "
+        "flags. SIGHUP re-reads the configuration; SIGTERM drains and exits."
     )
     p.add_argument("--config", type=Path, help="TOML settings file")
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="port to listen on (default 8080)")
+    p.add_argument("--port", type=int, help="port to listen on (default 8080; 0 picks one)")
     p.add_argument(
         "--backends", help="comma-separated backend URLs (overrides config and environment)"
     )
@@ -62,40 +64,28 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _add_sim(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _setup_sim(p: argparse.ArgumentParser) -> None:
     import backends.sim.cli as sim_cli
 
-    p = sub.add_parser(
-        "sim",
-        help="run a vLLM-compatible simulated backend (no GPU needed)",
-        description=sim_cli.DESCRIPTION,
-    )
+    p.description = sim_cli.DESCRIPTION
     sim_cli.add_arguments(p)
     p.set_defaults(func=sim_cli.run)
 
 
-def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _setup_plan(p: argparse.ArgumentParser) -> None:
     import gateway.plan.cli as plan_cli
 
-    p = sub.add_parser(
-        "plan",
-        help="size GPUs, KV cache and vLLM engine arguments for a model",
-        description=plan_cli.DESCRIPTION,
-    )
+    p.description = plan_cli.DESCRIPTION
     plan_cli.add_arguments(p)
     p.set_defaults(func=plan_cli.run)
 
 
-def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "demo",
-        help="run the gateway in front of simulated backends, all in one process",
-        description=(
-            "Start N simulated vLLM backends on loopback and the gateway in front of them. "
-            "Try: curl localhost:8080/v1/chat/completions -H 'content-type: application/json' "
-            '-d \'{"model":"sim-model","messages":[{"role":"user","content":"hi"}],'
-            '"stream":true}\''
-        ),
+def _setup_demo(p: argparse.ArgumentParser) -> None:
+    p.description = (
+        "Start N simulated vLLM backends on loopback and the gateway in front of them. "
+        "Try: curl localhost:8080/v1/chat/completions -H 'content-type: application/json' "
+        '-d \'{"model":"sim-model","messages":[{"role":"user","content":"hi"}],'
+        '"stream":true}\''
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
@@ -117,7 +107,62 @@ def _demo(args: argparse.Namespace) -> int:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _setup_keys(p: argparse.ArgumentParser) -> None:
+    p.description = "Helpers for the API keys in the [limits] configuration."
+    keys_sub = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    h = keys_sub.add_parser(
+        "hash",
+        help="print the hash of a key read from stdin, for [[limits.keys]] hash = ...",
+        description=(
+            'Read one API key from stdin (e.g. `printf %s "$KEY" | llm-gateway keys hash`) '
+            "and print the sha256:... form the configuration stores instead of the key."
+        ),
+    )
+    h.set_defaults(func=_keys_hash)
+
+
+def _keys_hash(args: argparse.Namespace) -> int:
+    from gateway.limits.keys import hash_key
+
+    key = sys.stdin.readline().strip()
+    if not key:
+        print("llm-gateway: no key on stdin", file=sys.stderr)
+        return 2
+    print(hash_key(key))
+    return 0
+
+
+def _setup_loadtest(p: argparse.ArgumentParser) -> None:
+    import loadtest.cli as loadtest_cli
+
+    p.description = loadtest_cli.DESCRIPTION
+    loadtest_cli.add_arguments(p)
+
+
+def _setup_top(p: argparse.ArgumentParser) -> None:
+    from gateway import top
+
+    p.description = top.DESCRIPTION
+    top.add_arguments(p)
+    p.set_defaults(func=top.run)
+
+
+COMMANDS: dict[str, tuple[str, Setup]] = {
+    "serve": ("run the gateway in front of vLLM (or simulated) backends", _setup_serve),
+    "sim": ("run a vLLM-compatible simulated backend (no GPU needed)", _setup_sim),
+    "demo": ("run the gateway in front of simulated backends, in one process", _setup_demo),
+    "top": ("live terminal view of a running gateway's backends", _setup_top),
+    "loadtest": (
+        "load tests, scenarios, policy comparisons and the gateway's overhead",
+        _setup_loadtest,
+    ),
+    "plan": ("size GPUs, KV cache and vLLM engine arguments for a model", _setup_plan),
+    "keys": ("API key helpers", _setup_keys),
+}
+
+
+def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """The parser, with the arguments of the subcommand named in ``argv`` (only that one)."""
     parser = argparse.ArgumentParser(
         prog="llm-gateway",
         description=(
@@ -126,15 +171,17 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    _add_serve(sub)
-    _add_sim(sub)
-    _add_plan(sub)
-    _add_demo(sub)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    for name, (help_text, setup) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text)
+        if name == chosen:
+            setup(p)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(argv).parse_args(argv)
     return int(args.func(args))
 
 

@@ -11,6 +11,8 @@ from opentelemetry.trace import Tracer
 from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.upstream import UpstreamClient
+from gateway.limits.admission import AdmissionQueue
+from gateway.limits.limiter import Limiter
 from gateway.metrics import GatewayMetrics
 from gateway.retry import RetryPolicy
 from gateway.router import Router
@@ -32,6 +34,8 @@ UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 MONITOR: Final = web.AppKey("monitor", BackendMonitor)
 LIFECYCLE: Final = web.AppKey("lifecycle", Lifecycle)
 METRICS: Final = web.AppKey("metrics", GatewayMetrics)
+LIMITER: Final = web.AppKey("limiter", Limiter)
+ADMISSION: Final = web.AppKey[AdmissionQueue | None]("admission")
 TRACER: Final = web.AppKey[Tracer | None]("tracer")
 GATEWAY: Final = web.AppKey("gateway", web.Application)  # on the admin app: the main app
 

@@ -7,16 +7,17 @@ by a collector, so they cost the request path nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from backends.circuit import Circuit
 from backends.health import Health
 from backends.pool import BackendPool
+from gateway.limits.admission import AdmissionQueue
 from policies import Policy, Weights, score
 
 # From a few milliseconds (a cached prefix on an idle server) to minutes (long generations).
@@ -95,6 +96,50 @@ class BackendCollector(Collector):
         )
 
 
+class LimitsCollector(Collector):
+    """Rate-limit rejections and the admission queue, read from the limiter at scrape time."""
+
+    def __init__(
+        self,
+        rejections: Callable[[], Mapping[tuple[str, str], int]],
+        admission: AdmissionQueue | None,
+    ) -> None:
+        self._rejections = rejections
+        self._admission = admission
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        rejected = CounterMetricFamily(
+            "llm_gateway_rate_limit_rejections",
+            "Requests refused by a limit, by API key name and reason.",
+            labels=["key", "reason"],
+        )
+        try:
+            counts = self._rejections()
+        except KeyError:  # the limiter is not up yet
+            counts = {}
+        for (key, reason), n in counts.items():
+            rejected.add_metric([key, reason], n)
+        yield rejected
+        queue = self._admission
+        yield GaugeMetricFamily(
+            "llm_gateway_admission_queue_length",
+            "Requests waiting in the gateway's admission queue.",
+            value=queue.waiting if queue is not None else 0,
+        )
+        if queue is not None:
+            outcomes = CounterMetricFamily(
+                "llm_gateway_admission_outcomes",
+                "What happened to requests at the admission queue.",
+                labels=["outcome"],
+            )
+            for outcome, n in vars(queue.stats).items():
+                outcomes.add_metric([outcome], n)
+            yield outcomes
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -144,17 +189,6 @@ class GatewayMetrics:
             ["backend", "reason"],
             registry=r,
         )
-        self.rate_limited = Counter(
-            "llm_gateway_rate_limit_rejections",
-            "Requests refused by a limit, by API key name and reason.",
-            ["key", "reason"],
-            registry=r,
-        )
-        self.queue_length = Gauge(
-            "llm_gateway_admission_queue_length",
-            "Requests waiting in the gateway's admission queue.",
-            registry=r,
-        )
         self.queue_wait = Histogram(
             "llm_gateway_admission_wait_seconds",
             "Time requests spent in the admission queue.",
@@ -164,6 +198,13 @@ class GatewayMetrics:
         self.policy_changes = Counter(
             "llm_gateway_policy_changes", "Live policy or weight changes.", registry=r
         )
+
+    def watch_limits(
+        self,
+        rejections: Callable[[], Mapping[tuple[str, str], int]],
+        admission: AdmissionQueue | None,
+    ) -> None:
+        self.registry.register(LimitsCollector(rejections, admission))
 
     def watch_backends(
         self, pool: BackendPool, policy: Callable[[], Policy], gateway_queue: Callable[[], int]

@@ -33,7 +33,9 @@ from gateway.errors import (
 )
 from gateway.headers import downstream_headers, upstream_headers
 from gateway.keys import (
+    ADMISSION,
     LIFECYCLE,
+    LIMITER,
     METRICS,
     REQUEST_ID_KEY,
     RETRY,
@@ -42,6 +44,10 @@ from gateway.keys import (
     TRACER,
     UPSTREAM,
 )
+from gateway.limits.admission import AdmissionTicket
+from gateway.limits.fairqueue import parse_priority
+from gateway.limits.limiter import Grant
+from gateway.limits.tokens import UsageFilter, usage_from_body, usage_plan, with_include_usage
 from gateway.record import RequestRecord, finish
 from gateway.relay import Ending, relay_body, relay_stream
 from gateway.retry import RETRYABLE_STATUS
@@ -91,26 +97,74 @@ def route_facts(doc: dict[str, Any]) -> RouteFacts:
 
 async def forward(request: web.Request, path: str) -> web.StreamResponse:
     app = request.app
-    raw, doc = await read_json_body(request, app[SETTINGS].max_body_bytes)
-    facts = route_facts(doc)
-    record = RequestRecord(request[REQUEST_ID_KEY], facts.model, time.monotonic())
-    call = _Call(request, path, raw, upstream_headers(request.headers, record.request_id), record)
+    record = RequestRecord(request[REQUEST_ID_KEY], started=time.monotonic())
+    limiter = app[LIMITER]
+    grant: Grant | None = None
+    try:
+        principal = limiter.authenticate(request.headers)
+        record.key = principal.id
+        raw, doc = await read_json_body(request, app[SETTINGS].max_body_bytes)
+        facts = route_facts(doc)
+        record.model = facts.model
+        grant = await limiter.admit(principal, doc)
+        plan = usage_plan(doc)
+        call = _Call(
+            request,
+            path,
+            with_include_usage(doc) if plan.inject else raw,
+            upstream_headers(request.headers, record.request_id),
+            record,
+            strip_usage=plan.strip,
+            extra_headers=grant.headers,
+        )
+        ticket = await _wait_for_capacity(app, principal.id, principal.max_priority, request)
+        try:
+            return await _traced(call, facts)
+        finally:
+            if ticket is not None:
+                ticket.release()
+    except GatewayError as exc:
+        record.status, record.ending = exc.status, type(exc).__name__
+        raise
+    finally:
+        if grant is not None:
+            # A request that never reached a backend used no tokens; one cut short before
+            # its usage arrived keeps its reservation.
+            spent = record.usage if record.sent else 0
+            await asyncio.shield(limiter.finish(grant, spent))
+        finish(app, record)
+
+
+async def _wait_for_capacity(
+    app: web.Application, key: str, max_priority: int, request: web.Request
+) -> AdmissionTicket | None:
+    """Hold the request in the admission queue while every backend is saturated."""
+    admission = app[ADMISSION]
+    if admission is None:
+        return None
+    settings = app[SETTINGS].limits.admission
+    priority = parse_priority(request.headers.get(settings.priority_header), max_priority)
+    started = time.monotonic()
+    ticket = await admission.acquire(key, priority)
+    if ticket.queued:
+        app[METRICS].queue_wait.observe(time.monotonic() - started)
+    return ticket
+
+
+async def _traced(call: _Call, facts: RouteFacts) -> web.StreamResponse:
+    app, record = call.request.app, call.record
     tracer = app[TRACER]
     if tracer is None:
-        try:
-            return await _route(call, facts, None)
-        finally:
-            finish(app, record)
+        return await _route(call, facts, None)
     with tracer.start_as_current_span(
-        f"POST {path}",
-        context=parent_context(request.headers),
+        f"POST {call.path}",
+        context=parent_context(call.request.headers),
         kind=SpanKind.SERVER,
         attributes={"gen_ai.request.model": facts.model, "http.request.id": record.request_id},
     ) as span:
         try:
             return await _route(call, facts, span)
         finally:
-            finish(app, record)
             annotate(span, record)
 
 
@@ -119,44 +173,40 @@ async def _route(call: _Call, facts: RouteFacts, span: Span | None) -> web.Strea
     app, record = call.request.app, call.record
     router, retry = app[ROUTER], app[RETRY]
     last_error: GatewayError | None = None
-    try:
-        while True:
-            try:
-                lease, candidates = router.pick(facts, exclude=record.backends)
-            except NoBackendAvailable:
-                if last_error is not None:  # every candidate failed: say how the last did
-                    raise last_error from None
-                raise
-            record.backends.append(lease.backend.id)
-            if not record.candidates:
-                record.candidates = candidates
-            may_retry = len(record.backends) < retry.max_attempts
-            try:
-                return await _attempt(call, lease, may_retry, span)
-            except (UpstreamError, _RetryableStatus) as exc:
-                last_error = (
-                    exc
-                    if isinstance(exc, UpstreamError)
-                    else UpstreamError(f"backend answered {exc.status}")
-                )
-                wait = retry.backoff(len(record.backends), _rng)
-                elapsed = time.monotonic() - record.started
-                if not retry.may_retry(len(record.backends), elapsed, wait):
-                    raise last_error from None
-                app[METRICS].retries.labels(lease.backend.id, type(last_error).__name__).inc()
-                log.info(
-                    "upstream_retry",
-                    request_id=record.request_id,
-                    backend=lease.backend.id,
-                    error=last_error.message,
-                    wait_ms=round(wait * 1e3, 1),
-                )
-                await asyncio.sleep(wait)
-            finally:
-                lease.release()
-    except GatewayError as exc:
-        record.status, record.ending = exc.status, type(exc).__name__
-        raise
+    while True:
+        try:
+            lease, candidates = router.pick(facts, exclude=record.backends)
+        except NoBackendAvailable:
+            if last_error is not None:  # every candidate failed: say how the last did
+                raise last_error from None
+            raise
+        record.backends.append(lease.backend.id)
+        if not record.candidates:
+            record.candidates = candidates
+        may_retry = len(record.backends) < retry.max_attempts
+        try:
+            return await _attempt(call, lease, may_retry, span)
+        except (UpstreamError, _RetryableStatus) as exc:
+            last_error = (
+                exc
+                if isinstance(exc, UpstreamError)
+                else UpstreamError(f"backend answered {exc.status}")
+            )
+            wait = retry.backoff(len(record.backends), _rng)
+            elapsed = time.monotonic() - record.started
+            if not retry.may_retry(len(record.backends), elapsed, wait):
+                raise last_error from None
+            app[METRICS].retries.labels(lease.backend.id, type(last_error).__name__).inc()
+            log.info(
+                "upstream_retry",
+                request_id=record.request_id,
+                backend=lease.backend.id,
+                error=last_error.message,
+                wait_ms=round(wait * 1e3, 1),
+            )
+            await asyncio.sleep(wait)
+        finally:
+            lease.release()
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +218,8 @@ class _Call:
     body: bytes
     headers: CIMultiDict[str]
     record: RequestRecord
+    strip_usage: bool = False
+    extra_headers: dict[str, str] | None = None  # added to the client's response
 
 
 async def _attempt(
@@ -187,6 +239,7 @@ async def _attempt(
         lease.failed()
         end_attempt(span, 0, exc)
         raise
+    record.sent = True
     status = upstream.response.status
     complete = False
     try:
@@ -218,12 +271,18 @@ async def _relay(
     """Relay the answer; return the response, whether it completed, and a mid-stream error."""
     record = call.record
     headers = downstream_headers(upstream.response.headers, record.request_id)
+    if call.extra_headers:
+        headers.update(call.extra_headers)
     try:
         if upstream.response.content_type != _EVENT_STREAM:
-            body = await relay_body(upstream, headers, call.request.app[UPSTREAM])
+            whole = await relay_body(upstream, headers, call.request.app[UPSTREAM])
             record.ending = Ending.COMPLETE.value
-            return body, True, None
-        resp, result = await relay_stream(call.request, upstream, headers, time.monotonic)
+            if isinstance(whole.body, bytes):
+                record.usage = usage_from_body(whole.body)
+            return whole, True, None
+        usage = UsageFilter(strip=call.strip_usage)
+        resp, result = await relay_stream(call.request, upstream, headers, time.monotonic, usage)
+        record.usage = usage.usage
     except UpstreamError as exc:  # before anything reached the client
         lease.failed()
         if isinstance(exc, UpstreamTimeout):

@@ -11,6 +11,7 @@ import structlog
 from aiohttp import web
 
 from gateway.keys import METRICS, ROUTER
+from gateway.limits.tokens import Usage
 from policies import BackendSnapshot, Weights, score
 
 log = structlog.get_logger("gateway.request")
@@ -21,8 +22,11 @@ class RequestRecord:
     """What happened to one request: for its log event, its metrics and its span."""
 
     request_id: str
-    model: str
     started: float
+    model: str = "unknown"
+    key: str | None = None  # the API key's name (never the key)
+    sent: bool = False  # an attempt reached a backend
+    usage: Usage | None = None
     backends: list[str] = field(default_factory=list)
     candidates: list[BackendSnapshot] = field(default_factory=list)
     status: int = 0
@@ -45,11 +49,19 @@ class RequestRecord:
         return (self.ended_at or time.monotonic()) - self.started
 
     def mean_itl(self) -> float | None:
-        """Mean gap between output events after the first token (None if too few)."""
-        if self.first_token_at is None or self.ended_at is None or self.events < 3:
+        """Mean gap between output tokens after the first (None if too few to tell).
+
+        Tokens from the usage the backend reported; without it, from the events relayed
+        (less the first token's and the closing [DONE]).
+        """
+        if self.first_token_at is None or self.ended_at is None:
             return None
-        # Events after the first token, less the closing [DONE] event.
-        return (self.ended_at - self.first_token_at) / (self.events - 2)
+        after_first = (
+            self.usage.completion_tokens - 1 if self.usage is not None else self.events - 2
+        )
+        if after_first < 1:
+            return None
+        return (self.ended_at - self.first_token_at) / after_first
 
     def log_fields(self, weights: Weights | None) -> dict[str, Any]:
         ttft = self.ttft
@@ -63,6 +75,9 @@ class RequestRecord:
             "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
             "duration_ms": round(self.duration * 1e3, 2),
             "events": self.events or None,
+            "key": self.key,
+            "prompt_tokens": self.usage.prompt_tokens if self.usage else None,
+            "completion_tokens": self.usage.completion_tokens if self.usage else None,
         }
         if len(self.backends) > 1:
             fields["tried"] = self.backends

@@ -18,6 +18,7 @@ from multidict import CIMultiDict
 
 from backends.upstream import CLIENT_ERRORS, Upstream, UpstreamClient, translate
 from gateway.errors import UpstreamError
+from gateway.limits.tokens import UsageFilter
 from gateway.sse import FirstTokenWatch
 
 
@@ -46,6 +47,7 @@ async def relay_stream(
     upstream: Upstream,
     headers: CIMultiDict[str],
     now: Callable[[], float],
+    usage: UsageFilter,
 ) -> tuple[web.StreamResponse, RelayResult]:
     """Relay an event stream chunk by chunk, until either side ends it.
 
@@ -67,15 +69,17 @@ async def relay_stream(
             result.events += chunk.count(b"data:")
             if not first_token.seen and first_token.feed(chunk):
                 result.first_token_at = now()
-            await resp.write(chunk)
+            out = usage.feed(chunk)  # the same bytes, less a usage chunk the client didn't want
+            if out:
+                await resp.write(out)
             try:
                 chunk = await content.readany()
             except CLIENT_ERRORS as exc:
                 result.ending = Ending.UPSTREAM_ERROR
                 result.error = translate(exc, upstream.backend)
-                await resp.write(stream_error_event(result.error))
+                await resp.write(usage.flush() + stream_error_event(result.error))
                 break
-        await resp.write_eof()
+        await resp.write_eof(usage.flush())
     except ConnectionResetError:  # the client went away between two writes
         result.ending = Ending.CLIENT_DISCONNECT
     return resp, result

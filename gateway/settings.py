@@ -20,6 +20,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from gateway.limits.settings import LimitsSettings
 from policies import PolicyName
 
 
@@ -177,6 +178,7 @@ class Settings(BaseSettings):
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
+    limits: LimitsSettings = Field(default_factory=LimitsSettings)
     shutdown_grace: float = Field(
         30.0, ge=0, description="seconds in-flight streams get to finish on SIGTERM"
     )

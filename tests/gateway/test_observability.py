@@ -168,6 +168,8 @@ async def test_one_log_event_per_request_with_routing_decision_and_no_secrets() 
                     headers={"Authorization": "Bearer sk-client-secret", "X-Request-Id": "r-1"},
                 ) as r:
                     await r.read()
+                # The event is logged as the handler ends, just after the last byte is sent.
+                await wait_for(lambda: any(e["event"] == "request" for e in logs), what="log")
     events = [e for e in logs if e["event"] == "request"]
     assert len(events) == 1
     e = events[0]

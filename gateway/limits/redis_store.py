@@ -1,0 +1,286 @@
+"""The Redis limit store: limits shared by any number of gateway replicas.
+
+One admission is one ``EVALSHA`` of ``ADMIT_LUA`` (``EVAL`` once after a Redis restart flushed
+the script cache): the check and the update happen inside Redis, so two replicas can never both
+take the last unit of a budget. The script reads Redis's own clock (``TIME``), the only clock
+all replicas share. Per key there are two Redis keys, hash-tagged so a cluster keeps them on one
+slot: ``<prefix>{<key>}:b`` (the two bucket levels, expiring once the buckets would be full
+again) and ``<prefix>{<key>}:c`` (a sorted set of concurrency slots, one member per ticket,
+scored by its expiry, so slots of a crashed gateway come back after ``slot_ttl``).
+
+Redis slow or down: every call is bounded by ``timeout``; then ``failure_mode`` decides (open:
+admit without limits, logged once per outage; closed: ``LimitsUnavailable``, a 503). After a
+failure Redis is not tried again for ``retry_interval``, so an outage costs requests no waiting;
+the first success after it ends the outage, with no restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Final
+
+import structlog
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import NoScriptError, RedisError
+
+from gateway.errors import LimitsUnavailable
+from gateway.limits.settings import RedisSettings
+from gateway.limits.store import Decision, Limits, Reason, Ticket, Window
+
+log = structlog.get_logger("gateway.limits")
+
+# Mirrors gateway.limits.bucket.admit; 0 stands for "unlimited".
+ADMIT_LUA: Final = """
+local rpm, tpm, maxc = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local cost, slot_ttl = tonumber(ARGV[4]), tonumber(ARGV[6])
+local tm = redis.call('TIME')
+local now = tonumber(tm[1]) + tonumber(tm[2]) / 1000000
+local st = redis.call('HMGET', KEYS[1], 'r', 't', 'at')
+local r, t, at = tonumber(st[1]) or rpm, tonumber(st[2]) or tpm, tonumber(st[3]) or now
+local dt = math.max(0, now - at)
+if rpm > 0 then r = math.min(rpm, r + dt * rpm / 60) end
+if tpm > 0 then t = math.min(tpm, t + dt * tpm / 60) end
+now = math.max(now, at)
+local reason, retry, held = 0, 0, 0
+if maxc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  held = redis.call('ZCARD', KEYS[2])
+end
+if maxc > 0 and held >= maxc then reason, retry = 4, 1
+elseif rpm > 0 and r < 1 then reason, retry = 1, (1 - r) * 60 / rpm
+elseif tpm > 0 and cost > tpm then reason = 3
+elseif tpm > 0 and t < cost then reason, retry = 2, (cost - t) * 60 / tpm
+end
+if reason == 0 then
+  if rpm > 0 then r = r - 1 end
+  if tpm > 0 then t = t - cost end
+  local full = 0
+  if rpm > 0 then full = math.max(full, (rpm - r) * 60 / rpm) end
+  if tpm > 0 then full = math.max(full, (tpm - t) * 60 / tpm) end
+  if full > 0 then
+    redis.call('HSET', KEYS[1], 'r', tostring(r), 't', tostring(t), 'at', tostring(now))
+    redis.call('PEXPIRE', KEYS[1], math.ceil(full * 1000) + 1000)
+  elseif rpm > 0 or tpm > 0 then
+    redis.call('DEL', KEYS[1])
+  end
+  if maxc > 0 then
+    redis.call('ZADD', KEYS[2], now + slot_ttl, ARGV[5])
+    redis.call('PEXPIRE', KEYS[2], math.ceil(slot_ttl * 1000) + 1000)
+  end
+end
+local r_reset, t_reset = 0, 0
+if rpm > 0 then r_reset = math.ceil((rpm - r) * 60000 / rpm) end
+if tpm > 0 then t_reset = math.ceil((tpm - t) * 60000 / tpm) end
+return {reason, math.floor(r), math.floor(t), math.ceil(retry * 1000), r_reset, t_reset}
+"""
+
+# Mirrors gateway.limits.bucket.settle: give back (or take) delta tokens, debt bounded.
+SETTLE_LUA: Final = """
+local rpm, tpm, delta = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local tm = redis.call('TIME')
+local now = tonumber(tm[1]) + tonumber(tm[2]) / 1000000
+local st = redis.call('HMGET', KEYS[1], 'r', 't', 'at')
+local r, t, at = tonumber(st[1]) or rpm, tonumber(st[2]) or tpm, tonumber(st[3]) or now
+local dt = math.max(0, now - at)
+if rpm > 0 then r = math.min(rpm, r + dt * rpm / 60) end
+t = math.min(tpm, math.max(-tpm, math.min(tpm, t + dt * tpm / 60) + delta))
+now = math.max(now, at)
+local full = (tpm - t) * 60 / tpm
+if rpm > 0 then full = math.max(full, (rpm - r) * 60 / rpm) end
+if full > 0 then
+  redis.call('HSET', KEYS[1], 'r', tostring(r), 't', tostring(t), 'at', tostring(now))
+  redis.call('PEXPIRE', KEYS[1], math.ceil(full * 1000) + 1000)
+else
+  redis.call('DEL', KEYS[1])
+end
+return 1
+"""
+
+_REASONS: Final[dict[int, Reason]] = {1: "requests", 2: "tokens", 3: "too_large", 4: "concurrency"}
+_FAILURES: Final = (RedisError, OSError, TimeoutError)
+
+
+class _InRetryWindow(ConnectionError):
+    """Redis failed moments ago; it is not tried again until the retry interval has passed."""
+
+
+class _Script:
+    __slots__ = ("sha", "source")
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.sha = hashlib.sha1(source.encode()).hexdigest()
+
+
+_ADMIT: Final = _Script(ADMIT_LUA)
+_SETTLE: Final = _Script(SETTLE_LUA)
+
+
+class RedisLimitStore:
+    def __init__(
+        self,
+        client: Redis,
+        *,
+        key_prefix: str = "llm-gateway:limits:",
+        timeout: float = 0.05,
+        failure_mode: str = "open",
+        retry_interval: float = 0.5,
+        slot_ttl: float = 900.0,
+        retry_after: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if failure_mode not in ("open", "closed"):
+            raise ValueError(f"failure_mode must be 'open' or 'closed', not {failure_mode!r}")
+        self._client = client
+        self._prefix = key_prefix
+        self._timeout = timeout
+        self.fail_open = failure_mode == "open"
+        self._retry_interval = retry_interval
+        self._slot_ttl = slot_ttl
+        self._retry_after = retry_after
+        self._clock = clock
+        self._down_since: float | None = None
+        self._retry_at = 0.0
+
+    @classmethod
+    def from_settings(cls, s: RedisSettings, *, retry_after: int = 1) -> RedisLimitStore:
+        client = Redis.from_url(
+            s.url.get_secret_value(),
+            socket_timeout=s.timeout,
+            socket_connect_timeout=s.timeout,
+            retry=Retry(NoBackoff(), 0),  # our own timeout and failure mode decide, not retries
+        )
+        return cls(
+            client,
+            key_prefix=s.key_prefix,
+            timeout=s.timeout,
+            failure_mode=s.failure_mode,
+            retry_interval=s.retry_interval,
+            slot_ttl=s.slot_ttl,
+            retry_after=retry_after,
+        )
+
+    @property
+    def available(self) -> bool:
+        """False during an outage (from the first failure until the next success)."""
+        return self._down_since is None
+
+    def redis_keys(self, key: str) -> tuple[str, str]:
+        base = f"{self._prefix}{{{key}}}"
+        return f"{base}:b", f"{base}:c"
+
+    async def admit(self, key: str, limits: Limits, cost_tokens: int) -> Decision:
+        if limits.unlimited:
+            return Decision(allowed=True, ticket=Ticket(key, limits, cost_tokens, accounted=False))
+        ticket = Ticket(key, limits, cost_tokens)
+        args = (
+            limits.requests_per_minute or 0,
+            limits.tokens_per_minute or 0,
+            limits.max_concurrent or 0,
+            cost_tokens,
+            ticket.id,
+            self._slot_ttl,
+        )
+        try:
+            res = await self._script(_ADMIT, self.redis_keys(key), args)
+        except _FAILURES as exc:
+            return self._unavailable(ticket, exc)
+        reason_code, r_left, t_left, retry_ms, r_reset, t_reset = (int(x) for x in res)
+        rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+        requests = None if rpm is None else Window(rpm, max(0, r_left), r_reset / 1000)
+        tokens = None if tpm is None else Window(tpm, max(0, t_left), t_reset / 1000)
+        if reason_code:
+            return Decision(
+                allowed=False,
+                reason=_REASONS[reason_code],
+                retry_after=retry_ms / 1000,
+                requests=requests,
+                tokens=tokens,
+            )
+        return Decision(allowed=True, ticket=ticket, requests=requests, tokens=tokens)
+
+    async def settle(self, ticket: Ticket, actual_tokens: int) -> None:
+        if not ticket.claim_settle():
+            return
+        delta = ticket.reserved - actual_tokens
+        tpm = ticket.limits.tokens_per_minute
+        if delta == 0 or tpm is None:
+            return
+        args = (ticket.limits.requests_per_minute or 0, tpm, delta)
+        try:
+            await self._script(_SETTLE, self.redis_keys(ticket.key)[:1], args)
+        except _FAILURES as exc:
+            self._note_failure(exc)  # the correction is lost; the buckets refill regardless
+
+    async def release(self, ticket: Ticket) -> None:
+        if not ticket.claim_release() or ticket.limits.max_concurrent is None:
+            return
+        if self._in_retry_window():
+            return  # the slot comes back when it expires (slot_ttl)
+        try:
+            await self._bounded(self._client.zrem(self.redis_keys(ticket.key)[1], ticket.id))
+        except _FAILURES as exc:
+            self._note_failure(exc)  # the slot comes back when it expires (slot_ttl)
+        else:
+            self._note_success()
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    # -- plumbing ----------------------------------------------------------------------------
+
+    async def _script(self, script: _Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        if self._in_retry_window():
+            raise _InRetryWindow("limit store in its retry interval after a failure")
+        try:
+            res = await self._bounded(self._client.evalsha(script.sha, len(keys), *keys, *args))
+        except NoScriptError:  # a restarted or flushed Redis: EVAL also caches the script
+            res = await self._bounded(self._client.eval(script.source, len(keys), *keys, *args))
+        self._note_success()
+        return res
+
+    def _in_retry_window(self) -> bool:
+        return self._down_since is not None and self._clock() < self._retry_at
+
+    async def _bounded(self, call: Any) -> Any:
+        async with asyncio.timeout(self._timeout):
+            return await call
+
+    def _unavailable(self, ticket: Ticket, exc: BaseException) -> Decision:
+        self._note_failure(exc)
+        if not self.fail_open:
+            raise LimitsUnavailable(
+                "Rate limits cannot be checked right now; please retry shortly.",
+                retry_after=self._retry_after,
+            ) from exc
+        return Decision(
+            allowed=True,
+            ticket=Ticket(ticket.key, ticket.limits, ticket.reserved, accounted=False),
+            degraded=True,
+        )
+
+    def _note_failure(self, exc: BaseException) -> None:
+        if isinstance(exc, _InRetryWindow):
+            return
+        now = self._clock()
+        self._retry_at = now + self._retry_interval
+        if self._down_since is None:
+            self._down_since = now
+            log.warning(
+                "limits_store_unavailable",
+                error=f"{type(exc).__name__}: {exc}",
+                failure_mode="open" if self.fail_open else "closed",
+            )
+
+    def _note_success(self) -> None:
+        if self._down_since is not None:
+            log.info(
+                "limits_store_recovered",
+                outage_s=round(self._clock() - self._down_since, 3),
+            )
+            self._down_since = None

@@ -1,0 +1,134 @@
+"""The limit store seam: one atomic admission per request, then settlement and release.
+
+Algorithm: two token buckets per key (requests and tokens), refilled continuously at
+``limit / 60`` per second up to ``limit``, plus a set of open concurrency slots.
+
+- **Why buckets and not a sliding window.** A bucket is two numbers per limit and is updated in
+  O(1), so the Redis side is one small hash per key; a reservation is returned by adding to the
+  bucket, which a sliding log cannot do without finding the entry it was charged in. Its burst
+  (a full minute's budget at once, after a quiet minute) matches what OpenAI's own limits allow.
+- **Reserve, then settle.** ``admit`` takes the request's *estimated* tokens (prompt estimate +
+  ``max_tokens``) out of the bucket in the same atomic step that checks it, so concurrent
+  requests can never all see the same remaining budget. When the response ends, ``settle`` gives
+  back what the estimate over-reserved, or takes the excess (the bucket may go into debt, which
+  later requests then wait out).
+- **Tickets.** Each admission carries a ``Ticket``; settling and releasing a ticket happen at most
+  once each, however many times they are called, so a ``finally`` plus an error path cannot
+  double-release a concurrency slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+from typing import Final, Literal, Protocol
+
+Reason = Literal["requests", "tokens", "too_large", "concurrency"]
+
+_TICKET_PREFIX: Final = os.urandom(6).hex()
+_ticket_counter = itertools.count(1)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """A key's limits; ``None`` is unlimited."""
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    max_concurrent: int | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        return (
+            self.requests_per_minute is None
+            and self.tokens_per_minute is None
+            and self.max_concurrent is None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """One limit's figures after a decision, for the ``x-ratelimit-*`` headers."""
+
+    limit: int
+    remaining: int
+    reset: float  # seconds until the bucket is full again
+
+
+class Ticket:
+    """One admission. Settles once and releases once; later calls are no-ops."""
+
+    __slots__ = ("_released", "_settled", "accounted", "id", "key", "limits", "reserved")
+
+    def __init__(self, key: str, limits: Limits, reserved: int, *, accounted: bool = True) -> None:
+        self.id = f"{_TICKET_PREFIX}-{next(_ticket_counter)}"
+        self.key = key
+        self.limits = limits
+        self.reserved = reserved
+        # False when the store admitted without recording anything (unlimited key, or a
+        # fail-open admission while the shared store was down): nothing to settle or release.
+        self.accounted = accounted
+        self._settled = not accounted
+        self._released = not accounted
+
+    def claim_settle(self) -> bool:
+        """True the first time only: the caller then does the settling."""
+        if self._settled:
+            return False
+        self._settled = True
+        return True
+
+    def claim_release(self) -> bool:
+        if self._released:
+            return False
+        self._released = True
+        return True
+
+    @property
+    def open(self) -> bool:
+        return not (self._settled and self._released)
+
+    def __repr__(self) -> str:
+        return f"Ticket({self.id!r}, key={self.key!r}, reserved={self.reserved})"
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    allowed: bool
+    ticket: Ticket | None = None
+    reason: Reason | None = None
+    retry_after: float = 0.0  # seconds, when refused
+    requests: Window | None = None
+    tokens: Window | None = None
+    degraded: bool = False  # admitted without limits because the store was unavailable
+
+
+class LimitStore(Protocol):
+    """Where limit state lives: one process (memory) or shared by replicas (Redis)."""
+
+    async def admit(self, key: str, limits: Limits, cost_tokens: int) -> Decision:
+        """Check and take one request, ``cost_tokens`` and a concurrency slot, atomically."""
+        ...
+
+    async def settle(self, ticket: Ticket, actual_tokens: int) -> None:
+        """Correct the ticket's reservation to the real usage (once per ticket)."""
+        ...
+
+    async def release(self, ticket: Ticket) -> None:
+        """Give back the ticket's concurrency slot (once per ticket)."""
+        ...
+
+    async def aclose(self) -> None: ...
+
+
+async def finish(store: LimitStore, ticket: Ticket, actual_tokens: int | None) -> None:
+    """The end of a request: settle when the usage is known, then release the slot.
+
+    Unknown usage (a stream cut before its usage chunk) keeps the whole reservation charged.
+    """
+    try:
+        if actual_tokens is not None:
+            await store.settle(ticket, actual_tokens)
+    finally:
+        await store.release(ticket)

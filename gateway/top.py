@@ -1,0 +1,218 @@
+"""``llm-gateway top``: a live terminal view of a running gateway's backends.
+
+It polls the admin API (``/admin/backends`` and ``/admin/metrics``) once a second and shows,
+per backend: health, circuit, in-flight, queue, KV usage, score, requests per second and time
+to first token (p50, p99) over the last interval. The arithmetic is pure (``Frame``); only
+``run`` does I/O.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+DESCRIPTION: Final = (
+    "Live view of a running gateway: per backend health, circuit, in-flight requests, queue "
+    "depth, KV-cache usage, routing score, requests/s and time to first token (p50/p99), "
+    "refreshed every second. Needs the admin API (its URL and bearer token)."
+)
+TOKEN_ENV: Final = "LLM_GATEWAY_ADMIN_TOKEN"
+
+# (backend) -> cumulative request count; (backend) -> [(le, cumulative count)]
+Counts = dict[str, float]
+Buckets = dict[str, list[tuple[float, float]]]
+
+
+@dataclass(frozen=True, slots=True)
+class MetricsSample:
+    at: float
+    requests: Counts = field(default_factory=dict)
+    ttft: Buckets = field(default_factory=dict)
+
+
+def parse_metrics(text: str, at: float) -> MetricsSample:
+    """Requests and TTFT buckets per backend, summed over models and statuses."""
+    requests: Counts = {}
+    ttft: dict[str, dict[float, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            backend = s.labels.get("backend")
+            if backend is None:
+                continue
+            if s.name == "llm_gateway_requests_total":
+                requests[backend] = requests.get(backend, 0.0) + s.value
+            elif s.name == "llm_gateway_time_to_first_token_seconds_bucket":
+                le = float(s.labels["le"])
+                per = ttft.setdefault(backend, {})
+                per[le] = per.get(le, 0.0) + s.value
+    return MetricsSample(at, requests, {b: sorted(per.items()) for b, per in ttft.items()})
+
+
+def bucket_quantile(buckets: Iterable[tuple[float, float]], q: float) -> float | None:
+    """Prometheus-style quantile from cumulative buckets (linear within a bucket)."""
+    bs = list(buckets)
+    if not bs or bs[-1][1] <= 0:
+        return None
+    rank = q * bs[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in bs:
+        if count >= rank:
+            if math.isinf(le):
+                return prev_le
+            span = count - prev_count
+            frac = 0.0 if span <= 0 else (rank - prev_count) / span
+            return prev_le + (le - prev_le) * frac
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def _delta_buckets(
+    cur: list[tuple[float, float]], prev: list[tuple[float, float]] | None
+) -> list[tuple[float, float]]:
+    before = dict(prev or [])
+    return [(le, c - before.get(le, 0.0)) for le, c in cur]
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    backend: str
+    health: str
+    circuit: str
+    draining: bool
+    in_flight: int
+    queue: int | None
+    kv: float | None
+    score: float | None
+    rps: float | None
+    ttft_p50: float | None
+    ttft_p99: float | None
+
+
+def frame(backends: Mapping[str, Any], cur: MetricsSample, prev: MetricsSample | None) -> list[Row]:
+    """One frame's rows from the admin view and two metric samples (rates over the gap)."""
+    rows = []
+    dt = (cur.at - prev.at) if prev is not None else 0.0
+    for b in backends.get("backends", []):
+        bid = b["id"]
+        rps = p50 = p99 = None
+        if prev is not None and dt > 0:
+            rps = (cur.requests.get(bid, 0.0) - prev.requests.get(bid, 0.0)) / dt
+            window = _delta_buckets(cur.ttft.get(bid, []), prev.ttft.get(bid))
+            p50, p99 = bucket_quantile(window, 0.5), bucket_quantile(window, 0.99)
+        rows.append(
+            Row(
+                backend=bid,
+                health=b["health"],
+                circuit=b["circuit"],
+                draining=bool(b["draining"]),
+                in_flight=int(b["in_flight"]),
+                queue=b.get("queue_depth"),
+                kv=b.get("kv_cache_usage"),
+                score=b.get("score"),
+                rps=rps,
+                ttft_p50=p50,
+                ttft_p99=p99,
+            )
+        )
+    return rows
+
+
+def _fmt(v: float | None, pattern: str) -> str:
+    return "-" if v is None else pattern.format(v)
+
+
+def render(rows: list[Row], policy: str) -> Table:
+    table = Table(title=f"llm-gateway backends  (policy: {policy})", expand=False)
+    for col in (
+        "backend", "health", "circuit", "in-flight", "queue", "KV", "score", "req/s",
+        "TTFT p50", "TTFT p99",
+    ):  # fmt: skip
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    colour = {"up": "green", "down": "red", "unknown": "yellow"}
+    for r in rows:
+        health = f"[{colour.get(r.health, 'white')}]{r.health}[/]"
+        if r.draining:
+            health += " [yellow](draining)[/]"
+        table.add_row(
+            r.backend,
+            health,
+            r.circuit,
+            str(r.in_flight),
+            _fmt(r.queue, "{:d}"),
+            _fmt(None if r.kv is None else r.kv * 100, "{:.0f}%"),
+            _fmt(r.score, "{:.1f}"),
+            _fmt(r.rps, "{:.1f}"),
+            _fmt(None if r.ttft_p50 is None else r.ttft_p50 * 1e3, "{:.0f} ms"),
+            _fmt(None if r.ttft_p99 is None else r.ttft_p99 * 1e3, "{:.0f} ms"),
+        )
+    return table
+
+
+class TopClient:
+    def __init__(self, session: aiohttp.ClientSession, admin_url: str, token: str) -> None:
+        self._session = session
+        self._url = admin_url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"}
+        self._prev: MetricsSample | None = None
+
+    async def _get(self, path: str) -> aiohttp.ClientResponse:
+        resp = await self._session.get(self._url + path, headers=self._headers)
+        resp.raise_for_status()
+        return resp
+
+    async def next_frame(self) -> Table:
+        async with await self._get("/admin/backends") as r:
+            backends = await r.json()
+        async with await self._get("/admin/metrics") as r:
+            sample = parse_metrics(await r.text(), time.monotonic())
+        rows = frame(backends, sample, self._prev)
+        self._prev = sample
+        return render(rows, backends.get("policy", "?"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--admin", required=True, help="admin API URL, e.g. http://127.0.0.1:8081")
+    p.add_argument("--token", help=f"admin bearer token (default: ${TOKEN_ENV})")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one frame and exit")
+
+
+async def _run(args: argparse.Namespace, token: str) -> None:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as s:
+        client = TopClient(s, args.admin, token)
+        table = await client.next_frame()
+        if args.once:
+            await asyncio.sleep(min(args.interval, 1.0))
+            Console().print(await client.next_frame())
+            return
+        with Live(table, refresh_per_second=4) as live:
+            while True:
+                await asyncio.sleep(args.interval)
+                live.update(await client.next_frame())
+
+
+def run(args: argparse.Namespace) -> int:
+    token = args.token or os.environ.get(TOKEN_ENV)
+    if not token:
+        print(f"llm-gateway top: give --token or set {TOKEN_ENV}", flush=True)
+        return 2
+    try:
+        asyncio.run(_run(args, token))
+    except KeyboardInterrupt:
+        return 0
+    except aiohttp.ClientError as exc:
+        print(f"llm-gateway top: cannot read {args.admin}: {exc}", flush=True)
+        return 1
+    return 0

@@ -1,0 +1,169 @@
+"""API keys, the limits settings, the limiter façade and `llm-gateway keys hash`."""
+
+from __future__ import annotations
+
+import io
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+from multidict import CIMultiDict
+from pydantic import ValidationError
+
+from gateway.cli import main as cli_main
+from gateway.errors import AuthenticationError, RateLimited
+from gateway.limits.keys import Authenticator, hash_key, presented_key
+from gateway.limits.limiter import Limiter
+from gateway.limits.memory import MemoryLimitStore
+from gateway.limits.settings import LimitsSettings
+from gateway.limits.tokens import Usage
+from gateway.settings import Settings
+
+ALICE = "sk-alice-secret"
+BOB = "sk-bob-secret"
+
+
+def limits_settings(**over: Any) -> LimitsSettings:
+    raw: dict[str, Any] = {
+        "auth": True,
+        "tiers": {
+            "default": {"requests_per_minute": 2},
+            "gold": {"tokens_per_minute": 1000, "max_concurrent": 1, "max_priority": 5},
+        },
+        "keys": [
+            {"name": "alice", "hash": hash_key(ALICE), "tier": "gold"},
+            {"name": "bob", "hash": hash_key(BOB)[len("sha256:") :]},
+        ],
+    }
+    raw.update(over)
+    return LimitsSettings.model_validate(raw)
+
+
+def headers(**h: str) -> CIMultiDict[str]:
+    return CIMultiDict({k.replace("_", "-"): v for k, v in h.items()})
+
+
+def test_key_read_from_bearer_or_x_api_key() -> None:
+    assert presented_key(headers(Authorization=f"Bearer {ALICE}")) == ALICE
+    assert presented_key(headers(authorization=f"bearer  {ALICE} ")) == ALICE
+    assert presented_key(headers(x_api_key=ALICE)) == ALICE
+    assert presented_key(headers(Authorization="Basic abc")) is None
+    assert presented_key(headers()) is None
+
+
+def test_known_keys_get_their_tier() -> None:
+    auth = Authenticator(limits_settings())
+    alice = auth.authenticate(headers(Authorization=f"Bearer {ALICE}"))
+    assert (alice.id, alice.tier, alice.authenticated) == ("key:alice", "gold", True)
+    assert alice.limits.tokens_per_minute == 1000
+    assert alice.max_priority == 5
+    bob = auth.authenticate(headers(x_api_key=BOB))
+    assert (bob.id, bob.tier, bob.limits.requests_per_minute) == ("key:bob", "default", 2)
+
+
+def test_missing_or_unknown_key_is_401_when_auth_is_on() -> None:
+    auth = Authenticator(limits_settings())
+    with pytest.raises(AuthenticationError) as missing:
+        auth.authenticate(headers())
+    assert missing.value.status == 401
+    assert missing.value.envelope()["error"]["type"] == "authentication_error"
+    assert missing.value.code == "missing_api_key"
+    with pytest.raises(AuthenticationError) as wrong:
+        auth.authenticate(headers(Authorization="Bearer sk-nope"))
+    assert wrong.value.code == "invalid_api_key"
+    assert "sk-nope" not in wrong.value.message
+
+
+def test_auth_off_makes_unknown_callers_anonymous_but_honours_known_keys() -> None:
+    auth = Authenticator(limits_settings(auth=False))
+    anon = auth.authenticate(headers(Authorization="Bearer sk-nope"))
+    assert (anon.id, anon.authenticated) == ("anonymous", False)
+    assert auth.authenticate(headers(x_api_key=ALICE)).id == "key:alice"
+
+
+def test_defaults_are_auth_off_and_unlimited() -> None:
+    s = LimitsSettings()
+    anon = Authenticator(s).authenticate(headers())
+    assert anon.limits.unlimited
+    assert s.store == "memory"
+    assert s.redis.timeout == 0.05
+
+
+@pytest.mark.parametrize(
+    ("over", "message"),
+    [
+        ({"keys": [{"name": "x", "hash": "abc"}]}, "64 hex digits"),
+        ({"keys": [{"name": "x", "hash": hash_key("k"), "tier": "nope"}]}, "unknown tier"),
+        (
+            {"keys": [{"name": "x", "hash": hash_key("k")}, {"name": "x", "hash": hash_key("j")}]},
+            "listed twice",
+        ),
+        ({"anonymous_tier": "nope"}, "anonymous_tier"),
+        ({"keys": []}, "no keys"),
+    ],
+)
+def test_bad_limits_configuration_is_refused(over: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        limits_settings(**over)
+
+
+def test_limits_settings_mount_under_gateway_settings_from_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class WithLimits(Settings):
+        limits: LimitsSettings = LimitsSettings()
+
+    monkeypatch.setenv("GATEWAY_LIMITS__STORE", "redis")
+    monkeypatch.setenv("GATEWAY_LIMITS__REDIS__FAILURE_MODE", "closed")
+    s = WithLimits()
+    assert s.limits.store == "redis"
+    assert s.limits.redis.failure_mode == "closed"
+
+
+async def test_limiter_reserves_estimate_and_refunds_on_finish() -> None:
+    limiter = Limiter(limits_settings(), MemoryLimitStore())
+    alice = limiter.authenticate(headers(Authorization=f"Bearer {ALICE}"))
+    doc = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 486}
+    grant = await limiter.admit(alice, doc)
+    assert grant.reserved == 500  # 10 + 4 overhead + 486
+    assert grant.headers["x-ratelimit-remaining-tokens"] == "500"
+    with pytest.raises(RateLimited) as busy:  # max_concurrent = 1
+        await limiter.admit(alice, doc)
+    assert busy.value.envelope()["error"]["code"] == "rate_limit_exceeded"
+    assert limiter.rejections[("key:alice", "concurrency")] == 1
+    await limiter.finish(grant, Usage(10, 20, 30))
+    await limiter.finish(grant, Usage(10, 20, 30))
+    again = await limiter.admit(alice, doc)  # 1000 - 30 left: 500 fits
+    assert again.headers["x-ratelimit-remaining-tokens"] == "470"
+
+
+def keys_cli(argv: list[str]) -> int:
+    """``llm-gateway keys ...`` as the CLI registers it (without the other subcommands)."""
+    return cli_main(argv)
+
+
+def test_cli_keys_hash_prints_the_configured_form(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(ALICE + "\n"))
+    assert keys_cli(["keys", "hash"]) == 0
+    printed = capsys.readouterr().out.strip()
+    assert printed == hash_key(ALICE)
+    assert LimitsSettings.model_validate({"keys": [{"name": "a", "hash": printed}]}).keys[
+        0
+    ].hash == printed.removeprefix("sha256:")
+
+
+def test_cli_keys_hash_refuses_empty_input(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert keys_cli(["keys", "hash"]) == 2
+
+
+def test_the_documented_example_configuration_is_valid() -> None:
+    text = (Path(__file__).parents[3] / "docs" / "limits.md").read_text()
+    example = text.split("```toml\n", 1)[1].split("```", 1)[0]
+    s = LimitsSettings.model_validate(tomllib.loads(example)["limits"])
+    assert s.store == "redis"
+    assert s.keys[0].tier == "gold"
+    assert s.admission.max_in_flight == 64

@@ -166,7 +166,11 @@ def create_app(
     app = web.Application(
         client_max_size=settings.max_body_bytes,
         middlewares=[request_context],
-        handler_args={"max_field_size": 16 * 1024},
+        handler_args={
+            "max_field_size": settings.client.max_header_bytes,
+            "max_line_size": settings.client.max_header_bytes,
+            "keepalive_timeout": settings.client.keepalive_timeout,
+        },
     )
     app[SETTINGS] = settings
     app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)

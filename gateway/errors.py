@@ -2,7 +2,8 @@
 
     GatewayError                      500 internal_error
     ├── InvalidRequest                400 invalid_request_error
-    │   └── BodyTooLarge              413 invalid_request_error
+    │   ├── BodyTooLarge              413 invalid_request_error
+    │   └── BodyTimeout               408 invalid_request_error (body not received in time)
     ├── AuthenticationError           401 authentication_error / invalid_api_key
     ├── RateLimited                   429 requests|tokens / rate_limit_exceeded
     │                                     (+ Retry-After, x-ratelimit-*)
@@ -58,6 +59,14 @@ class InvalidRequest(GatewayError):
 class BodyTooLarge(InvalidRequest):
     status = 413
     default_code = "request_too_large"
+
+
+class BodyTimeout(InvalidRequest):
+    status = 408
+    default_code = "request_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Connection": "close"})
 
 
 class AuthenticationError(GatewayError):

@@ -24,6 +24,7 @@ from opentelemetry.trace import Span, SpanKind, set_span_in_context
 from backends.pool import Lease
 from backends.upstream import Upstream
 from gateway.errors import (
+    BodyTimeout,
     BodyTooLarge,
     GatewayError,
     InvalidRequest,
@@ -65,14 +66,19 @@ class _RetryableStatus(Exception):
         self.status = status
 
 
-async def read_json_body(request: web.Request, limit: int) -> tuple[bytes, dict[str, Any]]:
-    """The raw body (forwarded as is) and its parsed object; 400/413 on bad input."""
+async def read_json_body(
+    request: web.Request, limit: int, within: float
+) -> tuple[bytes, dict[str, Any]]:
+    """The raw body (forwarded as is) and its parsed object; 400/408/413 on bad input."""
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"Request body is larger than the limit of {limit} bytes.")
     try:
-        raw = await request.read()
+        async with asyncio.timeout(within):
+            raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise BodyTooLarge(f"Request body is larger than the limit of {limit} bytes.") from exc
+    except TimeoutError as exc:
+        raise BodyTimeout(f"The request body did not arrive within {within:g}s.") from exc
     if not raw:
         raise InvalidRequest("The request body is empty; expected a JSON object.")
     try:
@@ -103,7 +109,10 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
     try:
         principal = limiter.authenticate(request.headers)
         record.key = principal.id
-        raw, doc = await read_json_body(request, app[SETTINGS].max_body_bytes)
+        settings = app[SETTINGS]
+        raw, doc = await read_json_body(
+            request, settings.max_body_bytes, settings.client.body_timeout
+        )
         facts = route_facts(doc)
         record.model = facts.model
         grant = await limiter.admit(principal, doc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import ssl
 
 import structlog
 from aiohttp import web
@@ -19,7 +20,7 @@ from gateway.errors import InvalidRequest
 from gateway.keys import LIFECYCLE
 from gateway.logs import configure_logging
 from gateway.reload import SettingsLoader, reload_settings
-from gateway.settings import Settings
+from gateway.settings import Settings, TlsSettings
 
 log = structlog.get_logger("gateway.server")
 
@@ -62,12 +63,29 @@ def _reload(app: web.Application) -> None:
         reload_settings(app)
 
 
+def ssl_context(tls: TlsSettings) -> ssl.SSLContext | None:
+    """A server TLS context from the configured certificate chain and key, if any."""
+    if not tls.enabled:
+        return None
+    assert tls.cert_file is not None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.load_cert_chain(tls.cert_file, tls.key_file)
+    return ctx
+
+
 async def run_until_signalled(settings: Settings, loader: SettingsLoader | None = None) -> None:
     app = create_app(settings, loader=loader)
     runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
     await runner.setup()
     runners = [runner]
-    site = web.TCPSite(runner, settings.host, settings.port, reuse_address=True)
+    site = web.TCPSite(
+        runner,
+        settings.host,
+        settings.port,
+        reuse_address=True,
+        ssl_context=ssl_context(settings.tls),
+    )
     await site.start()
     admin_address = None
     if settings.admin.token is not None:
@@ -81,7 +99,10 @@ async def run_until_signalled(settings: Settings, loader: SettingsLoader | None 
         admin_address = admin_site.name
     log.info(
         "gateway_listening",
-        address=", ".join(f"http://{a[0]}:{a[1]}" for a in runner.addresses),
+        address=", ".join(
+            f"{'https' if settings.tls.enabled else 'http'}://{a[0]}:{a[1]}"
+            for a in runner.addresses
+        ),
         admin=admin_address,
         backends=[b.id for b in settings.backends],
         discovery=settings.discovery.dns or None,

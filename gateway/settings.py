@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -147,6 +147,41 @@ class AdminSettings(BaseModel):
     token: SecretStr | None = Field(None, description="bearer token; no token, no admin API")
 
 
+class ClientSettings(BaseModel):
+    """What a client connection may do: a slow or idle client cannot hold one forever."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    keepalive_timeout: float = Field(
+        75.0, gt=0, description="seconds an idle (or silent new) connection is kept open"
+    )
+    body_timeout: float = Field(
+        30.0, gt=0, description="seconds to receive a request body before a 408"
+    )
+    max_header_bytes: int = Field(
+        16 * 1024, ge=1024, description="longest request line or header field"
+    )
+
+
+class TlsSettings(BaseModel):
+    """TLS termination: both files, or neither."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cert_file: Path | None = None
+    key_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _both_or_neither(self) -> TlsSettings:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("tls needs both cert_file and key_file")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
 class TracingSettings(BaseModel):
     """OpenTelemetry export; no endpoint, no tracing."""
 
@@ -179,6 +214,8 @@ class Settings(BaseSettings):
     admin: AdminSettings = Field(default_factory=AdminSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
+    client: ClientSettings = Field(default_factory=ClientSettings)
+    tls: TlsSettings = Field(default_factory=TlsSettings)
     shutdown_grace: float = Field(
         30.0, ge=0, description="seconds in-flight streams get to finish on SIGTERM"
     )

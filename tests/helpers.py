@@ -17,7 +17,7 @@ from multidict import CIMultiDict
 from gateway.admin import create_admin_app
 from gateway.app import create_app
 from gateway.keys import POOL
-from gateway.server import make_runner
+from gateway.server import make_runner, ssl_context
 from gateway.settings import Settings
 
 
@@ -303,8 +303,9 @@ async def running_gateway(
     runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
     await runner.setup()
     sock = bound_socket()
-    await web.SockSite(runner, sock).start()
-    gw = RunningGateway(url=f"http://127.0.0.1:{sock.getsockname()[1]}", app=app, runner=runner)
+    await web.SockSite(runner, sock, ssl_context=ssl_context(settings.tls)).start()
+    scheme = "https" if settings.tls.enabled else "http"
+    gw = RunningGateway(url=f"{scheme}://127.0.0.1:{sock.getsockname()[1]}", app=app, runner=runner)
     admin_runner = None
     if settings.admin.token is not None:
         admin_runner = make_runner(

@@ -12,6 +12,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from gateway.keys import ADMISSION, LIMITER
+from gateway.limits.memory import MemoryLimitStore
 from tests.helpers import (
     FakeBackend,
     Seen,
@@ -148,6 +150,11 @@ async def test_no_lease_or_connection_leaks_after_hundreds_of_mixed_requests() -
             [a.url, b.url],
             upstream={"idle_timeout": 0.3},
             health={"circuit_threshold": 10_000},
+            # Concurrency slots and the admission queue are in the path too.
+            limits={
+                "tiers": {"default": {"max_concurrent": 64}},
+                "admission": {"enabled": True, "max_in_flight": 12, "max_wait": 5},
+            },
         ) as gw,
     ):
         connector = aiohttp.TCPConnector(limit=64)
@@ -178,6 +185,13 @@ async def test_no_lease_or_connection_leaks_after_hundreds_of_mixed_requests() -
 
         await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="every lease released")
         await wait_for(lambda: a.active() + b.active() == 0, what="every upstream closed")
+        queue = gw.app[ADMISSION]
+        assert queue is not None
+        await wait_for(lambda: queue.holding == 0 and queue.waiting == 0, what="queue empty")
+        # Every concurrency slot came back.
+        store = gw.app[LIMITER].store
+        assert isinstance(store, MemoryLimitStore)
+        await wait_for(lambda: store.slots_in_use("anonymous") == 0, what="slots released")
     assert outcomes.get("error:500", 0) > 0
     assert outcomes.get("hang:504", 0) > 0
     assert outcomes.get("bad:400", 0) > 0

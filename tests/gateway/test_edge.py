@@ -1,0 +1,90 @@
+"""The gateway as the edge: TLS, and clients that are slow, idle or send too much."""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import subprocess
+from pathlib import Path
+
+import aiohttp
+import pytest
+
+from tests.helpers import FakeBackend, running_fake, running_gateway
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("tls")
+    cert, key = d / "cert.pem", d / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+async def test_tls_is_terminated_for_a_real_tls_client(certificate: tuple[Path, Path]) -> None:
+    cert, key = certificate
+    fake = FakeBackend()
+    trust = ssl.create_default_context(cafile=str(cert))
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], tls={"cert_file": cert, "key_file": key}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        assert gw.url.startswith("https://")
+        async with s.post(gw.url + "/v1/completions", json=CHAT, ssl=trust) as r:
+            assert r.status == 200
+        with pytest.raises(aiohttp.ClientConnectorCertificateError):
+            await s.post(gw.url + "/v1/completions", json=CHAT)  # untrusted: refused
+        plain = gw.url.replace("https://", "http://")
+        with pytest.raises(aiohttp.ClientError):
+            await s.post(plain + "/v1/completions", json=CHAT)
+    assert len(fake.seen) == 1
+
+
+async def test_a_body_that_trickles_in_gets_408_and_reaches_no_backend() -> None:
+    fake = FakeBackend()
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], client={"body_timeout": 0.2}) as gw,
+    ):
+        host, port = gw.url[7:].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\n\r\n" + b'{"model": "m"'
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        writer.close()
+    assert head.startswith(b"HTTP/1.1 408")
+    assert fake.seen == []
+
+
+async def test_an_idle_connection_is_closed_after_the_keepalive_timeout() -> None:
+    async with (
+        running_fake(FakeBackend()) as fake,
+        running_gateway([fake.url], client={"keepalive_timeout": 0.2}) as gw,
+    ):
+        host, port = gw.url[7:].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        # Says nothing at all: the gateway hangs up rather than hold the connection forever.
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        writer.close()
+
+
+async def test_oversized_headers_are_refused() -> None:
+    async with (
+        running_fake(FakeBackend()) as fake,
+        running_gateway([fake.url], client={"max_header_bytes": 2048}) as gw,
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/completions", json=CHAT, headers={"X-Big": "a" * 4096}) as r,
+    ):
+        assert r.status in (400, 431)
+    assert fake.seen == []

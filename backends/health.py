@@ -2,7 +2,8 @@
 
 ``unknown`` until the first probe answers (a new backend gets no traffic before that), then
 ``up`` or ``down``. Down after ``fall`` consecutive probe failures; back up only after ``rise``
-consecutive successes. A failing or stale metrics scrape lowers the bar to go down by one probe,
+consecutive successes. A backend that has never been up (still starting, loading its model)
+comes up on its first good probe. A failing or stale metrics scrape lowers the bar to go down by one probe,
 but never marks a backend down on its own.
 """
 
@@ -35,15 +36,17 @@ class HealthTracker:
     failures: int = 0
     successes: int = 0
     last_error: str | None = None
+    ever_up: bool = False
 
     def probe_ok(self) -> Health:
         self.failures = 0
         self.successes += 1
         self.last_error = None
-        if self.state is Health.UNKNOWN or (
-            self.state is Health.DOWN and self.successes >= self.policy.rise
+        if self.state is not Health.UP and (
+            not self.ever_up or self.successes >= self.policy.rise
         ):
             self.state = Health.UP
+            self.ever_up = True
         return self.state
 
     def probe_failed(self, error: str, *, scrape_failing: bool = False) -> Health:

@@ -23,6 +23,13 @@ def test_unknown_backend_failing_its_first_probe_is_down() -> None:
     assert t.probe_failed("refused") is Health.DOWN
 
 
+def test_a_backend_never_up_comes_up_on_its_first_good_probe() -> None:
+    t = HealthTracker(HealthPolicy(fall=3, rise=2))
+    t.probe_failed("still loading")
+    t.probe_failed("still loading")
+    assert t.probe_ok() is Health.UP  # starting up is not flapping: no rise needed
+
+
 def test_down_after_fall_consecutive_failures_up_after_rise_successes() -> None:
     t = HealthTracker(HealthPolicy(fall=3, rise=2))
     t.probe_ok()

@@ -48,23 +48,24 @@ def _listed_in_connection(headers: Mapping[str, str]) -> set[str]:
     return {t.strip().lower() for t in conn.split(",") if t.strip()}
 
 
-def upstream_headers(client: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    extra = _listed_in_connection(client)
+def _filtered(
+    headers: CIMultiDictProxy[str], drop: frozenset[str], request_id: str
+) -> CIMultiDict[str]:
+    extra = _listed_in_connection(headers)
     out: CIMultiDict[str] = CIMultiDict()
-    for k, v in client.items():
+    for k, v in headers.items():
         lk = k.lower()
-        if lk not in _NOT_UPSTREAM and lk not in extra:
+        if lk not in drop and lk not in extra:
             out.add(k, v)
     out[REQUEST_ID] = request_id
     return out
+
+
+def upstream_headers(client: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
+    """The client's headers as the backend gets them: no hop-by-hop, no credentials."""
+    return _filtered(client, _NOT_UPSTREAM, request_id)
 
 
 def downstream_headers(upstream: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    extra = _listed_in_connection(upstream)
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in upstream.items():
-        lk = k.lower()
-        if lk not in _NOT_DOWNSTREAM and lk not in extra:
-            out.add(k, v)
-    out[REQUEST_ID] = request_id
-    return out
+    """The backend's headers as the client gets them, with the request's id."""
+    return _filtered(upstream, _NOT_DOWNSTREAM, request_id)

@@ -120,7 +120,7 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         call = _Call(
             request,
             path,
-            with_include_usage(doc) if plan.inject else raw,
+            with_include_usage(doc, raw) if plan.inject else raw,
             upstream_headers(request.headers, record.request_id),
             record,
             strip_usage=plan.strip,

@@ -159,8 +159,19 @@ def usage_plan(doc: dict[str, Any]) -> UsagePlan:
     return UsagePlan(inject=not asked, strip=not asked)
 
 
-def with_include_usage(doc: dict[str, Any]) -> bytes:
-    """The request body to send upstream, asking for the usage chunk."""
+_ASK_USAGE = b',"stream_options":{"include_usage":true}}'
+
+
+def with_include_usage(doc: dict[str, Any], raw: bytes | None = None) -> bytes:
+    """The request body to send upstream, asking for the usage chunk.
+
+    Given the raw body of a request without ``stream_options``, the option is appended to it
+    as bytes: a long prompt is not serialised again.
+    """
+    if raw is not None and doc and "stream_options" not in doc:
+        body = raw.rstrip()
+        if body.endswith(b"}"):
+            return body[:-1] + _ASK_USAGE
     so = doc.get("stream_options")
     options = dict(so) if isinstance(so, dict) else {}
     options["include_usage"] = True

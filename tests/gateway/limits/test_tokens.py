@@ -176,3 +176,14 @@ async def test_usage_read_and_stripped_from_a_vllm_compatible_stream() -> None:
     assert b'"usage"' not in forwarded
     assert forwarded.endswith(b"data: [DONE]\n\n")
     assert forwarded.count(b"data: ") >= 9  # role chunk, 8 tokens (some may share), [DONE]
+
+
+def test_with_include_usage_appends_to_the_raw_body_without_reserialising() -> None:
+    raw = b'{"model": "m",  "stream": true, "messages": [{"role": "user", "content": "x"}]} \n'
+    doc = json.loads(raw)
+    sent = with_include_usage(doc, raw)
+    assert sent.startswith(raw.rstrip()[:-1])  # the client's bytes, untouched
+    assert json.loads(sent) == doc | {"stream_options": {"include_usage": True}}
+    asked_other = doc | {"stream_options": {"continuous_usage_stats": False}}
+    both = json.loads(with_include_usage(asked_other, json.dumps(asked_other).encode()))
+    assert both["stream_options"] == {"continuous_usage_stats": False, "include_usage": True}

@@ -3,8 +3,8 @@
 ``unknown`` until the first probe answers (a new backend gets no traffic before that), then
 ``up`` or ``down``. Down after ``fall`` consecutive probe failures; back up only after ``rise``
 consecutive successes. A backend that has never been up (still starting, loading its model)
-comes up on its first good probe. A failing or stale metrics scrape lowers the bar to go down by one probe,
-but never marks a backend down on its own.
+comes up on its first good probe. A failing or stale metrics scrape lowers the bar to go down
+by one probe, but never marks a backend down on its own.
 """
 
 from __future__ import annotations
@@ -42,9 +42,7 @@ class HealthTracker:
         self.failures = 0
         self.successes += 1
         self.last_error = None
-        if self.state is not Health.UP and (
-            not self.ever_up or self.successes >= self.policy.rise
-        ):
+        if self.state is not Health.UP and (not self.ever_up or self.successes >= self.policy.rise):
             self.state = Health.UP
             self.ever_up = True
         return self.state

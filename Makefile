@@ -3,9 +3,9 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install lint typecheck pytest run bench clean
+.PHONY: test install lint typecheck pytest run bench benchmarks clean
 
-test: install lint typecheck pytest
+test: install vllm lint typecheck pytest
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -31,5 +31,21 @@ run: install
 bench: install
 	$(BIN)/python -m loadtest.overhead
 
+# Every scenario under its policies plus the overhead benchmark; rewrites docs/benchmarks.md
+# (plots in docs/img/, raw results in docs/results/). About 8 minutes on 2 cores.
+benchmarks: install
+	$(BIN)/llm-gateway loadtest report-all
+
 clean:
 	rm -rf $(VENV) .mypy_cache .pytest_cache .ruff_cache
+
+# Real vLLM (CPU build) in its own virtualenv, .venv-vllm, for tests/e2e; does nothing when
+# already installed. `e2e` runs only the end-to-end tests (two vLLM servers, about a minute
+# to start).
+.PHONY: vllm e2e
+
+vllm:
+	scripts/install_vllm.sh
+
+e2e: install vllm
+	$(BIN)/pytest tests/e2e $(PYTEST_ARGS)

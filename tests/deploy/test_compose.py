@@ -1,0 +1,163 @@
+"""compose.yaml and its Prometheus config: they follow their schemas and agree with the code."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+from gateway.cli import build_parser
+from gateway.settings import Settings
+from tests.deploy.manifests import (
+    COMPOSE,
+    PROMETHEUS,
+    ROOT,
+    compose,
+    compose_raw,
+    compose_schema,
+    compose_vllm_args,
+    flags,
+)
+
+GATEWAY_PORT = Settings.model_fields["port"].default  # 8080
+VLLM_PORT = 8000  # vLLM's default --port
+
+
+def gateway_env() -> dict[str, str]:
+    return {k: str(v) for k, v in compose()["services"]["gateway"]["environment"].items()}
+
+
+def healthcheck_url(service: dict[str, Any]) -> str:
+    """host:port/path of the URL a service's health check fetches."""
+    [url] = re.findall(r"http://([^'\"\s,)]+)", " ".join(service["healthcheck"]["test"]))
+    return str(url)
+
+
+def test_compose_follows_the_compose_specification() -> None:
+    schema = compose_schema()
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = [f"{list(e.absolute_path)}: {e.message}" for e in validator.iter_errors(compose())]
+    assert errors == []
+
+
+def test_schema_check_rejects_a_misspelt_key() -> None:
+    """The schema check above is not vacuous: an unknown service key fails it."""
+    doc = compose()
+    doc["services"]["gateway"]["helthcheck"] = doc["services"]["gateway"].pop("healthcheck")
+    assert not jsonschema.Draft202012Validator(compose_schema()).is_valid(doc)
+
+
+def test_gateway_discovers_the_vllm_service_by_its_compose_name() -> None:
+    name = gateway_env()["GATEWAY_DISCOVERY__DNS"]
+    host, port = name.rsplit(":", 1)
+    services = compose()["services"]
+    assert host == "vllm"
+    assert host in services
+    vllm_flags = flags(services["vllm"]["command"])
+    assert int(port) == int(vllm_flags["--port"] or 0) == VLLM_PORT
+    assert str(VLLM_PORT) in services["vllm"]["expose"]
+    # The vllm service itself carries no fixed container name or host port, so --scale works.
+    assert "container_name" not in services["vllm"]
+    assert "ports" not in services["vllm"]
+
+
+def test_sim_profile_answers_to_the_same_name_and_port() -> None:
+    sim = compose()["services"]["sim"]
+    assert sim["profiles"] == ["sim"]
+    assert "vllm" in sim["networks"]["default"]["aliases"]
+    args = build_parser(sim["command"]).parse_args(sim["command"])  # the real CLI accepts them
+    assert args.command == "sim"
+    assert args.port == VLLM_PORT
+    assert args.host == "0.0.0.0"
+    assert (
+        args.served_model_name
+        == flags(compose()["services"]["vllm"]["command"])["--served-model-name"]
+    )
+
+
+def test_gateway_environment_is_valid_gateway_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every GATEWAY_* variable names a real setting, and together they load."""
+    env = gateway_env()
+    for key in env:
+        path = key.removeprefix("GATEWAY_").lower().split("__")
+        model: Any = Settings
+        for part in path:
+            assert part in model.model_fields, f"{key}: no setting {part!r}"
+            model = model.model_fields[part].annotation
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    settings = Settings()
+    assert settings.port == GATEWAY_PORT
+    assert settings.host == "0.0.0.0"
+    assert settings.discovery.dns == ["vllm:8000"]
+
+
+def test_ports_and_health_paths_match_the_servers() -> None:
+    services = compose()["services"]
+    gw = services["gateway"]
+    assert healthcheck_url(gw) == f"127.0.0.1:{GATEWAY_PORT}/health"
+    assert any(p.endswith(f":{GATEWAY_PORT}") for p in gw["ports"])
+    assert healthcheck_url(services["vllm"]) == f"127.0.0.1:{VLLM_PORT}/health"
+    assert healthcheck_url(services["sim"]) == f"127.0.0.1:{VLLM_PORT}/health"
+
+
+def test_gateway_waits_for_healthy_dependencies() -> None:
+    deps = compose()["services"]["gateway"]["depends_on"]
+    assert deps["redis"] == {"condition": "service_healthy"}
+    for backend in ("vllm", "sim"):
+        assert deps[backend] == {"condition": "service_healthy", "required": False}
+    assert gateway_env()["GATEWAY_LIMITS__REDIS__URL"].startswith("redis://redis:6379")
+
+
+def test_vllm_runs_with_production_engine_arguments() -> None:
+    args = flags(compose_vllm_args())
+    assert 0.5 <= float(args["--gpu-memory-utilization"] or 0) < 1
+    for required in (
+        "--max-num-seqs",
+        "--max-model-len",
+        "--block-size",
+        "--kv-offloading-size",
+        "--tensor-parallel-size",
+    ):
+        assert int(float(args[required] or 0)) > 0, required
+    assert "--enable-prefix-caching" in args
+    assert "--swap-space" not in args  # removed in vLLM's V1 engine; 0.32 refuses it
+    gpus = compose()["services"]["vllm"]["deploy"]["resources"]["reservations"]["devices"]
+    assert gpus == [{"driver": "nvidia", "count": "all", "capabilities": ["gpu"]}]
+
+
+def test_mounted_files_exist() -> None:
+    for service in compose_raw()["services"].values():
+        for volume in service.get("volumes", []):
+            source = volume.split(":", 1)[0]
+            if source.startswith("."):
+                assert (COMPOSE.parent / source).is_file(), source
+
+
+def test_gpu_slot_script_is_valid_bash() -> None:
+    script = ROOT / "deploy" / "compose" / "vllm-gpu-slot.sh"
+    entry = compose()["services"]["vllm"]["entrypoint"]
+    assert entry == ["bash", "/opt/llm-gateway/vllm-gpu-slot.sh"]
+    done = subprocess.run(["bash", "-n", str(script)], check=False, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_prometheus_scrapes_the_gateway_and_every_vllm_replica() -> None:
+    config = yaml.safe_load(PROMETHEUS.read_text())
+    services = compose()["services"]
+    jobs = {job["job_name"]: job for job in config["scrape_configs"]}
+    assert set(jobs) == {"gateway", "vllm"}
+    for job, port in (("gateway", GATEWAY_PORT), ("vllm", VLLM_PORT)):
+        [sd] = jobs[job]["dns_sd_configs"]
+        assert sd["names"] == [job]
+        assert job in services
+        assert sd["port"] == port
+        assert jobs[job]["metrics_path"] == "/metrics"
+    mounts = services["prometheus"]["volumes"]
+    rel = Path(PROMETHEUS).relative_to(ROOT)
+    assert f"./{rel}:/etc/prometheus/prometheus.yml:ro" in mounts

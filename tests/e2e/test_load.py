@@ -1,0 +1,125 @@
+"""What the gateway learns from real vLLM servers' /metrics, and how it spreads load on them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+import httpx
+import openai
+
+from gateway.keys import POOL
+from tests.e2e.observe import KV_USAGE, RUNNING, WAITING, poll_until, server_metrics
+from tests.e2e.servers import MAX_NUM_SEQS, SERVED_MODEL, VllmServer, gateway_for
+from tests.helpers import RunningGateway
+
+# Long enough (tens of seconds of generation) to still be running when the test ends and
+# cancels it; ignore_eos so a random model does not stop early.
+LONG_BODY: dict[str, Any] = {
+    "model": SERVED_MODEL,
+    "prompt": "Keep going",
+    "max_tokens": 16000,
+    "ignore_eos": True,
+}
+LONG: dict[str, Any] = {
+    "model": SERVED_MODEL,
+    "prompt": "Keep going",
+    "max_tokens": 16000,
+    "extra_body": {"ignore_eos": True},
+}
+
+
+@contextlib.asynccontextmanager
+async def background(*calls: Awaitable[Any]) -> AsyncIterator[None]:
+    """Run ``calls`` as tasks for the block; cancel them after (closing their connections)."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        yield
+    finally:
+        for t in tasks:
+            t.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for r in results:
+            if not isinstance(r, asyncio.CancelledError):
+                raise AssertionError(f"a background request ended on its own: {r!r}")
+
+
+async def test_scraped_queue_depth_and_kv_usage_match_the_servers_metrics(
+    gateway: RunningGateway, servers: list[VllmServer], http: httpx.AsyncClient
+) -> None:
+    """One server runs its max_num_seqs requests and queues one more; the other is idle. The
+    gateway's scraped load for each agrees with what each server's own /metrics says."""
+    busy, idle = servers
+    pool = gateway.app[POOL]
+    by_url = {b.spec.url: b for b in pool.all()}
+    busy_state, idle_state = by_url[busy.url], by_url[idle.url]
+    n = MAX_NUM_SEQS + 1
+
+    async with httpx.AsyncClient(timeout=60.0) as direct:
+        calls = [direct.post(f"{busy.url}/v1/completions", json=LONG_BODY) for _ in range(n)]
+        async with background(*calls):
+            page, _ = await poll_until(
+                lambda: server_metrics(http, busy),
+                lambda m: m.get(RUNNING) == MAX_NUM_SEQS and m.get(WAITING) == 1,
+                within=20.0,
+                what=f"{MAX_NUM_SEQS} running and 1 waiting on the busy server",
+            )
+            kv_before = page[KV_USAGE]
+            read_at = time.monotonic()
+
+            # A scrape that began after that read: its KV figure can only be larger, since KV
+            # usage only grows while the same requests keep generating.
+            async def scraped_at() -> float:
+                return busy_state.load_at
+
+            await poll_until(
+                scraped_at,
+                lambda at: at > read_at,
+                within=15.0,
+                what="a gateway scrape of the busy server after the test's own read",
+            )
+            scraped = busy_state.load
+            idle_scraped = idle_state.load
+            kv_after = (await server_metrics(http, busy))[KV_USAGE]
+            busy_page = await server_metrics(http, busy)
+            idle_page = await server_metrics(http, idle)
+
+    assert scraped is not None
+    assert idle_scraped is not None
+    assert (scraped.running, scraped.waiting) == (MAX_NUM_SEQS, 1)
+    assert (scraped.running, scraped.waiting) == (busy_page[RUNNING], busy_page[WAITING])
+    assert kv_before > 0
+    assert scraped.kv_cache_usage is not None
+    assert kv_before <= scraped.kv_cache_usage <= kv_after
+    assert (idle_scraped.running, idle_scraped.waiting) == (0, 0)
+    assert (idle_page[RUNNING], idle_page[WAITING]) == (0, 0)
+    assert idle_scraped.kv_cache_usage == idle_page[KV_USAGE] == 0.0
+
+
+async def test_least_load_puts_concurrent_requests_on_different_servers(
+    servers: list[VllmServer], http: httpx.AsyncClient
+) -> None:
+    """least_load counts its own in-flight requests: two at once land one on each server."""
+    async with (
+        gateway_for(servers, policy="least_load") as gateway,
+        openai.AsyncOpenAI(
+            base_url=f"{gateway.url}/v1", api_key="not-checked", max_retries=0
+        ) as client,
+    ):
+        first = await client.completions.create(**LONG, stream=True)
+        second = None
+        try:
+            await anext(aiter(first))
+            second = await client.completions.create(**LONG, stream=True)
+            await anext(aiter(second))
+            for server in servers:
+                page = await server_metrics(http, server)
+                assert page[RUNNING] == 1, f"{server.name} runs {page[RUNNING]} requests"
+            assert sorted(gateway.in_flight().values()) == [1, 1]
+        finally:
+            await first.close()
+            if second is not None:
+                await second.close()

@@ -31,6 +31,8 @@ ITL_BUCKETS: Final = (
 )  # fmt: skip
 
 QUEUE_DEPTH_METRIC: Final = "inference_queue_depth"
+FLEET_ENGINE_QUEUE_METRIC: Final = "llm_gateway_fleet_engine_queue_depth"
+ADMISSION_QUEUE_METRIC: Final = "llm_gateway_admission_queue_length"
 
 
 class BackendCollector(Collector):
@@ -89,6 +91,12 @@ class BackendCollector(Collector):
             g["score"].add_metric(bid, score(pool.snapshot(b, now), weights))
         yield from g.values()
         yield GaugeMetricFamily(
+            FLEET_ENGINE_QUEUE_METRIC,
+            "Requests waiting inside every backend engine (scraped), without the gateway's own "
+            "queue. The same on every gateway replica: combine replicas with max.",
+            value=fleet_waiting,
+        )
+        yield GaugeMetricFamily(
             QUEUE_DEPTH_METRIC,
             "Requests waiting in the fleet: every backend engine's queue (scraped) plus the "
             "gateway's own admission queue. Scale the fleet on this.",
@@ -125,8 +133,8 @@ class LimitsCollector(Collector):
         yield rejected
         queue = self._admission
         yield GaugeMetricFamily(
-            "llm_gateway_admission_queue_length",
-            "Requests waiting in the gateway's admission queue.",
+            ADMISSION_QUEUE_METRIC,
+            "Requests waiting in this gateway's admission queue.",
             value=queue.waiting if queue is not None else 0,
         )
         if queue is not None:

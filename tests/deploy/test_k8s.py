@@ -10,7 +10,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.metrics import QUEUE_DEPTH_METRIC
+from gateway.metrics import (
+    ADMISSION_QUEUE_METRIC,
+    FLEET_ENGINE_QUEUE_METRIC,
+    QUEUE_DEPTH_METRIC,
+)
 from gateway.settings import Settings
 from tests.deploy.manifests import (
     K8S,
@@ -182,12 +186,16 @@ def test_autoscaler_metrics_are_exposed_by_the_adapter() -> None:
     overrides = pods_rule["resources"]["overrides"]
     assert {o["resource"] for o in overrides.values()} == {"namespace", "pod"}
     external_rule = rule_for(rules["externalRules"], QUEUE_DEPTH_METRIC)
-    # Each gateway replica reports the whole fleet's engine queues: never sum them.
-    assert external_rule["metricsQuery"].startswith("max ")
+    # Each gateway replica reports the whole fleet's engine queues: never sum them; the
+    # replicas' own admission queues are distinct: sum those.
+    query = external_rule["metricsQuery"]
+    assert query.startswith(f"max by (<<.GroupBy>>) ({FLEET_ENGINE_QUEUE_METRIC}{{")
+    assert f"+ sum by (<<.GroupBy>>) ({ADMISSION_QUEUE_METRIC}{{" in query
 
 
 async def test_the_gateway_really_exports_the_queue_depth_metric() -> None:
     async with running_fake(FakeBackend()) as fake, running_gateway([fake.url]) as gw:
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"{gw.url}/metrics")).text
-    assert re.search(rf"^{QUEUE_DEPTH_METRIC} \d", text, re.MULTILINE), text[-2000:]
+    for name in (QUEUE_DEPTH_METRIC, FLEET_ENGINE_QUEUE_METRIC, ADMISSION_QUEUE_METRIC):
+        assert re.search(rf"^{name} \d", text, re.MULTILINE), name

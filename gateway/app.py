@@ -35,7 +35,7 @@ from gateway.limits.fairqueue import SaturationThresholds, fleet_saturated
 from gateway.limits.limiter import open_limiter
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_context
-from gateway.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
+from gateway.reload import CONFIG, ConfigSource, SettingsLoader, affinity_config, backend_specs
 from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
@@ -180,7 +180,11 @@ def create_app(
     w = settings.weights
     app[ROUTER] = Router(
         pool,
-        make_policy(settings.policy, Weights(active=w.active, queue=w.queue, kv=w.kv)),
+        make_policy(
+            settings.policy,
+            Weights(active=w.active, queue=w.queue, kv=w.kv),
+            affinity=affinity_config(settings.affinity),
+        ),
         retry_after=settings.retry_after_seconds,
     )
     r = settings.retry

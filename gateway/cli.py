@@ -32,7 +32,7 @@ def _setup_serve(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        choices=["least_load", "round_robin", "random", "power_of_two"],
+        choices=["least_load", "round_robin", "random", "power_of_two", "prefix_affinity"],
         help="routing policy (default least_load)",
     )
     p.set_defaults(func=_serve)

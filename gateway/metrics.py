@@ -18,7 +18,8 @@ from backends.circuit import Circuit
 from backends.health import Health
 from backends.pool import BackendPool
 from gateway.limits.admission import AdmissionQueue
-from policies import Policy, Weights, score
+from policies import Policy, PrefixAffinity, Weights, score
+from policies.prefix_affinity import REASONS
 
 # From a few milliseconds (a cached prefix on an idle server) to minutes (long generations).
 LATENCY_BUCKETS: Final = (
@@ -102,6 +103,47 @@ class BackendCollector(Collector):
             "gateway's own admission queue. Scale the fleet on this.",
             value=fleet_waiting + self._gateway_queue(),
         )
+
+
+class AffinityCollector(Collector):
+    """The ``prefix_affinity`` policy's memory and decisions (nothing under other policies)."""
+
+    def __init__(self, policy: Callable[[], Policy]) -> None:
+        self._policy = policy
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        policy = self._policy()
+        if not isinstance(policy, PrefixAffinity):
+            return
+        index = policy.index
+        yield GaugeMetricFamily(
+            "llm_gateway_prefix_index_entries",
+            "Block hashes in the prefix_affinity index.",
+            value=len(index),
+        )
+        yield GaugeMetricFamily(
+            "llm_gateway_prefix_index_capacity",
+            "Most block hashes the prefix_affinity index keeps.",
+            value=index.capacity,
+        )
+        yield GaugeMetricFamily(
+            "llm_gateway_prefix_index_bytes",
+            "Approximate memory of the prefix_affinity index (estimated from its counts).",
+            value=index.approx_bytes,
+        )
+        decisions = CounterMetricFamily(
+            "llm_gateway_prefix_affinity_decisions",
+            "Why prefix_affinity chose a backend: session, session_overflow (session backend "
+            "overloaded), prefix (longest cached prefix), balance (the load guard passed over "
+            "a longer prefix), load (no prefix told the candidates apart).",
+            labels=["reason"],
+        )
+        for reason in REASONS:
+            decisions.add_metric([reason], policy.decisions[reason])
+        yield decisions
 
 
 class LimitsCollector(Collector):
@@ -218,3 +260,4 @@ class GatewayMetrics:
         self, pool: BackendPool, policy: Callable[[], Policy], gateway_queue: Callable[[], int]
     ) -> None:
         self.registry.register(BackendCollector(pool, policy, gateway_queue))
+        self.registry.register(AffinityCollector(policy))

@@ -13,6 +13,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +54,7 @@ from gateway.record import RequestRecord, finish
 from gateway.relay import Ending, relay_body, relay_stream
 from gateway.retry import RETRYABLE_STATUS
 from gateway.tracing import annotate, attempt_span, end_attempt, inject, parent_context
-from policies import RouteFacts
+from policies import PrefixHasher, RouteFacts
 
 log = structlog.get_logger("gateway.request")
 
@@ -92,13 +93,26 @@ async def read_json_body(
     return raw, doc
 
 
-def route_facts(doc: dict[str, Any]) -> RouteFacts:
+def route_facts(
+    doc: dict[str, Any], policy: object = None, headers: Mapping[str, str] | None = None
+) -> RouteFacts:
+    """What the policy may know of the request; only what ``policy`` asks for is computed.
+
+    A policy with a ``prefix_hasher`` gets the prompt's block hashes, one with a
+    ``session_header`` that header's value (``policies.prefix_affinity``).
+    """
     model = doc.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequest(
             "You must provide a model parameter (a non-empty string).", param="model"
         )
-    return RouteFacts(model=model)
+    hasher = getattr(policy, "prefix_hasher", None)
+    header = getattr(policy, "session_header", None)
+    return RouteFacts(
+        model=model,
+        session_key=headers.get(header) if isinstance(header, str) and headers else None,
+        prefix_hashes=hasher.hashes(model, doc) if isinstance(hasher, PrefixHasher) else (),
+    )
 
 
 async def forward(request: web.Request, path: str) -> web.StreamResponse:
@@ -113,7 +127,7 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         raw, doc = await read_json_body(
             request, settings.max_body_bytes, settings.client.body_timeout
         )
-        facts = route_facts(doc)
+        facts = route_facts(doc, app[ROUTER].policy, request.headers)
         record.model = facts.model
         grant = await limiter.admit(principal, doc)
         plan = usage_plan(doc)

@@ -7,7 +7,7 @@ configuration as it was and says why.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import structlog
@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from backends.state import BackendSpec
 from gateway.errors import InvalidRequest
 from gateway.keys import METRICS, MONITOR, POOL, ROUTER
-from gateway.settings import Settings, WeightSettings
-from policies import PolicyName, Weights, make_policy
+from gateway.settings import AffinitySettings, Settings, WeightSettings
+from policies import AffinityConfig, Policy, PolicyName, PrefixAffinity, Weights, make_policy
 
 log = structlog.get_logger("gateway.reload")
 
@@ -36,7 +36,7 @@ class ConfigSource:
 CONFIG: web.AppKey[ConfigSource] = web.AppKey("config_source")
 
 # Settings that take effect without a restart.
-_LIVE = frozenset({"backends", "policy", "weights"})
+_LIVE = frozenset({"backends", "policy", "weights", "affinity"})
 
 
 class PolicyChange(BaseModel):
@@ -44,15 +44,38 @@ class PolicyChange(BaseModel):
 
     policy: PolicyName | None = None
     weights: WeightSettings | None = None
+    # prefix_affinity's settings; only the fields given change.
+    affinity: dict[str, Any] | None = None
+
+
+def affinity_config(s: AffinitySettings) -> AffinityConfig:
+    return AffinityConfig(**s.model_dump())
 
 
 def describe_policy(app: web.Application) -> dict[str, Any]:
     policy = app[ROUTER].policy
     w: Weights | None = getattr(policy, "weights", None)
-    return {
+    doc: dict[str, Any] = {
         "policy": policy.name,
         "weights": None if w is None else {"active": w.active, "queue": w.queue, "kv": w.kv},
     }
+    if isinstance(policy, PrefixAffinity):
+        doc["affinity"] = asdict(policy.config)
+    return doc
+
+
+def _affinity(
+    app: web.Application, current: Policy, patch: dict[str, Any] | None
+) -> AffinityConfig:
+    """The running affinity settings (the policy's, else the configuration's), patched."""
+    if isinstance(current, PrefixAffinity):
+        base = asdict(current.config)
+    else:
+        base = app[CONFIG].current.affinity.model_dump()
+    try:
+        return affinity_config(AffinitySettings.model_validate({**base, **(patch or {})}))
+    except ValidationError as exc:
+        raise InvalidRequest(f"Invalid policy change: affinity: {_errors(exc)}") from exc
 
 
 def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
@@ -69,7 +92,8 @@ def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
         weights = Weights(active=w.active, queue=w.queue, kv=w.kv)
     else:
         weights = getattr(current, "weights", None) or Weights()
-    app[ROUTER].policy = make_policy(name, weights)
+    affinity = _affinity(app, current, change.affinity)
+    app[ROUTER].policy = make_policy(name, weights, affinity=affinity, previous=current)
     new = describe_policy(app)
     app[METRICS].policy_changes.inc()
     log.info("policy_changed", old=old, new=new)
@@ -95,10 +119,13 @@ def reload_settings(app: web.Application) -> ReloadResult:
     for name in type(new).model_fields:
         if getattr(old, name) != getattr(new, name):
             (result.applied if name in _LIVE else result.restart_required).append(name)
-    if "policy" in result.applied or "weights" in result.applied:
+    if {"policy", "weights", "affinity"} & set(result.applied):
         w = new.weights
         app[ROUTER].policy = make_policy(
-            new.policy, Weights(active=w.active, queue=w.queue, kv=w.kv)
+            new.policy,
+            Weights(active=w.active, queue=w.queue, kv=w.kv),
+            affinity=affinity_config(new.affinity),
+            previous=app[ROUTER].policy,
         )
     if "backends" in result.applied:
         _apply_backends(app, new)

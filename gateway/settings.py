@@ -55,6 +55,36 @@ class WeightSettings(BaseModel):
     kv: float = Field(0.0, ge=0)
 
 
+class AffinitySettings(BaseModel):
+    """The ``prefix_affinity`` policy: prompt hashing, its index, the balance guard, sessions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    block_chars: int = Field(
+        64, ge=8, description="prompt characters per hashed block (about 16 tokens)"
+    )
+    max_blocks: int = Field(128, ge=1, description="leading blocks of a prompt that are hashed")
+    index_capacity: int = Field(
+        50_000, ge=128, description="block hashes remembered, least recently used dropped first"
+    )
+    balance_abs: float = Field(
+        8.0, ge=0, description="a backend this much above the least loaded one loses affinity..."
+    )
+    balance_rel: float = Field(1.5, ge=1, description="...if also this many times above it")
+    balance_on: Literal["in_flight", "score"] = Field(
+        "in_flight", description="load for the guard: in-flight count or least_load score"
+    )
+    session_header: str | None = Field(
+        None, description="request header naming a session (e.g. x-session-id); None: off"
+    )
+
+    @model_validator(mode="after")
+    def _capacity(self) -> AffinitySettings:
+        if self.index_capacity < self.max_blocks:
+            raise ValueError("index_capacity must be at least max_blocks")
+        return self
+
+
 class UpstreamSettings(BaseModel):
     """Timeouts and pooling for connections to the backends."""
 
@@ -206,6 +236,7 @@ class Settings(BaseSettings):
     backends: Annotated[list[BackendSettings], NoDecode] = Field(default_factory=list)
     policy: PolicyName = "least_load"
     weights: WeightSettings = Field(default_factory=WeightSettings)
+    affinity: AffinitySettings = Field(default_factory=AffinitySettings)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)

@@ -6,25 +6,45 @@ import random
 from typing import Final, Literal
 
 from policies.least_load import LeastLoad
+from policies.prefix import PrefixHasher, PrefixIndex
+from policies.prefix_affinity import AffinityConfig, PrefixAffinity
 from policies.scoring import Weights, score
 from policies.simple import PowerOfTwo, RandomChoice, RoundRobin
 from policies.types import BackendSnapshot, Policy, Rng, RouteFacts
 
-PolicyName = Literal["least_load", "round_robin", "random", "power_of_two"]
+PolicyName = Literal["least_load", "round_robin", "random", "power_of_two", "prefix_affinity"]
 POLICY_NAMES: Final[tuple[PolicyName, ...]] = (
     "least_load",
     "round_robin",
     "random",
     "power_of_two",
+    "prefix_affinity",
 )
 
 
-def make_policy(name: PolicyName, weights: Weights | None = None, rng: Rng | None = None) -> Policy:
-    """Build a policy by name; ``weights`` applies to the load-scoring ones."""
+def make_policy(
+    name: PolicyName,
+    weights: Weights | None = None,
+    rng: Rng | None = None,
+    *,
+    affinity: AffinityConfig | None = None,
+    previous: Policy | None = None,
+) -> Policy:
+    """Build a policy by name; ``weights`` applies to the load-scoring ones.
+
+    ``affinity`` configures ``prefix_affinity``. When ``previous`` (the policy being replaced)
+    is a ``prefix_affinity`` hashing prompts the same way, the new one keeps its prefix index
+    and decision counts, so tuning it live does not forget where prefixes are cached.
+    """
     w = weights or Weights()
     r: Rng = rng or random.Random()
     if name == "least_load":
         return LeastLoad(weights=w, rng=r)
+    if name == "prefix_affinity":
+        config = affinity or AffinityConfig()
+        if isinstance(previous, PrefixAffinity) and previous.prefix_hasher == config.hasher:
+            return PrefixAffinity(w, r, config, previous.index, previous.decisions)
+        return PrefixAffinity(weights=w, rng=r, config=config)
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -36,11 +56,15 @@ def make_policy(name: PolicyName, weights: Weights | None = None, rng: Rng | Non
 
 __all__ = [
     "POLICY_NAMES",
+    "AffinityConfig",
     "BackendSnapshot",
     "LeastLoad",
     "Policy",
     "PolicyName",
     "PowerOfTwo",
+    "PrefixAffinity",
+    "PrefixHasher",
+    "PrefixIndex",
     "RandomChoice",
     "Rng",
     "RoundRobin",

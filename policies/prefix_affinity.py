@@ -1,0 +1,163 @@
+"""``prefix_affinity``: send a prompt where its prefix is cached, unless that overloads anyone.
+
+Each decision, in order:
+
+1. **Balance guard.** A candidate whose load exceeds the least-loaded candidate's by more
+   than ``balance_abs`` *and* more than ``balance_rel`` times is *overloaded*: it may still be
+   chosen by load, never by affinity. This is sglang's router's imbalance test, applied per
+   candidate, so the rest of the fleet keeps its affinity while one backend is hot. Load is
+   the gateway's own in-flight count (``balance_on="in_flight"``, the freshest signal), or
+   the ``least_load`` score (``"score"``, in score units).
+2. **Session affinity** (when ``session_header`` is set and the request carries it): the
+   session's backend is the rendezvous-hash winner among the candidates, so sessions stay
+   put and only those of a backend that leaves move. An overloaded winner falls through.
+3. **Prefix affinity.** Among the candidates that are not overloaded, the ones believed to
+   hold the longest prefix of the prompt (in blocks, from the policy's own ``PrefixIndex``)
+   win; the ``least_load`` score decides among them, then chance. No match anywhere: the
+   ``least_load`` choice.
+
+The chosen backend is then recorded as holding the prompt's blocks. The index is the only
+state, bounded by ``index_capacity`` block hashes (LRU); ``decisions`` counts why each
+choice was made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from policies.least_load import LeastLoad
+from policies.prefix import PrefixHasher, PrefixIndex
+from policies.scoring import Weights, score
+from policies.types import BackendSnapshot, Rng, RouteFacts
+
+BalanceOn = Literal["in_flight", "score"]
+# Why a backend was chosen (the ``decisions`` keys).
+REASONS: Final = ("session", "session_overflow", "prefix", "balance", "load")
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityConfig:
+    """Everything ``prefix_affinity`` can be tuned with (live, through the admin API)."""
+
+    block_chars: int = 64
+    max_blocks: int = 128
+    index_capacity: int = 50_000
+    balance_abs: float = 8.0
+    balance_rel: float = 1.5
+    balance_on: BalanceOn = "in_flight"
+    session_header: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.index_capacity < self.max_blocks:
+            raise ValueError("index_capacity must be at least max_blocks")
+        if not self.balance_abs >= 0 or not self.balance_rel >= 1:
+            raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
+        if self.balance_on not in ("in_flight", "score"):
+            raise ValueError(f"balance_on must be in_flight or score, got {self.balance_on!r}")
+        PrefixHasher(self.block_chars, self.max_blocks)  # validates both
+
+    @property
+    def hasher(self) -> PrefixHasher:
+        return PrefixHasher(self.block_chars, self.max_blocks)
+
+    def overloaded(self, load: float, floor: float) -> bool:
+        """Past both thresholds above the least-loaded candidate's ``floor``."""
+        return load - floor > self.balance_abs and load > floor * self.balance_rel
+
+
+def rendezvous(key: str, backend_id: str) -> int:
+    """Highest-random-weight hash: stable across processes, so every replica agrees."""
+    digest = hashlib.blake2b(f"{key}\x00{backend_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+@dataclass(slots=True)
+class PrefixAffinity:
+    weights: Weights = field(default_factory=Weights)
+    rng: Rng = field(default_factory=random.Random)
+    config: AffinityConfig = field(default_factory=AffinityConfig)
+    # Sized to config.index_capacity on construction; pass the old one to keep its memory.
+    index: PrefixIndex = field(default_factory=lambda: PrefixIndex(1))
+    decisions: Counter[str] = field(default_factory=Counter)
+    name: str = "prefix_affinity"
+    _load: LeastLoad = field(init=False, repr=False)
+    _hasher: PrefixHasher = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._load = LeastLoad(weights=self.weights, rng=self.rng)
+        self._hasher = self.config.hasher
+        self.index.resize(self.config.index_capacity)
+
+    @property
+    def prefix_hasher(self) -> PrefixHasher:
+        """What the request path hashes prompts with for this policy (see ``route_facts``)."""
+        return self._hasher
+
+    @property
+    def session_header(self) -> str | None:
+        return self.config.session_header
+
+    def choose(
+        self, facts: RouteFacts, candidates: list[BackendSnapshot]
+    ) -> BackendSnapshot | None:
+        if not candidates:
+            return None
+        choice, reason = self._decide(facts, candidates)
+        self.decisions[reason] += 1
+        if facts.prefix_hashes:
+            self.index.record(choice.id, facts.prefix_hashes)
+        return choice
+
+    def _decide(
+        self, facts: RouteFacts, candidates: list[BackendSnapshot]
+    ) -> tuple[BackendSnapshot, str]:
+        cfg = self.config
+        if cfg.balance_on == "in_flight":
+            loads = [float(s.in_flight) for s in candidates]
+        else:
+            loads = [score(s, self.weights) for s in candidates]
+        floor = min(loads)
+        eligible = [
+            s for s, load in zip(candidates, loads, strict=True) if not cfg.overloaded(load, floor)
+        ]
+        overflow = False
+        if facts.session_key is not None and cfg.session_header is not None:
+            key = facts.session_key
+            target = max(candidates, key=lambda s: rendezvous(key, s.id))
+            if any(s is target for s in eligible):
+                return target, "session"
+            overflow = True
+        choice, reason = self._by_prefix(facts, candidates, eligible)
+        return choice, "session_overflow" if overflow else reason
+
+    def _by_prefix(
+        self,
+        facts: RouteFacts,
+        candidates: list[BackendSnapshot],
+        eligible: list[BackendSnapshot],
+    ) -> tuple[BackendSnapshot, str]:
+        hashes = facts.prefix_hashes
+        if not hashes:
+            return self._pick(facts, eligible), "load"
+        held = self.index.match(hashes, [s.id for s in candidates])
+        best = max(held[s.id] for s in eligible)
+        if best == 0:
+            reason = "balance" if max(held.values()) > 0 else "load"
+            return self._pick(facts, eligible), reason
+        top = [s for s in eligible if held[s.id] == best]
+        if max(held.values()) > best:
+            reason = "balance"  # the guard passed over a longer match
+        elif len(top) < len(eligible):
+            reason = "prefix"
+        else:
+            reason = "load"  # every eligible backend holds as much
+        return self._pick(facts, top), reason
+
+    def _pick(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
+        choice = self._load.choose(facts, pool)
+        assert choice is not None  # pool is never empty: the least loaded is always eligible
+        return choice

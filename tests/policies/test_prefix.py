@@ -1,0 +1,101 @@
+"""Prompt block hashing and the bounded prefix index, as plain function calls."""
+
+from __future__ import annotations
+
+import pytest
+
+from policies import PrefixHasher, PrefixIndex
+from policies.prefix import chain_hashes, prompt_text
+
+
+def test_the_same_text_always_gives_the_same_hashes() -> None:
+    text = "abcdefgh" * 40
+    assert chain_hashes(text, 16, seed="m") == chain_hashes(text, 16, seed="m")
+    assert len(chain_hashes(text, 16, seed="m")) == 20
+
+
+def test_shared_prefix_shares_exactly_its_leading_hashes() -> None:
+    common = "s" * 48  # three 16-char blocks
+    a = chain_hashes(common + "a" * 32, 16)
+    b = chain_hashes(common + "b" * 32, 16)
+    assert a[:3] == b[:3]
+    assert a[3] != b[3]
+    # Chained: the same block text after a different beginning hashes differently.
+    c = chain_hashes("x" * 16 + common[16:] + "a" * 32, 16)
+    assert c[0] != a[0]
+    assert not set(c) & set(a)
+
+
+def test_only_full_blocks_are_hashed_and_the_seed_separates_models() -> None:
+    assert chain_hashes("a" * 15, 16) == ()
+    assert len(chain_hashes("a" * 33, 16)) == 2
+    assert chain_hashes("a" * 32, 16, seed="m1") != chain_hashes("a" * 32, 16, seed="m2")
+
+
+def test_hasher_caps_the_blocks_hashed() -> None:
+    hasher = PrefixHasher(block_chars=10, max_blocks=3)
+    assert len(hasher.hashes("m", {"prompt": "z" * 1000})) == 3
+
+
+def test_chat_messages_render_in_order_with_role_and_content() -> None:
+    doc = {
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]},
+        ]
+    }
+    text = prompt_text(doc, 1000)
+    assert text.index("system") < text.index("be brief") < text.index("user") < text.index("hi")
+    # The role is part of the prefix: the same words said by someone else are another prompt.
+    other = prompt_text({"messages": [{"role": "user", "content": "be brief"}]}, 1000)
+    assert not text.startswith(other[:10])
+
+
+def test_completion_prompts_batches_and_token_ids() -> None:
+    assert prompt_text({"prompt": "hello"}, 100) == "hello"
+    assert prompt_text({"prompt": ["first", "second"]}, 100) == "first"
+    assert prompt_text({"prompt": [1, 2, 3]}, 100) == "1 2 3"
+    assert prompt_text({"prompt": "x" * 50}, 10) == "x" * 10
+    assert prompt_text({"input": "nothing to hash"}, 100) == ""
+
+
+def test_index_matches_the_longest_prefix_each_backend_received() -> None:
+    idx = PrefixIndex(100)
+    idx.record("a", [1, 2, 3, 4])
+    idx.record("b", [1, 2, 9])
+    assert idx.match([1, 2, 3, 4, 5], ["a", "b", "c"]) == {"a": 4, "b": 2, "c": 0}
+    assert idx.match([7, 2, 3], ["a", "b"]) == {"a": 0, "b": 0}
+    assert idx.holders(1) == ("a", "b")
+    assert idx.refs == 7
+    assert len(idx) == 5
+
+
+def test_index_is_bounded_and_evicts_the_least_recently_used() -> None:
+    idx = PrefixIndex(6)
+    idx.record("a", [1, 2, 3])
+    idx.record("b", [10, 11, 12])
+    idx.record("a", [1, 2, 3])  # touched again: now the most recent
+    idx.record("c", [20, 21, 22])  # evicts b's blocks, not a's
+    assert len(idx) == 6
+    assert idx.match([10, 11, 12], ["b"]) == {"b": 0}
+    assert idx.match([1, 2, 3], ["a"]) == {"a": 3}
+    assert idx.match([20, 21, 22], ["c"]) == {"c": 3}
+    assert idx.refs == 6
+    assert idx.approx_bytes > 0
+
+
+def test_a_prompts_tail_is_evicted_before_its_shared_beginning() -> None:
+    idx = PrefixIndex(4)
+    idx.record("a", [1, 2, 3, 4])
+    idx.record("a", [9, 9 + 1])  # two new blocks push out two old ones: the tail, 3 and 4
+    assert idx.match([1, 2, 3, 4], ["a"]) == {"a": 2}
+
+
+def test_resize_evicts_down_to_the_new_capacity() -> None:
+    idx = PrefixIndex(10)
+    idx.record("a", list(range(10)))
+    idx.resize(3)
+    assert len(idx) == 3
+    assert idx.match(list(range(10)), ["a"]) == {"a": 3}
+    with pytest.raises(ValueError, match="capacity"):
+        idx.resize(0)

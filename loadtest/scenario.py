@@ -1,0 +1,354 @@
+"""Scenarios: a fleet of simulators, the gateway under one policy, a load, timed faults.
+
+A scenario file (TOML, ``loadtest/scenarios/*.toml``) says what to start and what to send::
+
+    name = "slow-backend"
+    description = "one of three backends at a third of the speed"
+    policies = ["least_load", "round_robin"]     # what ``compare`` runs by default
+
+    [gateway]
+    env = { GATEWAY_LOG_LEVEL = "warning" }      # GATEWAY_* settings for this run
+
+    [[backends]]                                 # each entry: `count` x `llm-gateway sim ARGS`
+    count = 2
+    args = ["--max-num-seqs", "8"]
+    [[backends]]
+    args = ["--max-num-seqs", "8", "--slowdown", "3"]
+
+    [workload]                                   # loadtest.workload.Workload's fields
+    endpoint = "chat"
+    prompt = { kind = "lognormal", median = 98, sigma = 1.0, low = 4, high = 1024 }
+    output = { kind = "fixed", value = 64 }
+    prefix = { groups = 4, length = 256, hot_share = 0.7 }
+
+    [load]                                       # mode "open" (rate, burstiness) or "closed"
+    mode = "open"                                # (concurrency); duration and/or requests
+    rate = 8.0
+    duration = 20
+    warmup = 3
+
+    [slo]                                        # goodput objectives, milliseconds
+    ttft_ms = 2000
+    itl_ms = 100
+
+    [[events]]                                   # at `at` seconds: kill backend N (0-based,
+    at = 10                                      # in the order listed), or change its faults
+    backend = 2                                  # through /sim/faults
+    action = "kill"                              # or: faults = { slowdown = 3 }
+
+Parsing is pure (``parse_scenario``); ``run_scenario`` starts the processes, drives the load
+through the gateway, fires the events, and scrapes every simulator's ``/metrics`` before and
+after, so the report shows both sides: where requests went, prefix-cache hits, preemptions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import aiohttp
+
+from loadtest import procs, promtext
+from loadtest.arrivals import ClosedLoop, LoadShape, OpenLoop
+from loadtest.client import ClientOptions, Live, run_load
+from loadtest.report import LabeledRun
+from loadtest.stats import Slo
+from loadtest.workload import LengthDist, PrefixGroups, Workload
+from policies import POLICY_NAMES
+
+SCENARIO_DIR: Final = Path(__file__).parent / "scenarios"
+POLICIES: Final = POLICY_NAMES  # the gateway's --policy choices
+
+
+class ScenarioError(ValueError):
+    """A scenario file that cannot be run."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    at: float
+    backend: int
+    action: Literal["kill", "faults"]
+    faults: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    name: str
+    description: str
+    backends: tuple[tuple[str, ...], ...]  # simulator args, one entry per backend
+    workload: Workload
+    load: LoadShape
+    slo: Slo = field(default_factory=Slo)
+    policies: tuple[str, ...] = ("least_load", "round_robin")
+    gateway_env: dict[str, str] = field(default_factory=dict)
+    events: tuple[Event, ...] = ()
+
+
+def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
+    unknown = set(table) - allowed
+    if unknown:
+        raise ScenarioError(
+            f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}"
+        )
+
+
+def _table(doc: Mapping[str, Any], key: str) -> dict[str, Any]:
+    value = doc.get(key, {})
+    if not isinstance(value, dict):
+        raise ScenarioError(f"[{key}] must be a table")
+    return value
+
+
+def _length(where: str, spec: Any) -> LengthDist:
+    if isinstance(spec, int):
+        return LengthDist.fixed(spec)
+    if not isinstance(spec, dict):
+        raise ScenarioError(f"{where}: a length is an integer or a table with 'kind'")
+    _check_keys(where, spec, {"kind", "value", "low", "high", "median", "sigma"})
+    try:
+        return LengthDist(**spec)
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"{where}: {exc}") from exc
+
+
+def _workload(w: dict[str, Any]) -> Workload:
+    _check_keys(
+        "[workload]",
+        w,
+        {"model", "endpoint", "stream", "prompt", "output", "prefix", "turns", "interleave",
+         "ignore_eos", "seed"},
+    )  # fmt: skip
+    kwargs = dict(w)
+    if "prompt" in kwargs:
+        kwargs["prompt"] = _length("[workload] prompt", kwargs["prompt"])
+    if "output" in kwargs:
+        kwargs["output"] = _length("[workload] output", kwargs["output"])
+    if "prefix" in kwargs:
+        p = kwargs["prefix"]
+        if not isinstance(p, dict):
+            raise ScenarioError("[workload] prefix must be a table")
+        _check_keys("[workload] prefix", p, {"groups", "length", "hot_share"})
+        kwargs["prefix"] = PrefixGroups(**p)
+    try:
+        return Workload(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"[workload]: {exc}") from exc
+
+
+def _load(lt: dict[str, Any]) -> LoadShape:
+    _check_keys(
+        "[load]",
+        lt,
+        {"mode", "rate", "burstiness", "concurrency", "duration", "requests", "warmup", "seed"},
+    )
+    mode = lt.get("mode", "open")
+    try:
+        arrivals: ClosedLoop | OpenLoop
+        if mode == "open":
+            arrivals = OpenLoop(float(lt["rate"]), float(lt.get("burstiness", 1.0)))
+        elif mode == "closed":
+            arrivals = ClosedLoop(int(lt["concurrency"]))
+        else:
+            raise ScenarioError(f"[load] mode must be 'open' or 'closed', got {mode!r}")
+        return LoadShape(
+            arrivals,
+            duration=lt.get("duration"),
+            requests=lt.get("requests"),
+            warmup=float(lt.get("warmup", 0.0)),
+            seed=int(lt.get("seed", 0)),
+        )
+    except KeyError as exc:
+        raise ScenarioError(f"[load] mode {mode!r} needs {exc.args[0]!r}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ScenarioError(f"[load]: {exc}") from exc
+
+
+def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
+    """A ``Scenario`` from TOML text; ``ScenarioError`` names what is wrong."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ScenarioError(f"{source}: {exc}") from exc
+    _check_keys(
+        source,
+        doc,
+        {"name", "description", "policies", "gateway", "backends", "workload", "load", "slo",
+         "events"},
+    )  # fmt: skip
+    backends: list[tuple[str, ...]] = []
+    raw_backends = doc.get("backends", [])
+    if not isinstance(raw_backends, list) or not raw_backends:
+        raise ScenarioError(f"{source}: needs at least one [[backends]] entry")
+    for i, b in enumerate(raw_backends):
+        _check_keys(f"[[backends]] #{i}", b, {"count", "args"})
+        args = b.get("args", [])
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            raise ScenarioError(f"[[backends]] #{i}: args must be a list of strings")
+        backends += [tuple(args)] * int(b.get("count", 1))
+    gw = _table(doc, "gateway")
+    _check_keys("[gateway]", gw, {"env"})
+    slo = _table(doc, "slo")
+    _check_keys("[slo]", slo, {"ttft_ms", "itl_ms", "e2e_ms"})
+    events = []
+    for i, e in enumerate(doc.get("events", [])):
+        _check_keys(f"[[events]] #{i}", e, {"at", "backend", "action", "faults"})
+        action = e.get("action", "faults")
+        if action not in ("kill", "faults"):
+            raise ScenarioError(f"[[events]] #{i}: action must be 'kill' or 'faults'")
+        backend = int(e.get("backend", -1))
+        if not 0 <= backend < len(backends):
+            raise ScenarioError(f"[[events]] #{i}: no backend {backend} (0..{len(backends) - 1})")
+        if action == "faults" and not e.get("faults"):
+            raise ScenarioError(f"[[events]] #{i}: a faults event needs a faults table")
+        events.append(Event(float(e["at"]), backend, action, dict(e.get("faults", {}))))
+    policies = tuple(doc.get("policies", ("least_load", "round_robin")))
+    for p in policies:
+        if p not in POLICIES:
+            raise ScenarioError(f"unknown policy {p!r}; known: {', '.join(POLICIES)}")
+
+    def ms(key: str) -> float | None:
+        v = slo.get(key)
+        return None if v is None else float(v) / 1e3
+
+    return Scenario(
+        name=str(doc.get("name", Path(source).stem)),
+        description=str(doc.get("description", "")),
+        backends=tuple(backends),
+        workload=_workload(_table(doc, "workload")),
+        load=_load(_table(doc, "load")),
+        slo=Slo(ttft=ms("ttft_ms"), itl=ms("itl_ms"), e2e=ms("e2e_ms")),
+        policies=policies,
+        gateway_env={str(k): str(v) for k, v in _table(gw, "env").items()},
+        events=tuple(sorted(events, key=lambda e: e.at)),
+    )
+
+
+def find_scenario(name_or_path: str) -> Path:
+    """A path as given, else ``loadtest/scenarios/<name>.toml``."""
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    bundled = SCENARIO_DIR / f"{name_or_path}.toml"
+    if bundled.is_file():
+        return bundled
+    known = ", ".join(sorted(p.stem for p in SCENARIO_DIR.glob("*.toml")))
+    raise ScenarioError(f"no scenario file {name_or_path!r} (bundled: {known})")
+
+
+def load_scenario(name_or_path: str) -> Scenario:
+    path = find_scenario(name_or_path)
+    return parse_scenario(path.read_text(), source=str(path))
+
+
+async def _scrape(session: aiohttp.ClientSession, sims: list[procs.Proc]) -> list[dict[str, float]]:
+    texts = await asyncio.gather(*(procs.fetch_text(session, f"{s.url}/metrics") for s in sims))
+    return [promtext.totals(t) if t is not None else {} for t in texts]
+
+
+async def _scrape_gateway(session: aiohttp.ClientSession, gateway: procs.Proc) -> dict[str, float]:
+    text = await procs.fetch_text(session, f"{gateway.url}/metrics")
+    return promtext.totals(text, promtext.GATEWAY_FAMILIES) if text else {}
+
+
+async def _settled(
+    session: aiohttp.ClientSession, sims: list[procs.Proc], gateway: procs.Proc, within: float = 3.0
+) -> tuple[list[dict[str, float]], dict[str, float]]:
+    """Scrape until two scrapes agree: the servers' own bookkeeping of the last requests (their
+    ``finally`` blocks) may run a moment after the client saw the end of the stream."""
+    last: tuple[list[dict[str, float]], dict[str, float]] | None = None
+    deadline = asyncio.get_running_loop().time() + within
+    while True:
+        now = (await _scrape(session, sims), await _scrape_gateway(session, gateway))
+        if now == last or asyncio.get_running_loop().time() > deadline:
+            return now
+        last = now
+        await asyncio.sleep(0.1)  # sleep-ok: interval between two comparison scrapes
+
+
+async def run_scenario(
+    sc: Scenario,
+    policy: str,
+    out_dir: Path,
+    *,
+    on_tick: Callable[[Live], None] | None = None,
+    options: ClientOptions | None = None,
+) -> LabeledRun:
+    """Start the fleet and the gateway, drive the load, stop everything; the run's results."""
+    log_dir = out_dir / "logs" / policy
+    token = secrets.token_hex(8)
+    sims = [
+        procs.start_sim(f"sim{i}", args, log_dir, admin_token=token)
+        for i, args in enumerate(sc.backends)
+    ]
+    gateway: procs.Proc | None = None
+    try:
+        await asyncio.gather(*(procs.wait_sim_url(s) for s in sims))
+        env = {"GATEWAY_LOG_LEVEL": "warning", **sc.gateway_env}
+        gateway = procs.start_gateway([s.url for s in sims], policy, log_dir, env=env)
+        await procs.wait_ok(gateway, "/ready")
+        async with aiohttp.ClientSession() as session:
+
+            def event_action(e: Event) -> Callable[[], Any]:
+                async def act() -> None:
+                    if e.action == "kill":
+                        sims[e.backend].kill()
+                    else:
+                        await procs.put_faults(session, sims[e.backend], e.faults)
+
+                return act
+
+            before = await _scrape(session, sims)
+            gw_before = await _scrape_gateway(session, gateway)
+            cpu0 = procs.cpu_seconds(gateway.pid)
+            result = await run_load(
+                gateway.url,
+                sc.workload,
+                sc.load,
+                options,
+                on_tick=on_tick,
+                timed=[(e.at, event_action(e)) for e in sc.events],
+            )
+            gw_cpu = procs.cpu_seconds(gateway.pid) - cpu0
+            gw_rss = procs.rss_bytes(gateway.pid)
+            after, gw_after = await _settled(session, sims, gateway)
+    finally:
+        procs.stop_all([*sims, *([gateway] if gateway else [])])
+    backends = [
+        {
+            "name": s.name,
+            "args": list(sc.backends[i]),
+            "killed": s.killed,
+            "metrics": promtext.delta(before[i], after[i]) if after[i] else None,
+        }
+        for i, s in enumerate(sims)
+    ]
+    return LabeledRun.of(
+        policy,
+        result,
+        sc.slo,
+        scenario=sc.name,
+        policy=policy,
+        backends=backends,
+        gateway={
+            "cpu_s": round(gw_cpu, 3),
+            "rss_mb": round(gw_rss / 2**20, 1),
+            "metrics": promtext.delta(gw_before, gw_after),
+        },
+        commands={
+            "gateway": gateway.cmd if gateway else None,
+            "sims": [_redact(s.cmd) for s in sims],
+        },
+    )
+
+
+def _redact(cmd: list[str]) -> list[str]:
+    """The command with the per-run admin token blanked out."""
+    return [
+        "***" if i > 0 and cmd[i - 1] == "--admin-token" else part for i, part in enumerate(cmd)
+    ]

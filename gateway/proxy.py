@@ -150,12 +150,14 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         record.status, record.ending = exc.status, type(exc).__name__
         raise
     finally:
-        if grant is not None:
-            # A request that never reached a backend used no tokens; one cut short before
-            # its usage arrived keeps its reservation.
-            spent = record.usage if record.sent else 0
-            await asyncio.shield(limiter.finish(grant, spent))
-        finish(app, record)
+        try:
+            if grant is not None:
+                # A request that never reached a backend used no tokens; one cut short before
+                # its usage arrived keeps its reservation.
+                spent = record.usage if record.sent else 0
+                await asyncio.shield(limiter.finish(grant, spent))
+        finally:
+            finish(app, record)  # counted and logged even if cancelled while settling
 
 
 async def _wait_for_capacity(

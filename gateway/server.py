@@ -84,6 +84,7 @@ async def run_until_signalled(settings: Settings, loader: SettingsLoader | None 
         settings.host,
         settings.port,
         reuse_address=True,
+        backlog=settings.backlog,
         ssl_context=ssl_context(settings.tls),
     )
     await site.start()

@@ -247,6 +247,9 @@ class Settings(BaseSettings):
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     client: ClientSettings = Field(default_factory=ClientSettings)
     tls: TlsSettings = Field(default_factory=TlsSettings)
+    backlog: int = Field(
+        4096, ge=1, description="listen backlog: connections the kernel queues before accept"
+    )
     shutdown_grace: float = Field(
         30.0, ge=0, description="seconds in-flight streams get to finish on SIGTERM"
     )

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from policies import POLICY_NAMES
+
 Setup = Callable[[argparse.ArgumentParser], None]
 
 
@@ -32,7 +34,7 @@ def _setup_serve(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--policy",
-        choices=["least_load", "round_robin", "random", "power_of_two", "prefix_affinity"],
+        choices=POLICY_NAMES,
         help="routing policy (default least_load)",
     )
     p.set_defaults(func=_serve)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+from aiohttp.http_exceptions import HttpProcessingError as BadFraming
 from multidict import CIMultiDict
 
 from backends.idle import IdleWatch, IdleWatchdog
@@ -41,7 +42,7 @@ def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
         return UpstreamUnreachable(f"{where}: cannot connect ({exc.os_error.strerror or exc})")
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | OSError):
         return UpstreamUnreachable(f"{where}: connection lost")
-    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientResponseError):
+    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientResponseError | BadFraming):
         return UpstreamProtocolError(f"{where}: malformed response")
     return UpstreamUnreachable(f"{where}: {type(exc).__name__}")
 
@@ -65,11 +66,14 @@ class UpstreamClient:
         connect_timeout: float,
         idle_timeout: float,
         max_connections: int = 0,
+        keepalive_timeout: float = 4.0,
     ) -> None:
         self._connector = aiohttp.TCPConnector(
             limit=max_connections,
             limit_per_host=0,
-            keepalive_timeout=30,
+            # Shorter than the backend's own (vLLM's uvicorn closes idle connections after 5 s):
+            # reusing a connection the server is closing fails a request for nothing.
+            keepalive_timeout=keepalive_timeout,
         )
         self._idle_timeout = idle_timeout
         self.watchdog = IdleWatchdog(idle_timeout)

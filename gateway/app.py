@@ -75,6 +75,7 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
             connect_timeout=s.upstream.connect_timeout,
             idle_timeout=s.upstream.idle_timeout,
             max_connections=s.upstream.max_connections,
+            keepalive_timeout=s.upstream.keepalive_timeout,
         )
         app[UPSTREAM] = client
         admission = app[ADMISSION]

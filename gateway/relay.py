@@ -4,18 +4,30 @@ A stream is relayed read by read: every chunk the backend sends is written to th
 arrives, untouched. The relay watches only for the first token (to time it) and reports how
 the answer ended. It reads the first chunk before sending anything to the client, so a backend
 that fails before its first byte raises, and the caller may still try another backend.
+
+After the first chunk, the rest of the stream takes the fast path when it can: a ``Splice``
+fed by a tap on the upstream body (``backends.tap``) writes each read to the client's
+transport from the upstream read callback, so a token costs no task wake-up at all. The slow
+path (``readany`` / ``write`` in the handler task) remains for what cannot be tapped.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from aiohttp import web
+from aiohttp.abc import AbstractStreamWriter
+from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
+from backends.idle import IdleWatch
+from backends.state import BackendSpec
+from backends.tap import tap
 from backends.upstream import CLIENT_ERRORS, Upstream, UpstreamClient, translate
 from gateway.errors import UpstreamError
 from gateway.limits.tokens import UsageFilter
@@ -42,6 +54,114 @@ def stream_error_event(err: UpstreamError) -> bytes:
     return b"data: " + body.encode() + b"\n\ndata: [DONE]\n\n"
 
 
+class _Resumable(Protocol):
+    def resume(self) -> None: ...
+
+
+class _WriteFlow(Protocol):
+    @property
+    def writing_paused(self) -> bool: ...
+
+
+class Splice:
+    """A tap's sink that writes each upstream read to a chunked client response.
+
+    ``run()`` returns when the stream has ended; ``result.ending`` says how.
+
+    When the client reads slower than the backend writes, the client transport's buffer
+    passes its high-water mark, the splice asks the tap to stop reading the backend, and
+    ``run()`` resumes it once the client has drained: memory stays bounded.
+    """
+
+    def __init__(
+        self,
+        *,
+        client: asyncio.Transport,
+        client_flow: _WriteFlow,
+        backend: BackendSpec,
+        watch: IdleWatch,
+        result: RelayResult,
+        first_token: FirstTokenWatch,
+        usage: UsageFilter,
+        now: Callable[[], float],
+    ) -> None:
+        self._client = client
+        self._client_flow = client_flow
+        self._backend = backend
+        self._watch = watch
+        self._result = result
+        self._first_token = first_token
+        self._usage = usage
+        self._now = now
+        self._paused = False
+        self._over = False
+        self._wake: asyncio.Future[None] | None = None
+
+    # StreamSink: called from the upstream transport's read callback.
+
+    def on_data(self, data: bytes) -> bool:
+        if self._over:
+            return False
+        self._watch.activity += 1
+        result = self._result
+        result.events += data.count(b"data:")
+        if not self._first_token.seen and self._first_token.feed(data):
+            result.first_token_at = self._now()
+        out = self._usage.feed(data)  # the same bytes, less a usage chunk the client didn't want
+        if not out:
+            return False
+        client = self._client
+        if client.is_closing():
+            self._end(Ending.CLIENT_DISCONNECT)
+            return True
+        client.write(b"%x\r\n%b\r\n" % (len(out), out))  # one HTTP chunk
+        if self._client_flow.writing_paused:
+            self._paused = True
+            self._wakeup()
+            return True
+        return False
+
+    def on_end(self) -> None:
+        self._end(Ending.COMPLETE)
+
+    def on_error(self, exc: BaseException) -> None:
+        if not self._over:
+            self._result.error = translate(exc, self._backend)
+            self._end(Ending.UPSTREAM_ERROR)
+
+    # The handler task's side.
+
+    async def run(self, tap: _Resumable, drain: Callable[[], Awaitable[None]]) -> None:
+        """Return when the stream has ended (``result.ending`` says how)."""
+        loop = asyncio.get_running_loop()
+        while not self._over:
+            if self._paused:
+                try:
+                    await drain()
+                except ConnectionError:
+                    self._end(Ending.CLIENT_DISCONNECT)
+                    break
+                self._paused = False
+                tap.resume()  # may deliver, pause again or end before it returns
+                continue
+            self._wake = loop.create_future()
+            try:
+                await self._wake
+            finally:
+                self._wake = None
+
+    def _end(self, ending: Ending) -> None:
+        if not self._over:
+            self._over = True
+            self._result.ending = ending
+            self._wakeup()
+
+    def _wakeup(self) -> None:
+        wake = self._wake
+        if wake is not None and not wake.done():
+            wake.set_result(None)
+
+
 async def relay_stream(
     request: web.Request,
     upstream: Upstream,
@@ -62,27 +182,82 @@ async def relay_stream(
     resp = web.StreamResponse(status=upstream.response.status, headers=headers)
     result = RelayResult(ending=Ending.COMPLETE)
     first_token = FirstTokenWatch()
+    fast_path_tried = False
     try:
-        await resp.prepare(request)
+        writer = await resp.prepare(request)
         while chunk:
             idle.activity += 1
             result.events += chunk.count(b"data:")
             if not first_token.seen and first_token.feed(chunk):
                 result.first_token_at = now()
             out = usage.feed(chunk)  # the same bytes, less a usage chunk the client didn't want
-            if out:
-                await resp.write(out)
+            if out or not fast_path_tried:
+                await resp.write(out)  # the first write also sends the head
+            if not fast_path_tried:
+                fast_path_tried = True
+                if await _spliced(
+                    request,
+                    writer,
+                    upstream,
+                    result=result,
+                    first_token=first_token,
+                    usage=usage,
+                    now=now,
+                ):
+                    break
             try:
                 chunk = await content.readany()
             except CLIENT_ERRORS as exc:
                 result.ending = Ending.UPSTREAM_ERROR
                 result.error = translate(exc, upstream.backend)
-                await resp.write(usage.flush() + stream_error_event(result.error))
                 break
-        await resp.write_eof(usage.flush())
+        if result.ending is Ending.UPSTREAM_ERROR:
+            assert result.error is not None
+            await resp.write(usage.flush() + stream_error_event(result.error))
+        if result.ending is not Ending.CLIENT_DISCONNECT:
+            await resp.write_eof(usage.flush())
     except ConnectionResetError:  # the client went away between two writes
         result.ending = Ending.CLIENT_DISCONNECT
     return resp, result
+
+
+async def _spliced(
+    request: web.Request,
+    writer: AbstractStreamWriter | None,
+    upstream: Upstream,
+    *,
+    result: RelayResult,
+    first_token: FirstTokenWatch,
+    usage: UsageFilter,
+    now: Callable[[], float],
+) -> bool:
+    """Relay the rest of the stream on the fast path; False (nothing done) if it can't."""
+    client = request.transport
+    if (
+        not isinstance(writer, StreamWriter)
+        or not writer.chunked
+        or client is None
+        or client.is_closing()
+    ):
+        return False
+    splice = Splice(
+        client=client,
+        client_flow=writer.protocol,
+        backend=upstream.backend,
+        watch=upstream.watch,
+        result=result,
+        first_token=first_token,
+        usage=usage,
+        now=now,
+    )
+    t = tap(upstream.response, splice)
+    if t is None:
+        return False
+    try:
+        await splice.run(t, writer.drain)
+    finally:
+        t.close()
+    return True
 
 
 async def relay_body(

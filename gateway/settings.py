@@ -95,6 +95,12 @@ class UpstreamSettings(BaseModel):
         120.0, gt=0, description="seconds without a byte from the backend before giving up"
     )
     max_connections: int = Field(0, ge=0, description="0 means unlimited")
+    keepalive_timeout: float = Field(
+        4.0,
+        gt=0,
+        description="seconds an idle upstream connection is kept; keep it below the backend's"
+        " own (vLLM: 5 s)",
+    )
 
 
 class ScrapeSettings(BaseModel):

@@ -78,7 +78,10 @@ def vllm_servers(
 async def http() -> AsyncIterator[httpx.AsyncClient]:
     # Generous: another process on a shared machine can stall a server for seconds. Only the
     # abort tests hold a server to a deadline (it must not still be running a second after).
-    async with httpx.AsyncClient(timeout=30.0) as client:
+    # No keep-alive: uvicorn closes idle connections after 5 s, and a request racing that
+    # close fails with "Server disconnected" for nothing.
+    limits = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=30.0, limits=limits) as client:
         yield client
 
 

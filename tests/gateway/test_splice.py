@@ -1,0 +1,163 @@
+"""The stream fast path (a tap on the upstream body, written straight to the client).
+
+Flow control with a client that stops reading, a backend that lies in its chunk framing, and
+keep-alive reuse of the upstream connection after a spliced stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from backends.tap import installed
+from tests.helpers import (
+    FakeBackend,
+    Seen,
+    chat_chunk,
+    running_fake,
+    running_gateway,
+    sse,
+    stream_chat,
+    wait_for,
+)
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+EVENT = b"data: " + b"x" * 4090 + b"\n\n"  # 4 KiB events
+N_EVENTS = 4096  # 16 MiB in all: far more than the gateway may buffer for one client
+BOUND = 1 << 20  # what the gateway may hold for one slow client, at most
+
+
+def in_gateway_for_clients(app_runner: web.AppRunner) -> int:
+    """Bytes the gateway holds in its client-side transports, not yet taken by the kernel."""
+    server = app_runner.server
+    assert server is not None
+    held = 0
+    for conn in server.connections:
+        if conn.transport is not None:
+            held += conn.transport.get_write_buffer_size()
+    return held
+
+
+async def test_a_client_that_stops_reading_pauses_the_upstream_and_then_completes() -> None:
+    progress: dict[str, Any] = {"written": 0, "transport": None}
+
+    async def big_stream(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        progress["transport"] = request.transport
+        for _ in range(N_EVENTS):
+            await resp.write(EVENT)  # waits whenever the gateway stops reading
+            progress["written"] += 1
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    def gateway_paused() -> bool:
+        over = progress["written"] == N_EVENTS or in_gateway_for_clients(gw.runner) > BOUND
+        return over or any(t.paused for t in installed())
+
+    def backend_held_back() -> bool:
+        transport = progress["transport"]
+        return progress["written"] == N_EVENTS or (
+            transport is not None and transport.get_write_buffer_size() > 0
+        )
+
+    fake = FakeBackend(behaviour=big_stream)
+    async with running_fake(fake), running_gateway([fake.url]) as gw:
+        host, port = gw.url[len("http://") :].split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 16)
+        body = json.dumps(CHAT).encode()
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%b" % (len(body), body)
+        )
+        # The client reads nothing: the gateway stops reading the backend, which is held back.
+        await wait_for(gateway_paused, within=20, what="the gateway to stop reading")
+        assert in_gateway_for_clients(gw.runner) < BOUND
+        await wait_for(backend_held_back, within=20, what="the backend to be held back")
+        assert progress["written"] < N_EVENTS, "the gateway read the whole stream"
+        assert in_gateway_for_clients(gw.runner) < BOUND
+        received = b""
+        while not received.endswith(b"0\r\n\r\n"):
+            chunk = await asyncio.wait_for(reader.read(1 << 20), 20)
+            assert chunk, "the gateway closed the connection"
+            received += chunk
+        writer.close()
+    assert received.count(b"data: x") == N_EVENTS
+    assert received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    assert fake.seen[0].ending == "complete"
+
+
+async def test_a_backend_that_lies_in_its_chunk_framing_ends_the_stream_with_an_error() -> None:
+    async def lying(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chat_chunk(role=True))
+        await fake.release.wait()
+        assert request.transport is not None
+        request.transport.write(b"zz\r\nnot a chunk size\r\n")
+        await asyncio.Event().wait()  # until the gateway closes the connection
+        return resp
+
+    fake = FakeBackend(behaviour=lying)
+    async with running_fake(fake), running_gateway([fake.url]) as gw:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
+            first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+            assert first == chat_chunk(role=True)
+            fake.release.set()
+            rest = await asyncio.wait_for(resp.content.read(), 5)
+        error = json.loads(rest.split(b"\n\n")[0][len(b"data: ") :])
+        assert error["error"]["code"] == "backend_protocol_error"
+        assert rest.endswith(b"data: [DONE]\n\n")
+        await wait_for(lambda: fake.seen[0].ended_at is not None, what="upstream closed")
+        assert fake.seen[0].ending == "cancelled"
+        await wait_for(lambda: gw.in_flight() == {fake.url[7:]: 0}, what="lease released")
+
+
+async def test_the_upstream_connection_of_a_spliced_stream_is_reused() -> None:
+    fake = FakeBackend(behaviour=stream_chat(5, delay=0.002))
+    async with running_fake(fake), running_gateway([fake.url]) as gw:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
+                    body = await resp.read()
+                    assert body.count(b"data: ") == 8
+                    assert body.endswith(b"data: [DONE]\n\n")
+    streams = [seen for seen in fake.seen if seen.path == "/v1/chat/completions"]
+    assert len(streams) == 3
+    peers = {seen.transport.get_extra_info("peername") for seen in streams if seen.transport}
+    assert len(peers) == 1, peers
+
+
+async def test_usage_of_a_spliced_stream_is_recorded_and_the_chunk_removed() -> None:
+    usage = {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}
+
+    async def with_usage(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chat_chunk(role=True))
+        await fake.release.wait()  # the rest goes through the splice
+        await resp.write(chat_chunk("t0 "))
+        await resp.write(sse({"id": "x", "choices": [], "usage": usage}))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    fake = FakeBackend(behaviour=with_usage)
+    async with running_fake(fake), running_gateway([fake.url]) as gw:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
+            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+            fake.release.set()
+            rest = await asyncio.wait_for(resp.content.read(), 5)
+    assert rest == chat_chunk("t0 ") + b"data: [DONE]\n\n"

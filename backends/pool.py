@@ -90,6 +90,7 @@ class BackendPool:
         self._clock = clock
         self._backends: dict[str, BackendState] = {}
         self._by_model: dict[str, list[BackendState]] = {}
+        self._roles: dict[str, frozenset[str]] = {}  # model -> roles of backends serving it
         for spec in specs:
             self.add(spec)
 
@@ -136,9 +137,17 @@ class BackendPool:
             kv_cache_usage=load.kv_cache_usage,
         )
 
-    def candidates(self, model: str, exclude: Collection[str] = ()) -> list[BackendSnapshot]:
+    def roles(self, model: str) -> frozenset[str]:
+        """The roles (``both``, ``prefill``, ``decode``) of the backends serving ``model``."""
+        return self._roles.get(model, frozenset())
+
+    def candidates(
+        self, model: str, exclude: Collection[str] = (), role: str | None = None
+    ) -> list[BackendSnapshot]:
         """Snapshots of the routable backends serving ``model``, less ``exclude``.
 
+        ``role`` None: every backend but prefill-only ones (normal routing); otherwise only
+        the backends of that role (the steps of a disaggregated request).
         Raises ``ModelNotFound`` if no backend serves it, ``NoBackendAvailable`` if those that
         do cannot take a request now.
         """
@@ -147,7 +156,11 @@ class BackendPool:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         now = self._clock()
         snaps = [
-            self.snapshot(b, now) for b in serving if b.id not in exclude and self.routable(b, now)
+            self.snapshot(b, now)
+            for b in serving
+            if b.id not in exclude
+            and (b.spec.role != "prefill" if role is None else b.spec.role == role)
+            and self.routable(b, now)
         ]
         if not snaps:
             raise NoBackendAvailable(
@@ -243,3 +256,4 @@ class BackendPool:
             for m in b.models:
                 by_model.setdefault(m, []).append(b)
         self._by_model = by_model
+        self._roles = {m: frozenset(b.spec.role for b in bs) for m, bs in by_model.items()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from backends.circuit import CircuitBreaker, CircuitPolicy
 from backends.health import Health, HealthPolicy, HealthTracker
@@ -17,6 +18,8 @@ class BackendSpec:
     url: str
     api_key: str | None = None
     source: str = "static"  # "static", or the DNS name it was discovered under
+    # "prefill"/"decode": one half of disaggregated serving (gateway.disagg); "both": either
+    role: Literal["both", "prefill", "decode"] = "both"
 
 
 @dataclass(slots=True)

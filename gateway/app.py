@@ -16,6 +16,7 @@ from backends.monitor import BackendMonitor, MonitorSettings
 from backends.pool import BackendPool
 from backends.upstream import UpstreamClient
 from gateway import proxy
+from gateway.disagg import DISAGG, Disagg
 from gateway.keys import (
     ADMISSION,
     LIFECYCLE,
@@ -197,6 +198,7 @@ def create_app(
         backoff_factor=r.backoff_factor,
         jitter=r.jitter,
     )
+    app[DISAGG] = Disagg.from_settings(settings, pool)  # prefill/decode role pools
     admission = _admission(settings, pool)
     app[ADMISSION] = admission
     metrics = GatewayMetrics()

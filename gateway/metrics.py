@@ -248,6 +248,36 @@ class GatewayMetrics:
         self.policy_changes = Counter(
             "llm_gateway_policy_changes", "Live policy or weight changes.", registry=r
         )
+        # Disaggregated prefill/decode (gateway.disagg), one figure per step.
+        self.disagg_prefill = Histogram(
+            "llm_gateway_disagg_prefill_seconds",
+            "Disaggregated requests: the prefill step's answered attempt, sent to answered.",
+            ["model", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.disagg_handoff = Histogram(
+            "llm_gateway_disagg_handoff_seconds",
+            "Disaggregated requests: from the prefill's answer to the decode request sent "
+            "(the gateway's own part of the handoff).",
+            ["model"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+        self.disagg_decode_ttft = Histogram(
+            "llm_gateway_disagg_decode_first_token_seconds",
+            "Disaggregated requests: from the decode request sent to its first token (the KV "
+            "transfer, the decode queue and the first decode step; retries included).",
+            ["model", "backend"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.disagg_failures = Counter(
+            "llm_gateway_disagg_step_failures",
+            "Disaggregated requests: failed attempts of a step, by step, backend and reason.",
+            ["step", "backend", "reason"],
+            registry=r,
+        )
 
     def watch_limits(
         self,

@@ -13,8 +13,8 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
@@ -24,6 +24,7 @@ from opentelemetry.trace import Span, SpanKind, set_span_in_context
 
 from backends.pool import Lease
 from backends.upstream import Upstream
+from gateway.disagg import DISAGG, Picker
 from gateway.errors import (
     BodyTimeout,
     BodyTooLarge,
@@ -193,14 +194,29 @@ async def _traced(call: _Call, facts: RouteFacts) -> web.StreamResponse:
             annotate(span, record)
 
 
-async def _route(call: _Call, facts: RouteFacts, span: Span | None) -> web.StreamResponse:
-    """Pick a backend and try it; on a failure before the first byte, try another."""
+async def _route(
+    call: _Call, facts: RouteFacts, span: Span | None, pick: Picker | None = None
+) -> web.StreamResponse:
+    """Pick a backend and try it; on a failure before the first byte, try another.
+
+    A model served by prefill and decode pools goes through ``gateway.disagg``, which runs
+    the prefill step and comes back here for the decode step with the decode pool's ``pick``.
+    """
     app, record = call.request.app, call.record
     router, retry = app[ROUTER], app[RETRY]
+    if pick is None:
+        disagg = app.get(DISAGG)
+        if disagg is not None and disagg.serves(facts.model):
+
+            def decode(body: bytes, f: RouteFacts, p: Picker) -> Awaitable[web.StreamResponse]:
+                return _route(replace(call, body=body), f, span, p)
+
+            return await disagg.route(call, facts, span, decode)
+        pick = router.pick
     last_error: GatewayError | None = None
     while True:
         try:
-            lease, candidates = router.pick(facts, exclude=record.backends)
+            lease, candidates = pick(facts, exclude=record.backends)
         except NoBackendAvailable:
             if last_error is not None:  # every candidate failed: say how the last did
                 raise last_error from None

@@ -154,6 +154,7 @@ def backend_specs(settings: Settings) -> list[BackendSpec]:
             id=b.id,
             url=b.url,
             api_key=b.api_key.get_secret_value() if b.api_key else None,
+            role=b.role,
         )
         for b in settings.backends
     ]

@@ -33,6 +33,9 @@ class BackendSettings(BaseModel):
     name: str | None = None
     api_key: SecretStr | None = None
     drain: bool = Field(False, description="start draining: no new requests")
+    role: Literal["both", "prefill", "decode"] = Field(
+        "both", description="prefill/decode: a pool of disaggregated serving (see [disagg])"
+    )
 
     @field_validator("url")
     @classmethod
@@ -53,6 +56,38 @@ class WeightSettings(BaseModel):
     active: float = Field(2.0, ge=0)
     queue: float = Field(3.0, ge=0)
     kv: float = Field(0.0, ge=0)
+
+
+class RolePoolSettings(BaseModel):
+    """How one role pool (prefill or decode backends) is routed."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: PolicyName = "least_load"
+    weights: WeightSettings = Field(default_factory=WeightSettings)
+
+
+class DisaggSettings(BaseModel):
+    """Disaggregated prefill/decode: a model served by backends with role ``prefill`` and
+    backends with role ``decode`` is answered in two steps, prefill then decode.
+
+    Prefill is compute-bound: its pool favours short engine queues (and, with
+    ``prefix_affinity``, a cached prefix; ``[affinity]`` configures it). Decode is
+    memory-bound: its pool favours few streams in flight and free KV cache.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    prefill: RolePoolSettings = Field(
+        default_factory=lambda: RolePoolSettings(
+            weights=WeightSettings(active=1.0, queue=4.0, kv=0.0)
+        )
+    )
+    decode: RolePoolSettings = Field(
+        default_factory=lambda: RolePoolSettings(
+            weights=WeightSettings(active=3.0, queue=1.0, kv=4.0)
+        )
+    )
 
 
 class AffinitySettings(BaseModel):
@@ -243,6 +278,7 @@ class Settings(BaseSettings):
     policy: PolicyName = "least_load"
     weights: WeightSettings = Field(default_factory=WeightSettings)
     affinity: AffinitySettings = Field(default_factory=AffinitySettings)
+    disagg: DisaggSettings = Field(default_factory=DisaggSettings)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)

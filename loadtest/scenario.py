@@ -14,6 +14,8 @@ A scenario file (TOML, ``loadtest/scenarios/*.toml``) says what to start and wha
     args = ["--max-num-seqs", "8"]
     [[backends]]
     args = ["--max-num-seqs", "8", "--slowdown", "3"]
+    role = "both"                                # or "prefill" / "decode": disaggregated
+                                                 # serving (give the sims --kv-role too)
 
     [workload]                                   # loadtest.workload.Workload's fields
     endpoint = "chat"
@@ -44,6 +46,7 @@ after, so the report shows both sides: where requests went, prefix-cache hits, p
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import tomllib
 from collections.abc import Callable, Mapping
@@ -88,6 +91,7 @@ class Scenario:
     policies: tuple[str, ...] = ("least_load", "round_robin")
     gateway_env: dict[str, str] = field(default_factory=dict)
     events: tuple[Event, ...] = ()
+    roles: tuple[str, ...] = ()  # per backend: "both" (the default), "prefill", "decode"
 
 
 def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
@@ -182,15 +186,20 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
          "events"},
     )  # fmt: skip
     backends: list[tuple[str, ...]] = []
+    roles: list[str] = []
     raw_backends = doc.get("backends", [])
     if not isinstance(raw_backends, list) or not raw_backends:
         raise ScenarioError(f"{source}: needs at least one [[backends]] entry")
     for i, b in enumerate(raw_backends):
-        _check_keys(f"[[backends]] #{i}", b, {"count", "args"})
+        _check_keys(f"[[backends]] #{i}", b, {"count", "args", "role"})
         args = b.get("args", [])
         if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
             raise ScenarioError(f"[[backends]] #{i}: args must be a list of strings")
+        role = b.get("role", "both")
+        if role not in ("both", "prefill", "decode"):
+            raise ScenarioError(f"[[backends]] #{i}: role must be both, prefill or decode")
         backends += [tuple(args)] * int(b.get("count", 1))
+        roles += [role] * int(b.get("count", 1))
     gw = _table(doc, "gateway")
     _check_keys("[gateway]", gw, {"env"})
     slo = _table(doc, "slo")
@@ -226,6 +235,7 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         policies=policies,
         gateway_env={str(k): str(v) for k, v in _table(gw, "env").items()},
         events=tuple(sorted(events, key=lambda e: e.at)),
+        roles=tuple(roles) if any(r != "both" for r in roles) else (),
     )
 
 
@@ -290,7 +300,12 @@ async def run_scenario(
     try:
         await asyncio.gather(*(procs.wait_sim_url(s) for s in sims))
         env = {"GATEWAY_LOG_LEVEL": "warning", **sc.gateway_env}
-        gateway = procs.start_gateway([s.url for s in sims], policy, log_dir, env=env)
+        urls = [s.url for s in sims]
+        if sc.roles:  # the gateway's JSON form of --backends carries each one's role
+            urls = [
+                json.dumps([{"url": u, "role": r} for u, r in zip(urls, sc.roles, strict=True)])
+            ]
+        gateway = procs.start_gateway(urls, policy, log_dir, env=env)
         await procs.wait_ok(gateway, "/ready")
         async with aiohttp.ClientSession() as session:
 

@@ -287,7 +287,7 @@ class RunningGateway:
 
 @asynccontextmanager
 async def running_gateway(
-    backend_urls: list[str], **overrides: Any
+    backend_urls: list[str] | list[dict[str, Any]], **overrides: Any
 ) -> AsyncIterator[RunningGateway]:
     scrape = {"interval": 0.05, "timeout": 0.5, "stale_after": 1.0, "models_interval": 0.2}
     scrape.update(overrides.pop("scrape", {}))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 from typing import Final
 
-from backends.sim.config import SimConfig
+from backends.sim.config import KV_ROLES, KvRole, SimConfig
 from backends.sim.faults import Faults, FaultsError
 from backends.sim.runner import SimServer
 
@@ -57,6 +58,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_D.enable_prefix_caching,
     )
     eng.add_argument("--seed", type=int, default=_D.seed)
+
+    kv = parser.add_argument_group("disaggregated prefill (vLLM's KV connector)")
+    kv.add_argument(
+        "--kv-role",
+        choices=KV_ROLES,
+        default=None,
+        help="kv_producer: prefill instance; kv_consumer: decode instance; kv_both: either "
+        "(default: no KV connector, kv_transfer_params are ignored)",
+    )
+    kv.add_argument(
+        "--kv-transfer-config",
+        default=None,
+        help='vLLM\'s JSON form, e.g. \'{"kv_connector":"NixlConnector","kv_role":'
+        '"kv_both"}\'; only kv_role is read (--kv-role wins)',
+    )
+    kv.add_argument(
+        "--sim-kv-transfer-us-per-token",
+        type=float,
+        default=_D.kv_transfer_us_per_token,
+        help="simulated KV transfer time per prompt token a decode instance receives",
+    )
 
     sim = parser.add_argument_group("simulation (step cost model and output)")
     sim.add_argument("--sim-step-base-ms", type=float, default=_D.step_base_ms)
@@ -108,7 +130,23 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         admin_token=args.admin_token,
         startup_delay_s=args.startup_delay,
+        kv_role=_kv_role(args),
+        kv_transfer_us_per_token=args.sim_kv_transfer_us_per_token,
     )
+
+
+def _kv_role(args: argparse.Namespace) -> KvRole | None:
+    role: KvRole | None = args.kv_role
+    if role is None and args.kv_transfer_config:
+        try:
+            doc = json.loads(args.kv_transfer_config)
+        except ValueError as exc:
+            raise ValueError(f"--kv-transfer-config is not JSON: {exc}") from exc
+        value = doc.get("kv_role") if isinstance(doc, dict) else None
+        if value not in KV_ROLES:
+            raise ValueError(f"--kv-transfer-config needs a kv_role of {', '.join(KV_ROLES)}")
+        role = value
+    return role
 
 
 def faults_from_args(args: argparse.Namespace) -> Faults:

@@ -20,6 +20,10 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 OutputMode = Literal["random", "echo"]
+# vLLM's --kv-transfer-config kv_role: the producer answers prefill-only requests with
+# kv_transfer_params, the consumer takes them and skips the prefill; kv_both does either.
+KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
+KV_ROLES: Final[tuple[KvRole, ...]] = ("kv_producer", "kv_consumer", "kv_both")
 
 DEFAULT_MODEL: Final = "sim-model"
 
@@ -52,6 +56,11 @@ class SimConfig:
     prefill_us_per_token: float = 80.0
     decode_us_per_seq: float = 60.0
     attention_ns_per_token: float = 200.0
+
+    # -- disaggregated prefill: None is a server without a KV connector (ignores
+    # kv_transfer_params); the transfer cost is the simulator's own
+    kv_role: KvRole | None = None
+    kv_transfer_us_per_token: float = 20.0
 
     # -- output text
     output: OutputMode = "random"
@@ -99,8 +108,22 @@ class SimConfig:
             raise ValueError(f"output must be 'random' or 'echo', got {self.output!r}")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
             raise ValueError("max_num_queued_reqs must not be negative")
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
+        if self.kv_transfer_us_per_token < 0:
+            raise ValueError("kv_transfer_us_per_token must not be negative")
         if self.startup_delay_s < 0:
             raise ValueError("startup_delay_s must not be negative")
+
+    @property
+    def kv_producer(self) -> bool:
+        """Answers ``do_remote_decode`` requests with the prefill only."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def kv_consumer(self) -> bool:
+        """Takes ``do_remote_prefill`` requests' KV instead of computing the prompt."""
+        return self.kv_role in ("kv_consumer", "kv_both")
 
     @property
     def model_name(self) -> str:

@@ -19,13 +19,22 @@ from backends.sim.engine import Engine, Request, TokenEvent, TokenSource
 class RequestHandle:
     """A request's mailbox: tokens arrive here, the handler takes them in batches."""
 
-    __slots__ = ("_pending", "_waiter", "finish_reason", "num_tokens", "request_id", "stream")
+    __slots__ = (
+        "_pending",
+        "_waiter",
+        "block_ids",
+        "finish_reason",
+        "num_tokens",
+        "request_id",
+        "stream",
+    )
 
     def __init__(self, request_id: int, *, stream: bool) -> None:
         self.request_id = request_id
         self.stream = stream
         self.num_tokens = 0
         self.finish_reason: str | None = None
+        self.block_ids: tuple[int, ...] = ()  # a prefill-only request's KV blocks, at its end
         self._pending: list[TokenEvent] = []
         self._waiter: asyncio.Future[None] | None = None
 
@@ -38,6 +47,7 @@ class RequestHandle:
         self.num_tokens = event.index + 1
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
+            self.block_ids = event.block_ids
         elif not self.stream:
             return  # a non-streaming handler only wants the end
         waiter = self._waiter
@@ -85,10 +95,21 @@ class EngineDriver:
         output: TokenSource,
         *,
         stream: bool,
+        remote_decode: bool = False,
+        remote_prefill: bool = False,
     ) -> RequestHandle:
         self._next_id += 1
         rid = self._next_id
-        request = Request(rid, prompt_ids, output_len, finish_reason, output, self.now())
+        request = Request(
+            rid,
+            prompt_ids,
+            output_len,
+            finish_reason,
+            output,
+            self.now(),
+            remote_decode=remote_decode,
+            remote_prefill=remote_prefill,
+        )
         self.engine.add_request(request)
         handle = RequestHandle(rid, stream=stream)
         self._handles[rid] = handle
@@ -119,6 +140,21 @@ class EngineDriver:
                 mark = clock()
                 engine.clock = max(engine.clock, mark)  # idle time passes in the simulation too
             result = engine.step(engine.clock, self.slowdown)
+            if result.duration == 0 and not result.tokens:
+                ready_at = engine.next_ready_at()
+                if ready_at is not None:
+                    # Nothing can run until a KV transfer completes (or a request arrives).
+                    self.lag = 0.0
+                    mark = None
+                    self._wake.clear()
+                    woken = True
+                    try:
+                        async with asyncio.timeout(max(0.0, ready_at - engine.clock)):
+                            await self._wake.wait()
+                    except TimeoutError:
+                        woken = False
+                    engine.clock = max(engine.clock, clock() if woken else ready_at)
+                    continue
             if result.duration > 0:
                 self.steps += 1
                 delay = engine.clock - clock()

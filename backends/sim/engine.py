@@ -17,6 +17,18 @@ Scheduling (after vLLM V1's unified scheduler):
   blocks can be allocated; cached prefix blocks are reused and not computed again.
 - A request whose tokens are all computed samples its next token at the end of the
   step; it finishes on its EOS token (``stop``) or at ``max_tokens`` (``length``).
+
+Disaggregated prefill (vLLM's KV connectors, e.g. NIXL):
+
+- A ``remote_decode`` request is a prefill instance's half: its final token event carries
+  the KV blocks it filled (``block_ids``), which a real prefill instance would lend to the
+  decode instance. (The simulator frees them at once; vLLM holds them until read.)
+- A ``remote_prefill`` request is a decode instance's half: its prompt's KV arrives from
+  elsewhere. When first admitted it takes KV blocks for the prompt (local prefix-cache hits
+  are not transferred) and waits, in the queue and without a running slot, until a "ready
+  at" time: ``kv_transfer_us_per_token`` per transferred token later. Then it computes the
+  prompt's last token itself (as vLLM's decode instance does) and decodes as usual.
+  ``next_ready_at`` tells the driver when to step again if only transfers are pending.
 """
 
 from __future__ import annotations
@@ -44,15 +56,21 @@ class Request:
     finish_reason: str
     output: TokenSource
     arrival: float
+    remote_decode: bool = False  # prefill-only half: report the filled KV blocks at the end
+    remote_prefill: bool = False  # decode half: the prompt's KV is transferred, not computed
 
 
 @dataclass(frozen=True, slots=True)
 class TokenEvent:
-    """Output token ``index`` of a request; the last one carries its finish reason."""
+    """Output token ``index`` of a request; the last one carries its finish reason.
+
+    The last event of a ``remote_decode`` request also carries its KV ``block_ids``.
+    """
 
     request_id: int
     index: int
     finish_reason: str | None
+    block_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +103,8 @@ class _Seq:
         "num_computed",
         "num_output",
         "num_registered",
+        "ready_at",
+        "remote_pending",
         "req",
         "running",
         "scheduled_time",
@@ -103,10 +123,12 @@ class _Seq:
         self.scheduled_time: float | None = None
         self.first_token_time = 0.0
         self.last_token_time = 0.0
+        self.remote_pending = req.remote_prefill  # KV transfer not begun yet
+        self.ready_at: float | None = None  # set while the KV is (or was) being transferred
 
     def phase(self) -> str:
         if not self.running:
-            return "queued"
+            return "queued" if self.ready_at is None else "transfer"
         if self.num_output == 0 or len(self.token_ids) - self.num_computed > 1:
             return "prefill"
         return "decode"
@@ -128,6 +150,7 @@ class Engine:
         self._per_prefill_token = config.prefill_us_per_token / 1e6
         self._per_decode_seq = config.decode_us_per_seq / 1e6
         self._per_context_token = config.attention_ns_per_token / 1e9
+        self._per_transfer_token = config.kv_transfer_us_per_token / 1e6
 
     # -- requests in and out
 
@@ -153,11 +176,18 @@ class Engine:
             seq.blocks = []
         else:
             self.waiting.remove(seq)
+            self.pool.free(seq.blocks)  # a request receiving its KV holds blocks while queued
+            seq.blocks = []
         self.stats.aborted[phase] += 1
         return phase
 
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
+
+    def next_ready_at(self) -> float | None:
+        """The earliest time a queued request's KV transfer completes, if one is pending."""
+        times = [s.ready_at for s in self.waiting if s.ready_at is not None]
+        return min(times) if times else None
 
     def phase_of(self, request_id: int) -> str | None:
         seq = self._seqs.get(request_id)
@@ -240,8 +270,14 @@ class Engine:
             return scheduled, preempted
 
         waiting = self.waiting
+        receiving: list[_Seq] = []  # KV still in transit: skipped, keeping their places
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
             seq = waiting[0]
+            if seq.remote_pending and not self._start_transfer(seq, start):
+                break
+            if seq.ready_at is not None and seq.ready_at > start:
+                receiving.append(waiting.popleft())
+                continue
             n = self._admit(seq, budget)
             if n == 0:
                 break
@@ -252,10 +288,39 @@ class Engine:
             running.append(seq)
             scheduled.append((seq, n))
             budget -= n
+        waiting.extendleft(reversed(receiving))
         return scheduled, preempted
+
+    def _start_transfer(self, seq: _Seq, start: float) -> bool:
+        """Allocate the prompt's blocks and start receiving its KV; False if they do not fit."""
+        bs = self._bs
+        total = len(seq.token_ids)
+        hits: list[int] = []
+        if self.config.enable_prefix_caching:
+            hits = self.pool.lookup(seq.hashes, (total - 1) // bs)
+        fresh = self.pool.allocate(-(-total // bs) - len(hits))
+        if fresh is None:
+            self.pool.free(hits)
+            return False
+        if self.config.enable_prefix_caching:
+            self.stats.prefix_cache_queries += total
+            self.stats.prefix_cache_hits += len(hits) * bs
+        seq.remote_pending = False
+        seq.blocks = hits + fresh
+        seq.num_registered = len(hits)
+        # Every prompt token but the last arrives; the last is computed here, for its logits.
+        seq.num_computed = total - 1
+        transferred = total - 1 - len(hits) * bs
+        seq.ready_at = start + transferred * self._per_transfer_token
+        self.stats.kv_transfers += 1
+        self.stats.kv_transfer_tokens += transferred
+        return True
 
     def _admit(self, seq: _Seq, budget: int) -> int:
         """Take cached prefix blocks and allocate the rest; tokens to compute, 0 if none fit."""
+        if seq.ready_at is not None:  # the prompt's KV has arrived into blocks it holds
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            return n if self._grow(seq, seq.num_computed + n) else 0
         bs = self._bs
         total = len(seq.token_ids)
         hits: list[int] = []
@@ -292,6 +357,7 @@ class Engine:
         seq.num_computed = 0
         seq.num_registered = 0
         seq.running = False
+        seq.ready_at = None  # recomputed locally, as vLLM does with a preempted remote prefill
         self.waiting.appendleft(seq)
         self.stats.num_preemptions += 1
 
@@ -332,6 +398,7 @@ class Engine:
             return TokenEvent(req.request_id, index, None)
 
         seq.running = False
+        lent = tuple(seq.blocks) if req.remote_decode else ()
         self.pool.free(seq.blocks)
         seq.blocks = []
         del self._seqs[req.request_id]
@@ -341,4 +408,4 @@ class Engine:
         stats.queue_time.observe(scheduled - req.arrival)
         stats.prefill_time.observe(seq.first_token_time - scheduled)
         stats.decode_time.observe(end - seq.first_token_time)
-        return TokenEvent(req.request_id, index, req.finish_reason)
+        return TokenEvent(req.request_id, index, req.finish_reason, lent)

@@ -23,6 +23,13 @@ from backends.sim.tokens import (
 )
 
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's and vLLM's default for /v1/completions
+# What a decode instance needs from the prefill instance's kv_transfer_params (NIXL).
+REMOTE_PREFILL_FIELDS: Final = (
+    "remote_engine_id",
+    "remote_block_ids",
+    "remote_host",
+    "remote_port",
+)
 
 _ERROR_TYPES: Final = {
     400: "BadRequestError",
@@ -65,6 +72,24 @@ class GenerateParams:
     continuous_usage_stats: bool
     ignore_eos: bool
     seed: int | None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    @property
+    def remote_decode(self) -> bool:
+        """The prefill half of a disaggregated request: prefill, then hand the KV over."""
+        kv = self.kv_transfer_params
+        return kv is not None and bool(kv.get("do_remote_decode"))
+
+    @property
+    def remote_prefill(self) -> bool:
+        """The decode half, with everything needed to pull the KV (else: a local prefill,
+        as vLLM falls back to when the parameters are incomplete)."""
+        kv = self.kv_transfer_params
+        return (
+            kv is not None
+            and bool(kv.get("do_remote_prefill"))
+            and all(kv.get(k) is not None for k in REMOTE_PREFILL_FIELDS)
+        )
 
 
 def parse_generate(body: Any, *, chat: bool) -> GenerateParams:
@@ -103,6 +128,7 @@ def parse_generate(body: Any, *, chat: bool) -> GenerateParams:
         continuous_usage_stats=bool(_opt(options, "continuous_usage_stats", bool)),
         ignore_eos=bool(_opt(body, "ignore_eos", bool)),
         seed=_opt(body, "seed", int),
+        kv_transfer_params=_opt(body, "kv_transfer_params", dict),
     )
 
 

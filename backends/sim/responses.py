@@ -87,8 +87,14 @@ class ResponseFormat:
         chunk["usage"] = usage(self.prompt_tokens, completion_tokens)
         return sse(chunk)
 
-    def full(self, text: str, finish_reason: str, completion_tokens: int) -> dict[str, Any]:
-        """The non-streaming response."""
+    def full(
+        self,
+        text: str,
+        finish_reason: str,
+        completion_tokens: int,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """The non-streaming response (a prefill instance's carries ``kv_transfer_params``)."""
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["message"] = {
@@ -121,5 +127,5 @@ class ResponseFormat:
                 "prompt_tokens_details": None,
             },
             "prompt_logprobs": None,
-            "kv_transfer_params": None,
+            "kv_transfer_params": kv_transfer_params,
         }

@@ -206,7 +206,16 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         prompt_tokens=len(params.prompt_ids),
     )
     driver = state.driver
-    handle = driver.submit(params.prompt_ids, output_len, reason, output, stream=params.stream)
+    remote_decode = config.kv_producer and params.remote_decode
+    handle = driver.submit(
+        params.prompt_ids,
+        output_len,
+        reason,
+        output,
+        stream=params.stream,
+        remote_decode=remote_decode,
+        remote_prefill=config.kv_consumer and not remote_decode and params.remote_prefill,
+    )
     state.in_flight += 1
     try:
         if params.stream:
@@ -215,11 +224,43 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
             )
         await handle.tokens()
         n = handle.num_tokens
-        full = fmt.full(output.text(n), handle.finish_reason or reason, n)
+        kv = None
+        if remote_decode:
+            kv = _handoff(request, state, handle, fmt, len(params.prompt_ids))
+        full = fmt.full(output.text(n), handle.finish_reason or reason, n, kv)
         return _json(full, headers=headers)
     finally:
         state.in_flight -= 1
         driver.release(handle)
+
+
+def _handoff(
+    request: web.Request,
+    state: SimState,
+    handle: RequestHandle,
+    fmt: ResponseFormat,
+    prompt_tokens: int,
+) -> dict[str, Any]:
+    """A prefill instance's ``kv_transfer_params``, in the NIXL connector's fields.
+
+    ``remote_host``/``remote_port`` are the address the request came in on (a real
+    instance names its NIXL side channel); ``sim_request`` is the simulator's own handle.
+    """
+    state.prefills_handed_off += 1
+    sock = request.transport.get_extra_info("sockname") if request.transport else None
+    host, port = (sock[0], sock[1]) if sock else ("127.0.0.1", 0)
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_block_ids": list(handle.block_ids),
+        "remote_engine_id": state.engine_id,
+        "remote_request_id": fmt.id,
+        "remote_host": host,
+        "remote_port": port,
+        "tp_size": 1,
+        "remote_num_tokens": prompt_tokens,
+        "sim_request": f"{state.engine_id}/{handle.request_id}",
+    }
 
 
 async def _stream(

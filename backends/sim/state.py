@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from collections.abc import Callable
 
 import structlog
@@ -34,6 +35,8 @@ class SimState:
         self.rng = random.Random(config.seed)
         self.in_flight = 0
         self.injected_errors = 0
+        self.engine_id = str(uuid.uuid4())  # as a KV connector names its engine
+        self.prefills_handed_off = 0  # prefill-only requests answered with kv_transfer_params
         self.ready = asyncio.Event()
         self.engine_dead = False
         self._faults = Faults()
@@ -101,5 +104,9 @@ class SimState:
             "prefix_cache_queries": self.engine.stats.prefix_cache_queries,
             "prefix_cache_hits": self.engine.stats.prefix_cache_hits,
             "aborted": dict(self.engine.stats.aborted),
+            "kv_role": self.config.kv_role,
+            "prefills_handed_off": self.prefills_handed_off,
+            "kv_transfers": self.engine.stats.kv_transfers,
+            "kv_transfer_tokens": self.engine.stats.kv_transfer_tokens,
             "faults": self._faults.to_json(),
         }

@@ -25,7 +25,7 @@ REQUEST_LATENCY_BUCKETS: Final = (
 )  # fmt: skip
 
 FINISH_REASONS: Final = ("stop", "length", "abort", "error", "repetition")
-ABORT_PHASES: Final = ("queued", "prefill", "decode")
+ABORT_PHASES: Final = ("queued", "transfer", "prefill", "decode")
 
 
 class Histogram:
@@ -63,6 +63,8 @@ class EngineStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    kv_transfers: int = 0  # remote prefills whose KV this (decode) instance received
+    kv_transfer_tokens: int = 0
     steps: int = 0
     busy_time: float = 0.0  # simulated seconds spent in steps
     request_success: dict[str, int] = field(

@@ -202,7 +202,7 @@ def test_abort_while_queued_removes_the_request() -> None:
     engine.step(0.0)
     assert engine.abort(2) == "queued"
     assert not engine.waiting
-    assert engine.stats.aborted == {"queued": 1, "prefill": 0, "decode": 0}
+    assert engine.stats.aborted == {"queued": 1, "transfer": 0, "prefill": 0, "decode": 0}
 
 
 def test_abort_in_prefill_frees_its_blocks() -> None:

@@ -102,7 +102,7 @@ async def test_gauges_follow_running_waiting_and_kv_usage(
         m = await scrape(client, sim)
         aborted = m["sim:aborted_requests"]
         phases = {s.labels["phase"]: s.value for s in aborted if s.name.endswith("_total")}
-        assert phases == {"queued": 1, "prefill": 0, "decode": 1}
+        assert phases == {"queued": 1, "transfer": 0, "prefill": 0, "decode": 1}
         success = m["vllm:request_success"]
         assert value(success, "vllm:request_success_total", finished_reason="abort") == 0
 

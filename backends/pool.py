@@ -142,9 +142,15 @@ class BackendPool:
         return self._roles.get(model, frozenset())
 
     def candidates(
-        self, model: str, exclude: Collection[str] = (), role: str | None = None
+        self,
+        model: str,
+        exclude: Collection[str] = (),
+        role: str | None = None,
+        only: Collection[str] | None = None,
     ) -> list[BackendSnapshot]:
         """Snapshots of the routable backends serving ``model``, less ``exclude``.
+
+        ``only``: if given, just these backends (a model pool's, ``gateway.rollout``).
 
         ``role`` None: every backend but prefill-only ones (normal routing); otherwise only
         the backends of that role (the steps of a disaggregated request).
@@ -159,6 +165,7 @@ class BackendPool:
             self.snapshot(b, now)
             for b in serving
             if b.id not in exclude
+            and (only is None or b.id in only)
             and (b.spec.role != "prefill" if role is None else b.spec.role == role)
             and self.routable(b, now)
         ]

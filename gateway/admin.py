@@ -16,6 +16,7 @@ from backends.state import BackendState
 from gateway.errors import GatewayError, InvalidRequest, error_envelope
 from gateway.keys import GATEWAY, METRICS, POOL, ROUTER
 from gateway.reload import change_policy, describe_policy, reload_settings
+from gateway.rollout import ROLLOUT
 from policies import score
 
 
@@ -114,6 +115,48 @@ async def post_reload(request: web.Request) -> web.Response:
     )
 
 
+async def list_aliases(request: web.Request) -> web.Response:
+    rollout = request.app[GATEWAY][ROLLOUT]
+    return web.json_response(
+        {
+            "aliases": [rollout.describe(a) for a in sorted(rollout.aliases)],
+            "pools": {
+                p.name: {
+                    "model": p.model,
+                    "backends": sorted(p.backends),
+                    "labels": dict(p.labels),
+                    "drained": p.name in rollout.drained,
+                }
+                for p in rollout.pools.values()
+            },
+        }
+    )
+
+
+async def get_alias(request: web.Request) -> web.Response:
+    rollout = request.app[GATEWAY][ROLLOUT]
+    return web.json_response(rollout.describe(request.match_info["alias"]))
+
+
+async def put_alias(request: web.Request) -> web.Response:
+    rollout = request.app[GATEWAY][ROLLOUT]
+    body = await _json_body(request)
+    return web.json_response(rollout.set_weights(request.match_info["alias"], body))
+
+
+async def rollback_alias(request: web.Request) -> web.Response:
+    rollout = request.app[GATEWAY][ROLLOUT]
+    return web.json_response(rollout.rollback(request.match_info["alias"]))
+
+
+def _drain_pool(drained: bool) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        rollout = request.app[GATEWAY][ROLLOUT]
+        return web.json_response(rollout.set_drained(request.match_info["pool"], drained))
+
+    return handler
+
+
 async def admin_metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[GATEWAY][METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -129,4 +172,10 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_get("/admin/metrics", admin_metrics)
     app.router.add_post("/admin/backends/{backend_id}/drain", _set_draining(True))
     app.router.add_post("/admin/backends/{backend_id}/undrain", _set_draining(False))
+    app.router.add_get("/admin/aliases", list_aliases)
+    app.router.add_get("/admin/aliases/{alias}", get_alias)
+    app.router.add_put("/admin/aliases/{alias}", put_alias)
+    app.router.add_post("/admin/aliases/{alias}/rollback", rollback_alias)
+    app.router.add_post("/admin/pools/{pool}/drain", _drain_pool(True))
+    app.router.add_post("/admin/pools/{pool}/undrain", _drain_pool(False))
     return app

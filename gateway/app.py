@@ -38,6 +38,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_context
 from gateway.reload import CONFIG, ConfigSource, SettingsLoader, affinity_config, backend_specs
 from gateway.retry import RetryPolicy
+from gateway.rollout import ROLLOUT, Rollout
 from gateway.router import Router
 from gateway.settings import Settings
 from gateway.tracing import provider_from_settings, tracer_from
@@ -199,6 +200,7 @@ def create_app(
         jitter=r.jitter,
     )
     app[DISAGG] = Disagg.from_settings(settings, pool)  # prefill/decode role pools
+    app[ROLLOUT] = Rollout.from_settings(settings)  # model pools and aliases
     admission = _admission(settings, pool)
     app[ADMISSION] = admission
     metrics = GatewayMetrics()

@@ -279,6 +279,53 @@ class GatewayMetrics:
             registry=r,
         )
 
+        # Model pools (gateway.rollout): one version of a model beside another.
+        self.pool_requests = Counter(
+            "llm_gateway_pool_requests",
+            "Requests for an alias by the pool chosen and status.",
+            ["alias", "pool", "status"],
+            registry=r,
+        )
+        self.pool_errors = Counter(
+            "llm_gateway_pool_errors",
+            "Requests for an alias that failed (5xx, or an error after the stream began).",
+            ["alias", "pool"],
+            registry=r,
+        )
+        self.pool_ttft = Histogram(
+            "llm_gateway_pool_time_to_first_token_seconds",
+            "Time to first token of requests for an alias, by pool.",
+            ["alias", "pool"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.pool_itl = Histogram(
+            "llm_gateway_pool_inter_token_latency_seconds",
+            "Per request for an alias: mean time between output tokens after the first.",
+            ["alias", "pool"],
+            buckets=ITL_BUCKETS,
+            registry=r,
+        )
+
+    def record_pool(
+        self,
+        alias: str,
+        pool: str,
+        status: int,
+        ending: str,
+        *,
+        ttft: float | None,
+        itl: float | None,
+    ) -> None:
+        """One finished request for an alias, counted for the pool that answered it."""
+        self.pool_requests.labels(alias, pool, str(status)).inc()
+        if status >= 500 or ending == "upstream_error":
+            self.pool_errors.labels(alias, pool).inc()
+        if ttft is not None:
+            self.pool_ttft.labels(alias, pool).observe(ttft)
+        if itl is not None:
+            self.pool_itl.labels(alias, pool).observe(itl)
+
     def watch_limits(
         self,
         rejections: Callable[[], Mapping[tuple[str, str], int]],

@@ -13,7 +13,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -54,8 +54,10 @@ from gateway.limits.tokens import UsageFilter, usage_from_body, usage_plan, with
 from gateway.record import RequestRecord, finish
 from gateway.relay import Ending, relay_body, relay_stream
 from gateway.retry import RETRYABLE_STATUS
+from gateway.rollout import ROLLOUT, Choice
+from gateway.router import Router
 from gateway.tracing import annotate, attempt_span, end_attempt, inject, parent_context
-from policies import PrefixHasher, RouteFacts
+from policies import BackendSnapshot, PrefixHasher, RouteFacts
 
 log = structlog.get_logger("gateway.request")
 
@@ -130,6 +132,13 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         )
         facts = route_facts(doc, app[ROUTER].policy, request.headers)
         record.model = facts.model
+        choice = app[ROLLOUT].resolve(facts.model, request.headers)
+        if choice is not None:  # an alias (or a pool's own name): route in the chosen pool
+            record.pool = choice.pool.name
+            facts = replace(facts, model=choice.pool.model)
+            if choice.rename is not None:  # opt-in, so serialising the body again is fine
+                doc = {**doc, "model": choice.pool.model}
+                raw = json.dumps(doc, separators=(",", ":")).encode()
         grant = await limiter.admit(principal, doc)
         plan = usage_plan(doc)
         call = _Call(
@@ -140,6 +149,7 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
             record,
             strip_usage=plan.strip,
             extra_headers=grant.headers,
+            choice=choice,
         )
         ticket = await _wait_for_capacity(app, principal.id, principal.max_priority, request)
         try:
@@ -204,6 +214,8 @@ async def _route(
     """
     app, record = call.request.app, call.record
     router, retry = app[ROUTER], app[RETRY]
+    if pick is None and call.choice is not None:
+        pick = _pool_picker(router, call.choice.pool.backends)
     if pick is None:
         disagg = app.get(DISAGG)
         if disagg is not None and disagg.serves(facts.model):
@@ -250,6 +262,17 @@ async def _route(
             lease.release()
 
 
+def _pool_picker(router: Router, only: frozenset[str]) -> Picker:
+    """``router.pick`` among one model pool's backends."""
+
+    def pick(
+        facts: RouteFacts, exclude: Collection[str] = ()
+    ) -> tuple[Lease, list[BackendSnapshot]]:
+        return router.pick(facts, exclude, only)
+
+    return pick
+
+
 @dataclass(frozen=True, slots=True)
 class _Call:
     """What every attempt of one request sends."""
@@ -261,6 +284,7 @@ class _Call:
     record: RequestRecord
     strip_usage: bool = False
     extra_headers: dict[str, str] | None = None  # added to the client's response
+    choice: Choice | None = None  # the model pool chosen for an alias
 
 
 async def _attempt(
@@ -314,15 +338,18 @@ async def _relay(
     headers = downstream_headers(upstream.response.headers, record.request_id)
     if call.extra_headers:
         headers.update(call.extra_headers)
+    rename = call.choice.rename if call.choice is not None else None
     try:
         if upstream.response.content_type != _EVENT_STREAM:
-            whole = await relay_body(upstream, headers, call.request.app[UPSTREAM])
+            whole = await relay_body(upstream, headers, call.request.app[UPSTREAM], rename)
             record.ending = Ending.COMPLETE.value
             if isinstance(whole.body, bytes):
                 record.usage = usage_from_body(whole.body)
             return whole, True, None
         usage = UsageFilter(strip=call.strip_usage)
-        resp, result = await relay_stream(call.request, upstream, headers, time.monotonic, usage)
+        resp, result = await relay_stream(
+            call.request, upstream, headers, time.monotonic, usage, rename=rename
+        )
         record.usage = usage.usage
     except UpstreamError as exc:  # before anything reached the client
         lease.failed()
@@ -350,9 +377,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def list_models(request: web.Request) -> web.Response:
-    pool = request.app[ROUTER].pool
+    names = set(request.app[ROUTER].pool.models()) | set(request.app[ROLLOUT].names())
     data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "llm-gateway"} for m in pool.models()
+        {"id": m, "object": "model", "created": 0, "owned_by": "llm-gateway"} for m in sorted(names)
     ]
     return web.json_response({"object": "list", "data": data})
 

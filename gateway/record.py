@@ -24,6 +24,7 @@ class RequestRecord:
     request_id: str
     started: float
     model: str = "unknown"
+    pool: str | None = None  # the model pool chosen for an alias (gateway.rollout)
     key: str | None = None  # the API key's name (never the key)
     sent: bool = False  # an attempt reached a backend
     usage: Usage | None = None
@@ -68,6 +69,7 @@ class RequestRecord:
         fields: dict[str, Any] = {
             "request_id": self.request_id,
             "model": self.model,
+            "pool": self.pool,
             "backend": self.backend,
             "attempts": len(self.backends),
             "status": self.status,
@@ -103,6 +105,10 @@ def finish(app: web.Application, record: RequestRecord) -> None:
     itl = record.mean_itl()
     if itl is not None:
         metrics.itl.labels(record.model, backend).observe(itl)
+    if record.pool is not None:
+        metrics.record_pool(
+            record.model, record.pool, record.status, record.ending, ttft=ttft, itl=itl
+        )
     if record.abort_reason is not None:
         metrics.aborts.labels(backend, record.abort_reason).inc()
     if len(record.backends) > 1 and record.status and record.status < 500:

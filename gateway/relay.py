@@ -54,6 +54,14 @@ def stream_error_event(err: UpstreamError) -> bytes:
     return b"data: " + body.encode() + b"\n\ndata: [DONE]\n\n"
 
 
+# An alias's answer: the served model name's JSON field, and the alias's (``gateway.rollout``).
+Rename = tuple[bytes, bytes]
+
+
+def renamed(data: bytes, rename: Rename | None) -> bytes:
+    return data if rename is None else data.replace(*rename)
+
+
 class _Resumable(Protocol):
     def resume(self) -> None: ...
 
@@ -84,6 +92,7 @@ class Splice:
         first_token: FirstTokenWatch,
         usage: UsageFilter,
         now: Callable[[], float],
+        rename: Rename | None = None,
     ) -> None:
         self._client = client
         self._client_flow = client_flow
@@ -93,6 +102,7 @@ class Splice:
         self._first_token = first_token
         self._usage = usage
         self._now = now
+        self._rename = rename
         self._paused = False
         self._over = False
         self._wake: asyncio.Future[None] | None = None
@@ -110,6 +120,8 @@ class Splice:
         out = self._usage.feed(data)  # the same bytes, less a usage chunk the client didn't want
         if not out:
             return False
+        if self._rename is not None:
+            out = out.replace(*self._rename)
         client = self._client
         if client.is_closing():
             self._end(Ending.CLIENT_DISCONNECT)
@@ -168,6 +180,8 @@ async def relay_stream(
     headers: CIMultiDict[str],
     now: Callable[[], float],
     usage: UsageFilter,
+    *,
+    rename: Rename | None = None,
 ) -> tuple[web.StreamResponse, RelayResult]:
     """Relay an event stream chunk by chunk, until either side ends it.
 
@@ -191,6 +205,8 @@ async def relay_stream(
             if not first_token.seen and first_token.feed(chunk):
                 result.first_token_at = now()
             out = usage.feed(chunk)  # the same bytes, less a usage chunk the client didn't want
+            if out and rename is not None:
+                out = out.replace(*rename)
             if out or not fast_path_tried:
                 await resp.write(out)  # the first write also sends the head
             if not fast_path_tried:
@@ -203,6 +219,7 @@ async def relay_stream(
                     first_token=first_token,
                     usage=usage,
                     now=now,
+                    rename=rename,
                 ):
                     break
             try:
@@ -213,9 +230,9 @@ async def relay_stream(
                 break
         if result.ending is Ending.UPSTREAM_ERROR:
             assert result.error is not None
-            await resp.write(usage.flush() + stream_error_event(result.error))
+            await resp.write(renamed(usage.flush(), rename) + stream_error_event(result.error))
         if result.ending is not Ending.CLIENT_DISCONNECT:
-            await resp.write_eof(usage.flush())
+            await resp.write_eof(renamed(usage.flush(), rename))
     except ConnectionResetError:  # the client went away between two writes
         result.ending = Ending.CLIENT_DISCONNECT
     return resp, result
@@ -230,6 +247,7 @@ async def _spliced(
     first_token: FirstTokenWatch,
     usage: UsageFilter,
     now: Callable[[], float],
+    rename: Rename | None,
 ) -> bool:
     """Relay the rest of the stream on the fast path; False (nothing done) if it can't."""
     client = request.transport
@@ -249,6 +267,7 @@ async def _spliced(
         first_token=first_token,
         usage=usage,
         now=now,
+        rename=rename,
     )
     t = tap(upstream.response, splice)
     if t is None:
@@ -261,8 +280,11 @@ async def _spliced(
 
 
 async def relay_body(
-    upstream: Upstream, headers: CIMultiDict[str], client: UpstreamClient
+    upstream: Upstream,
+    headers: CIMultiDict[str],
+    client: UpstreamClient,
+    rename: Rename | None = None,
 ) -> web.Response:
     """Read a whole (non-stream) answer, then send it: errors before any byte stay mappable."""
-    body = await client.read_body(upstream)
+    body = renamed(await client.read_body(upstream), rename)
     return web.Response(status=upstream.response.status, body=body, headers=headers)

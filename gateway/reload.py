@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from backends.state import BackendSpec
 from gateway.errors import InvalidRequest
 from gateway.keys import METRICS, MONITOR, POOL, ROUTER
+from gateway.rollout import ROLLOUT
 from gateway.settings import AffinitySettings, Settings, WeightSettings
 from policies import AffinityConfig, Policy, PolicyName, PrefixAffinity, Weights, make_policy
 
@@ -36,7 +37,7 @@ class ConfigSource:
 CONFIG: web.AppKey[ConfigSource] = web.AppKey("config_source")
 
 # Settings that take effect without a restart.
-_LIVE = frozenset({"backends", "policy", "weights", "affinity"})
+_LIVE = frozenset({"backends", "policy", "weights", "affinity", "pools", "aliases", "rollout"})
 
 
 class PolicyChange(BaseModel):
@@ -129,6 +130,8 @@ def reload_settings(app: web.Application) -> ReloadResult:
         )
     if "backends" in result.applied:
         _apply_backends(app, new)
+    if {"pools", "aliases", "rollout"} & set(result.applied):
+        app[ROLLOUT].reconfigure(new)
     # What needs a restart keeps its running value until then.
     app[CONFIG].current = old.model_copy(update={k: getattr(new, k) for k in result.applied})
     log.info("config_reloaded", applied=result.applied, restart_required=result.restart_required)

@@ -16,13 +16,17 @@ class Router:
         self._retry_after = retry_after
 
     def pick(
-        self, facts: RouteFacts, exclude: Collection[str] = ()
+        self,
+        facts: RouteFacts,
+        exclude: Collection[str] = (),
+        only: Collection[str] | None = None,
     ) -> tuple[Lease, list[BackendSnapshot]]:
         """Lease the policy's choice among routable backends not in ``exclude``.
 
-        Also returns the candidates it chose among (for logs and metrics).
+        ``only`` restricts the candidates to a model pool's backends. Also returns the
+        candidates it chose among (for logs and metrics).
         """
-        candidates = self.pool.candidates(facts.model, exclude)
+        candidates = self.pool.candidates(facts.model, exclude, only=only)
         choice = self.policy.choose(facts, candidates)
         if choice is None:
             raise NoBackendAvailable(

@@ -22,6 +22,7 @@ from pydantic_settings import (
 
 from gateway.limits.settings import LimitsSettings
 from policies import PolicyName
+from policies.rollout import WeightsError, check_weights
 
 
 class BackendSettings(BaseModel):
@@ -118,6 +119,28 @@ class AffinitySettings(BaseModel):
         if self.index_capacity < self.max_blocks:
             raise ValueError("index_capacity must be at least max_blocks")
         return self
+
+
+class PoolSettings(BaseModel):
+    """A named group of configured backends serving one model (one version of it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    model: str = Field(min_length=1, description="the model name the backends serve")
+    backends: list[str] = Field(min_length=1, description="ids or URLs of [[backends]]")
+    labels: dict[str, str] = Field(default_factory=dict, description="e.g. version = 'v2'")
+
+
+class RolloutSettings(BaseModel):
+    """How requests for an alias are split between its pools (``[aliases]``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    sticky_header: str | None = Field(
+        None, description="header keeping a client on one pool (e.g. x-session-id); None: off"
+    )
+    expose_pools: bool = Field(False, description="pool names are model names clients may use")
 
 
 class UpstreamSettings(BaseModel):
@@ -278,6 +301,11 @@ class Settings(BaseSettings):
     policy: PolicyName = "least_load"
     weights: WeightSettings = Field(default_factory=WeightSettings)
     affinity: AffinitySettings = Field(default_factory=AffinitySettings)
+    pools: list[PoolSettings] = Field(default_factory=list)
+    aliases: dict[str, dict[str, float]] = Field(
+        default_factory=dict, description="public model name -> {pool: weight}"
+    )
+    rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     disagg: DisaggSettings = Field(default_factory=DisaggSettings)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
@@ -321,6 +349,24 @@ class Settings(BaseSettings):
                 raise ValueError(f"backend {b.id!r} is listed twice")
             seen.add(b.id)
         return v
+
+    @model_validator(mode="after")
+    def _pools_and_aliases(self) -> Settings:
+        ids = {b.id for b in self.backends} | {b.url for b in self.backends}
+        names: set[str] = set()
+        for p in self.pools:
+            if p.name in names:
+                raise ValueError(f"pool {p.name!r} is listed twice")
+            names.add(p.name)
+            unknown = sorted(set(p.backends) - ids)
+            if unknown:
+                raise ValueError(f"pool {p.name!r}: unknown backend(s) {', '.join(unknown)}")
+        for alias, weights in self.aliases.items():
+            try:
+                check_weights(weights, names)
+            except WeightsError as exc:
+                raise ValueError(f"alias {alias!r}: {exc}") from None
+        return self
 
     @classmethod
     def settings_customise_sources(

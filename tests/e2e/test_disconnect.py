@@ -48,7 +48,7 @@ async def prove_aborted(
     generated = await fleet_total(http, servers, GENERATED) - tokens_before
     # Well short of max_tokens (~30 s of generation); the tokens made before the disconnect
     # vary with how busy the machine is, so the bound is loose.
-    assert 0 < generated < MAX_TOKENS / 2, f"{generated} tokens generated"
+    assert generated < MAX_TOKENS / 2, f"{generated} tokens generated"
 
     async def aborted_lines() -> list[str]:
         return log_lines(servers, "Aborted request", request_id)
@@ -117,10 +117,12 @@ async def test_disconnect_during_non_streaming_request_stops_generation(
         )
     )
 
-    async def generated() -> float:
-        return await fleet_total(http, servers, GENERATED) - tokens_before
+    async def running() -> float:
+        return await fleet_total(http, servers, RUNNING)
 
-    await poll_until(generated, lambda n: n > 0, within=20.0, what="generation to start")
+    # Scheduled on a server (vLLM's token counter can lag a non-streaming request: the running
+    # gauge is the prompt sign that it is being generated).
+    await poll_until(running, lambda n: n > 0, within=20.0, what="the request to be running")
     call.cancel()  # the client gives up: httpx closes its connection to the gateway
     with pytest.raises(asyncio.CancelledError):
         await call

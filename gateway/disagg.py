@@ -232,9 +232,8 @@ class Disagg:
                 app[METRICS].disagg_failures.labels(
                     "prefill", lease.backend.id, type(exc).__name__
                 ).inc()
-                wait = retry.backoff(len(tried), _rng)
-                elapsed = time.monotonic() - record.started
-                if not retry.may_retry(len(tried), elapsed, wait):
+                wait = retry.next_wait(len(tried), time.monotonic() - record.started, _rng)
+                if wait is None:
                     raise
                 log.info(
                     "disagg_prefill_retry",

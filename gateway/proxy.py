@@ -245,9 +245,8 @@ async def _route(
                 if isinstance(exc, UpstreamError)
                 else UpstreamError(f"backend answered {exc.status}")
             )
-            wait = retry.backoff(len(record.backends), _rng)
-            elapsed = time.monotonic() - record.started
-            if not retry.may_retry(len(record.backends), elapsed, wait):
+            wait = retry.next_wait(len(record.backends), time.monotonic() - record.started, _rng)
+            if wait is None:
                 raise last_error from None
             app[METRICS].retries.labels(lease.backend.id, type(last_error).__name__).inc()
             log.info(

@@ -28,3 +28,8 @@ class RetryPolicy:
 
     def may_retry(self, attempts_made: int, elapsed: float, next_wait: float) -> bool:
         return attempts_made < self.max_attempts and elapsed + next_wait < self.deadline
+
+    def next_wait(self, attempts_made: int, elapsed: float, rng: Rng) -> float | None:
+        """Seconds to wait before the next attempt, or ``None``: give up."""
+        wait = self.backoff(attempts_made, rng)
+        return wait if self.may_retry(attempts_made, elapsed, wait) else None

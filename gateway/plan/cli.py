@@ -11,6 +11,7 @@ from typing import Final
 
 from gateway.plan.arithmetic import KV_DTYPES, WEIGHT_BITS, GiB
 from gateway.plan.model import (
+    OVERRIDABLE,
     PlanError,
     load_config_file,
     shape_from_config,
@@ -140,21 +141,7 @@ def _build(args: argparse.Namespace) -> Plan:
         raw, config_name = load_config_file(args.config)
         name = args.name or config_name
         base = shape_from_config(raw, name=name, where=str(args.config))
-    fields = {
-        k: getattr(args, k)
-        for k in (
-            "num_layers",
-            "hidden_size",
-            "num_attention_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate_size",
-            "vocab_size",
-            "tie_word_embeddings",
-            "num_experts",
-            "experts_per_token",
-        )
-    }
+    fields = {k: getattr(args, k) for k in OVERRIDABLE}
     shape = shape_with_overrides(base, name, **fields)
     if args.max_position_embeddings is not None:
         shape = replace(shape, max_position_embeddings=args.max_position_embeddings)

@@ -195,7 +195,7 @@ def load_config_file(path: Path) -> tuple[dict[str, Any], str]:
     return raw, str(name)
 
 
-_OVERRIDABLE: Final = (
+OVERRIDABLE: Final = (
     "num_layers",
     "hidden_size",
     "num_attention_heads",
@@ -212,7 +212,7 @@ _OVERRIDABLE: Final = (
 def shape_with_overrides(base: ModelShape | None, name: str, **fields: Any) -> ModelShape:
     """Apply explicitly given fields (None means not given) over ``base`` or build a shape
     from the fields alone. Raises :class:`PlanError` naming what is missing."""
-    given = {k: v for k, v in fields.items() if k in _OVERRIDABLE and v is not None}
+    given = {k: v for k, v in fields.items() if k in OVERRIDABLE and v is not None}
     if base is not None:
         shape = replace(base, **given)
     else:

@@ -62,6 +62,47 @@ def renamed(data: bytes, rename: Rename | None) -> bytes:
     return data if rename is None else data.replace(*rename)
 
 
+class Chunks:
+    """What both stream paths do with each upstream read, in one place.
+
+    Counts it for the idle watchdog and the event tally, times the first token, drops a usage
+    chunk the client didn't ask for, and renames the model for an alias. ``take`` returns the
+    bytes to send (maybe none).
+    """
+
+    __slots__ = ("_first_token", "_now", "_rename", "_result", "_usage", "_watch")
+
+    def __init__(
+        self,
+        watch: IdleWatch,
+        result: RelayResult,
+        usage: UsageFilter,
+        now: Callable[[], float],
+        rename: Rename | None,
+    ) -> None:
+        self._watch = watch
+        self._result = result
+        self._first_token = FirstTokenWatch()
+        self._usage = usage
+        self._now = now
+        self._rename = rename
+
+    def take(self, data: bytes) -> bytes:
+        self._watch.activity += 1
+        result = self._result
+        result.events += data.count(b"data:")
+        if not self._first_token.seen and self._first_token.feed(data):
+            result.first_token_at = self._now()
+        out = self._usage.feed(data)  # the same bytes, less a usage chunk the client didn't want
+        if out and self._rename is not None:
+            out = out.replace(*self._rename)
+        return out
+
+    def rest(self) -> bytes:
+        """What the usage filter still holds at the end of the stream."""
+        return renamed(self._usage.flush(), self._rename)
+
+
 class _Resumable(Protocol):
     def resume(self) -> None: ...
 
@@ -87,22 +128,14 @@ class Splice:
         client: asyncio.Transport,
         client_flow: _WriteFlow,
         backend: BackendSpec,
-        watch: IdleWatch,
         result: RelayResult,
-        first_token: FirstTokenWatch,
-        usage: UsageFilter,
-        now: Callable[[], float],
-        rename: Rename | None = None,
+        chunks: Chunks,
     ) -> None:
         self._client = client
         self._client_flow = client_flow
         self._backend = backend
-        self._watch = watch
         self._result = result
-        self._first_token = first_token
-        self._usage = usage
-        self._now = now
-        self._rename = rename
+        self._chunks = chunks
         self._paused = False
         self._over = False
         self._wake: asyncio.Future[None] | None = None
@@ -112,16 +145,9 @@ class Splice:
     def on_data(self, data: bytes) -> bool:
         if self._over:
             return False
-        self._watch.activity += 1
-        result = self._result
-        result.events += data.count(b"data:")
-        if not self._first_token.seen and self._first_token.feed(data):
-            result.first_token_at = self._now()
-        out = self._usage.feed(data)  # the same bytes, less a usage chunk the client didn't want
+        out = self._chunks.take(data)
         if not out:
             return False
-        if self._rename is not None:
-            out = out.replace(*self._rename)
         client = self._client
         if client.is_closing():
             self._end(Ending.CLIENT_DISCONNECT)
@@ -188,39 +214,23 @@ async def relay_stream(
     Raises ``UpstreamError`` if the backend fails before its first chunk (nothing sent yet).
     """
     content = upstream.response.content
-    idle = upstream.watch
     try:
         chunk = await content.readany()
     except CLIENT_ERRORS as exc:
         raise translate(exc, upstream.backend) from exc
     resp = web.StreamResponse(status=upstream.response.status, headers=headers)
     result = RelayResult(ending=Ending.COMPLETE)
-    first_token = FirstTokenWatch()
+    chunks = Chunks(upstream.watch, result, usage, now, rename)
     fast_path_tried = False
     try:
         writer = await resp.prepare(request)
         while chunk:
-            idle.activity += 1
-            result.events += chunk.count(b"data:")
-            if not first_token.seen and first_token.feed(chunk):
-                result.first_token_at = now()
-            out = usage.feed(chunk)  # the same bytes, less a usage chunk the client didn't want
-            if out and rename is not None:
-                out = out.replace(*rename)
+            out = chunks.take(chunk)
             if out or not fast_path_tried:
                 await resp.write(out)  # the first write also sends the head
             if not fast_path_tried:
                 fast_path_tried = True
-                if await _spliced(
-                    request,
-                    writer,
-                    upstream,
-                    result=result,
-                    first_token=first_token,
-                    usage=usage,
-                    now=now,
-                    rename=rename,
-                ):
+                if await _spliced(request, writer, upstream, result, chunks):
                     break
             try:
                 chunk = await content.readany()
@@ -230,9 +240,9 @@ async def relay_stream(
                 break
         if result.ending is Ending.UPSTREAM_ERROR:
             assert result.error is not None
-            await resp.write(renamed(usage.flush(), rename) + stream_error_event(result.error))
+            await resp.write(chunks.rest() + stream_error_event(result.error))
         if result.ending is not Ending.CLIENT_DISCONNECT:
-            await resp.write_eof(renamed(usage.flush(), rename))
+            await resp.write_eof(chunks.rest())
     except ConnectionResetError:  # the client went away between two writes
         result.ending = Ending.CLIENT_DISCONNECT
     return resp, result
@@ -242,12 +252,8 @@ async def _spliced(
     request: web.Request,
     writer: AbstractStreamWriter | None,
     upstream: Upstream,
-    *,
     result: RelayResult,
-    first_token: FirstTokenWatch,
-    usage: UsageFilter,
-    now: Callable[[], float],
-    rename: Rename | None,
+    chunks: Chunks,
 ) -> bool:
     """Relay the rest of the stream on the fast path; False (nothing done) if it can't."""
     client = request.transport
@@ -262,12 +268,8 @@ async def _spliced(
         client=client,
         client_flow=writer.protocol,
         backend=upstream.backend,
-        watch=upstream.watch,
         result=result,
-        first_token=first_token,
-        usage=usage,
-        now=now,
-        rename=rename,
+        chunks=chunks,
     )
     t = tap(upstream.response, splice)
     if t is None:

@@ -137,7 +137,7 @@ def _workload(w: dict[str, Any]) -> Workload:
         p = kwargs["prefix"]
         if not isinstance(p, dict):
             raise ScenarioError("[workload] prefix must be a table")
-        _check_keys("[workload] prefix", p, {"groups", "length", "hot_share"})
+        _check_keys("[workload] prefix", p, {"groups", "length", "hot_share", "hot_length"})
         kwargs["prefix"] = PrefixGroups(**p)
     try:
         return Workload(**kwargs)

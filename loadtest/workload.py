@@ -18,6 +18,8 @@ Shared prefixes
     ``PrefixGroups(groups=N, length=L, hot_share=h)``: every prompt starts with one of N
     fixed L-token prefixes (a system prompt; in chat, the system message). Group 0 gets a
     share ``h`` of requests and the others split the rest evenly; ``h=None`` is uniform.
+    ``hot_length`` gives group 0 a prefix of its own length (say, a chat app's short system
+    prompt beside long per-task contexts); unset, it is ``length`` too.
 
 Multi-turn sessions
     ``turns=T``: a session is T requests; turn k's prompt is turn k-1's prompt, then a
@@ -113,10 +115,11 @@ class PrefixGroups:
     groups: int = 0  # 0: no shared prefix
     length: int = 0  # tokens per prefix
     hot_share: float | None = None  # share of requests in group 0; None: uniform
+    hot_length: int | None = None  # tokens of group 0's prefix; None: ``length``
 
     def __post_init__(self) -> None:
-        if self.groups < 0 or self.length < 0:
-            raise ValueError("prefix groups and length must not be negative")
+        if self.groups < 0 or self.length < 0 or (self.hot_length or 0) < 0:
+            raise ValueError("prefix groups and lengths must not be negative")
         if self.hot_share is not None and not 0.0 <= self.hot_share <= 1.0:
             raise ValueError("hot_share must be within 0..1")
 
@@ -128,6 +131,11 @@ class PrefixGroups:
         if rng.random() < self.hot_share:
             return 0
         return 1 + rng.randrange(self.groups - 1)
+
+    def length_of(self, group: int) -> int:
+        if group == 0 and self.hot_length is not None:
+            return self.hot_length
+        return self.length
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +216,8 @@ class Workload:
         if group is not None:
             if group not in prefixes:
                 prng = random.Random(f"prefix-{self.seed}-{group}")
-                prefixes[group] = [prng.choice(_VOCAB) for _ in range(self.prefix.length)]
+                length = self.prefix.length_of(group)
+                prefixes[group] = [prng.choice(_VOCAB) for _ in range(length)]
             prefix = prefixes[group]
         messages: list[dict[str, str]] = []
         if prefix:

@@ -2,12 +2,15 @@
 
 Each decision, in order:
 
-1. **Balance guard.** A candidate whose load exceeds the least-loaded candidate's by more
-   than ``balance_abs`` *and* more than ``balance_rel`` times is *overloaded*: it may still be
-   chosen by load, never by affinity. This is sglang's router's imbalance test, applied per
-   candidate, so the rest of the fleet keeps its affinity while one backend is hot. Load is
-   the gateway's own in-flight count (``balance_on="in_flight"``, the freshest signal), or
-   the ``least_load`` score (``"score"``, in score units).
+1. **Balance guard.** A candidate that one more request would put more than ``balance_abs``
+   above the least-loaded candidate's load *and* more than ``balance_rel`` times it is
+   *overloaded*: it may still be chosen by load, never by affinity. This is sglang's router's
+   imbalance test, applied per candidate and to the load after the choice, so routing never
+   takes a backend past the spread and the rest of the fleet keeps its affinity while one
+   backend is hot. Load is the gateway's own in-flight count (``balance_on="in_flight"``, the
+   freshest signal; one request adds 1), or the ``least_load`` score (``"score"``, in score
+   units; one request adds the ``active`` weight). The least-loaded candidate is never
+   overloaded.
 2. **Session affinity** (when ``session_header`` is set and the request carries it): the
    session's backend is the rendezvous-hash winner among the candidates, so sessions stay
    put and only those of a backend that leaves move. An overloaded winner falls through.
@@ -64,9 +67,15 @@ class AffinityConfig:
     def hasher(self) -> PrefixHasher:
         return PrefixHasher(self.block_chars, self.max_blocks)
 
-    def overloaded(self, load: float, floor: float) -> bool:
-        """Past both thresholds above the least-loaded candidate's ``floor``."""
-        return load - floor > self.balance_abs and load > floor * self.balance_rel
+    def overloaded(self, load: float, floor: float, step: float = 1.0) -> bool:
+        """Would ``step`` more load put it past both thresholds above the ``floor``?
+
+        ``floor`` is the least-loaded candidate's load, which is never overloaded.
+        """
+        after = load + step
+        return (
+            load > floor and after - floor > self.balance_abs and after > floor * self.balance_rel
+        )
 
 
 def rendezvous(key: str, backend_id: str) -> int:
@@ -118,11 +127,15 @@ class PrefixAffinity:
         cfg = self.config
         if cfg.balance_on == "in_flight":
             loads = [float(s.in_flight) for s in candidates]
+            step = 1.0
         else:
             loads = [score(s, self.weights) for s in candidates]
+            step = self.weights.active
         floor = min(loads)
         eligible = [
-            s for s, load in zip(candidates, loads, strict=True) if not cfg.overloaded(load, floor)
+            s
+            for s, load in zip(candidates, loads, strict=True)
+            if not cfg.overloaded(load, floor, step)
         ]
         overflow = False
         if facts.session_key is not None and cfg.session_header is not None:

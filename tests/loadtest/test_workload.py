@@ -73,6 +73,12 @@ def test_shared_prefix_groups_with_a_hot_group() -> None:
     assert len({next(iter(v)) for v in systems.values()}) == 5  # distinct across groups
 
 
+def test_the_hot_group_can_have_a_prefix_length_of_its_own() -> None:
+    w = Workload(prefix=PrefixGroups(groups=3, length=40, hot_share=0.5, hot_length=8), seed=2)
+    lengths = {s.group: len(s.body["messages"][0]["content"].split()) for s in w.take(200)}
+    assert lengths == {0: 8, 1: 40, 2: 40}
+
+
 def test_multi_turn_sessions_extend_the_previous_prompt() -> None:
     w = Workload(turns=3, interleave=4, prompt=LengthDist.fixed(5), output=LengthDist.fixed(7))
     specs = w.take(24)

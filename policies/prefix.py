@@ -118,7 +118,7 @@ class PrefixIndex:
     The backend ids are kept in small tuples: a hash is held by a few backends at most.
     """
 
-    __slots__ = ("_entries", "_refs", "capacity")
+    __slots__ = ("_entries", "_held", "_refs", "capacity")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
@@ -126,6 +126,7 @@ class PrefixIndex:
         self.capacity = capacity
         self._entries: OrderedDict[int, tuple[str, ...]] = OrderedDict()
         self._refs = 0  # backend ids over all entries
+        self._held: dict[str, int] = {}  # backend -> entries naming it
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -133,6 +134,10 @@ class PrefixIndex:
     @property
     def refs(self) -> int:
         return self._refs
+
+    def footprint(self, backend: str) -> int:
+        """Blocks ``backend`` is believed to hold: how much of its cache the index fills."""
+        return self._held.get(backend, 0)
 
     @property
     def approx_bytes(self) -> int:
@@ -142,18 +147,22 @@ class PrefixIndex:
     def record(self, backend: str, hashes: Sequence[int]) -> None:
         """``backend`` received a prompt with these block hashes: remember, evict the oldest."""
         entries = self._entries
+        added = 0
         # Tail first, so a prompt's shared beginning is the most recently used and the last
         # to go (the way vLLM frees a sequence's blocks).
         for h in reversed(hashes):
             holders = entries.get(h)
             if holders is None:
                 entries[h] = (backend,)
-                self._refs += 1
+                added += 1
             else:
                 if backend not in holders:
                     entries[h] = (*holders, backend)
-                    self._refs += 1
+                    added += 1
                 entries.move_to_end(h)
+        if added:
+            self._refs += added
+            self._held[backend] = self._held.get(backend, 0) + added
         self._evict_to(self.capacity)
 
     def resize(self, capacity: int) -> None:
@@ -164,9 +173,15 @@ class PrefixIndex:
 
     def _evict_to(self, capacity: int) -> None:
         entries = self._entries
+        held = self._held
         while len(entries) > capacity:
             _, holders = entries.popitem(last=False)
             self._refs -= len(holders)
+            for b in holders:
+                if held[b] == 1:
+                    del held[b]
+                else:
+                    held[b] -= 1
 
     def holders(self, h: int) -> tuple[str, ...]:
         return self._entries.get(h, ())
@@ -195,3 +210,41 @@ class PrefixIndex:
         for b in alive:
             lengths[b] = depth
         return lengths
+
+
+class PrefixHeat:
+    """How much of the recent traffic each prefix carries: its share of routing decisions.
+
+    ``observe(block)`` counts one decision whose prompt matched cached prefix ``block`` (the
+    deepest block some backend is believed to hold; None for a prompt that matched nothing)
+    and returns that block's recent share of all decisions. Counts are halved every
+    ``window`` decisions, so the share follows the last few windows of traffic, and a block
+    whose count falls below a quarter is forgotten: at most about ``4 * window`` keys.
+    """
+
+    __slots__ = ("_counts", "_since", "_total", "window")
+
+    def __init__(self, window: int = 1000) -> None:
+        if window < 1:
+            raise ValueError("window must be at least 1")
+        self.window = window
+        self._counts: dict[int, float] = {}
+        self._total = 0.0
+        self._since = 0
+
+    def __len__(self) -> int:
+        return len(self._counts)
+
+    def observe(self, block: int | None) -> float:
+        self._total += 1.0
+        self._since += 1
+        share = 0.0
+        if block is not None:
+            count = self._counts.get(block, 0.0) + 1.0
+            self._counts[block] = count
+            share = count / self._total
+        if self._since >= self.window:
+            self._since = 0
+            self._total /= 2.0
+            self._counts = {k: v / 2.0 for k, v in self._counts.items() if v >= 0.5}
+        return share

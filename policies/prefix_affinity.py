@@ -16,12 +16,18 @@ Each decision, in order:
    put and only those of a backend that leaves move. An overloaded winner falls through.
 3. **Prefix affinity.** Among the candidates that are not overloaded, the ones believed to
    hold the longest prefix of the prompt (in blocks, from the policy's own ``PrefixIndex``)
-   win; the ``least_load`` score decides among them, then chance. No match anywhere: the
-   ``least_load`` choice.
+   win. When several hold it, it depends on how much traffic the prefix carries
+   (``PrefixHeat``: its share of recent decisions). A prefix one backend can carry (share
+   at most 1 / eligible backends) stays with the backend that received it first, so the
+   copy a guarded request left elsewhere is not kept warm at the cost of that cache's own
+   prefixes. A hotter one is spread by the ``least_load`` score, then chance.
+4. **Placement.** A prompt nobody holds goes to the least-loaded candidate; among equally
+   loaded ones, to the one whose cache the index fills least (``PrefixIndex.footprint``), so
+   a burst of new prefixes spreads over the caches instead of landing by chance.
 
-The chosen backend is then recorded as holding the prompt's blocks. The index is the only
-state, bounded by ``index_capacity`` block hashes (LRU); ``decisions`` counts why each
-choice was made.
+The chosen backend is then recorded as holding the prompt's blocks. The index and the heat
+are the only state, bounded by ``index_capacity`` block hashes (LRU) and the heat's window;
+``decisions`` counts why each choice was made.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from policies.least_load import LeastLoad
-from policies.prefix import PrefixHasher, PrefixIndex
+from policies.prefix import PrefixHasher, PrefixHeat, PrefixIndex
 from policies.scoring import Weights, score
 from policies.types import BackendSnapshot, Rng, RouteFacts
 
@@ -92,6 +98,7 @@ class PrefixAffinity:
     # Sized to config.index_capacity on construction; pass the old one to keep its memory.
     index: PrefixIndex = field(default_factory=lambda: PrefixIndex(1))
     decisions: Counter[str] = field(default_factory=Counter)
+    heat: PrefixHeat = field(default_factory=PrefixHeat)
     name: str = "prefix_affinity"
     _load: LeastLoad = field(init=False, repr=False)
     _hasher: PrefixHasher = field(init=False, repr=False)
@@ -155,20 +162,48 @@ class PrefixAffinity:
     ) -> tuple[BackendSnapshot, str]:
         hashes = facts.prefix_hashes
         if not hashes:
+            self.heat.observe(None)
             return self._pick(facts, eligible), "load"
         held = self.index.match(hashes, [s.id for s in candidates])
+        deepest = max(held.values())
+        share = self.heat.observe(hashes[deepest - 1] if deepest else None)
         best = max(held[s.id] for s in eligible)
         if best == 0:
-            reason = "balance" if max(held.values()) > 0 else "load"
-            return self._pick(facts, eligible), reason
+            reason = "balance" if deepest > 0 else "load"
+            return self._place(facts, eligible), reason
         top = [s for s in eligible if held[s.id] == best]
-        if max(held.values()) > best:
+        if len(top) > 1 and share * len(eligible) <= 1.0:
+            # A prefix that one backend can carry stays with the backend that got it first,
+            # so copies made when the guard sent it elsewhere are not kept warm.
+            return self._owner(hashes[best - 1], top), "prefix"
+        if deepest > best:
             reason = "balance"  # the guard passed over a longer match
         elif len(top) < len(eligible):
             reason = "prefix"
         else:
             reason = "load"  # every eligible backend holds as much
         return self._pick(facts, top), reason
+
+    def _owner(self, block: int, top: list[BackendSnapshot]) -> BackendSnapshot:
+        """Of ``top``, the backend that received ``block`` first (the index keeps that order)."""
+        by_id = {s.id: s for s in top}
+        for holder in self.index.holders(block):
+            if holder in by_id:
+                return by_id[holder]
+        return top[0]
+
+    def _place(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
+        """A prompt nobody holds: the least loaded, then the one with the most cache room.
+
+        Room (the smallest footprint in the index) breaks load ties, as when a burst of new
+        prefixes arrives at an idle fleet, so they spread over the caches evenly.
+        """
+        floor = min(score(s, self.weights) for s in pool)
+        lightest = [s for s in pool if score(s, self.weights) == floor]
+        if len(lightest) > 1:
+            room = min(self.index.footprint(s.id) for s in lightest)
+            lightest = [s for s in lightest if self.index.footprint(s.id) == room]
+        return self._pick(facts, lightest)
 
     def _pick(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
         choice = self._load.choose(facts, pool)

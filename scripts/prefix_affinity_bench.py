@@ -99,8 +99,8 @@ def spread_figures(
     within = sum(1 for f in window if max(f) - min(f) <= abs_t or max(f) <= min(f) * rel_t)
     return {
         "samples": len(window),
-        "spread_p50": percentile(spreads, 50),
-        "spread_p99": percentile(spreads, 99),
+        "spread_p50": round(percentile(spreads, 50), 1),
+        "spread_p99": round(percentile(spreads, 99), 1),
         "spread_max": spreads[-1],
         "within_share": within / len(window),
         "mean_in_flight": [
@@ -119,10 +119,15 @@ def decisions(metrics_text: str) -> dict[str, float]:
     return out
 
 
-def hit_rate(run: LabeledRun) -> float:
-    backends = run.extra["backends"]
-    hits = sum(b["metrics"].get("vllm:prefix_cache_hits_total", 0.0) for b in backends)
-    queries = sum(b["metrics"].get("vllm:prefix_cache_queries_total", 0.0) for b in backends)
+def hit_rate(run: LabeledRun, window: str = "measured") -> float:
+    """Prefix-cache hits / queries (tokens) summed over the backends, from their own metrics.
+
+    ``measured``: from the end of the warm-up on, like every other figure; ``metrics``: the
+    whole run, the cold start included.
+    """
+    counters = [b[window] or {} for b in run.extra["backends"]]
+    hits = sum(m.get("vllm:prefix_cache_hits_total", 0.0) for m in counters)
+    queries = sum(m.get("vllm:prefix_cache_queries_total", 0.0) for m in counters)
     return hits / queries if queries else 0.0
 
 
@@ -180,6 +185,7 @@ async def run_all(
             {
                 "policy": policy,
                 "hit_rate": hit_rate(labeled),
+                "hit_rate_with_warmup": hit_rate(labeled, "metrics"),
                 "ttft_p50_ms": s.ttft.p50 * 1e3,
                 "ttft_p99_ms": s.ttft.p99 * 1e3,
                 "req_per_s": s.request_throughput,
@@ -231,7 +237,8 @@ def main() -> int:
     for r in rows:
         f = r["in_flight"]
         print(
-            f"{r['policy']:16} hit {r['hit_rate']:6.1%}  TTFT p50 {r['ttft_p50_ms']:7.1f} "
+            f"{r['policy']:16} hit {r['hit_rate']:6.1%} ({r['hit_rate_with_warmup']:.1%})  "
+            f"TTFT p50 {r['ttft_p50_ms']:7.1f} "
             f"p99 {r['ttft_p99_ms']:7.1f} ms  {r['req_per_s']:5.2f} req/s "
             f"{r['tok_per_s']:6.0f} tok/s  spread p50 {f.get('spread_p50')} "
             f"p99 {f.get('spread_p99')} max {f.get('spread_max')} "

@@ -56,3 +56,18 @@ async def test_tiny_scenario_runs_end_to_end(tmp_path: Path) -> None:
     plot([run], tmp_path / "plot.png", "tiny")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
     assert '"label": "round_robin"' in (tmp_path / "result.json").read_text()
+
+
+async def test_backend_counters_are_also_taken_from_the_end_of_the_warm_up(
+    tmp_path: Path,
+) -> None:
+    sc = parse_scenario(
+        TINY.replace("requests = 12", "duration = 1.5\nwarmup = 0.5").replace(
+            "[[events]]\nat = 0.0\nbackend = 1\nfaults = { slowdown = 2.0 }\n", ""
+        )
+    )
+    run = await run_scenario(sc, "round_robin", tmp_path)
+    for b in run.extra["backends"]:
+        whole = b["metrics"]["vllm:request_success_total"]
+        measured = b["measured"]["vllm:request_success_total"]
+        assert 0 < measured < whole

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from policies import PrefixHasher, PrefixIndex
-from policies.prefix import chain_hashes, prompt_text
+from policies.prefix import PrefixHeat, chain_hashes, prompt_text
 
 
 def test_the_same_text_always_gives_the_same_hashes() -> None:
@@ -99,3 +99,35 @@ def test_resize_evicts_down_to_the_new_capacity() -> None:
     assert idx.match(list(range(10)), ["a"]) == {"a": 3}
     with pytest.raises(ValueError, match="capacity"):
         idx.resize(0)
+
+
+def test_footprint_counts_the_blocks_each_backend_is_believed_to_hold() -> None:
+    idx = PrefixIndex(5)
+    idx.record("a", [1, 2, 3])
+    idx.record("b", [1, 2])
+    idx.record("a", [1, 2, 3])  # nothing new for a
+    assert (idx.footprint("a"), idx.footprint("b"), idx.footprint("c")) == (3, 2, 0)
+    idx.record("b", [7, 8, 9])  # six hashes: the oldest, 3 (a's only), goes
+    assert (idx.footprint("a"), idx.footprint("b")) == (2, 5)
+    idx.resize(1)  # the most recent, 7 (recorded tail first), is left
+    assert (idx.footprint("a"), idx.footprint("b")) == (0, 1)
+    assert idx.refs == 1
+
+
+def test_heat_is_a_prefixs_share_of_recent_decisions() -> None:
+    heat = PrefixHeat(window=100)
+    shares = [heat.observe(1 if i % 2 == 0 else None) for i in range(40)]
+    assert shares[-2] == pytest.approx(0.5, abs=0.03)  # prefix 1: every other decision
+    assert heat.observe(2) == pytest.approx(1 / 41)
+
+
+def test_heat_forgets_what_stopped_arriving() -> None:
+    heat = PrefixHeat(window=10)
+    for _ in range(10):
+        heat.observe(1)  # all of the first window
+    for _ in range(60):
+        heat.observe(2)
+    assert len(heat) == 1  # 1's count halved below a quarter and was dropped
+    assert heat.observe(1) < 0.1
+    with pytest.raises(ValueError, match="window"):
+        PrefixHeat(window=0)

@@ -97,6 +97,41 @@ def test_among_equal_matches_the_least_loaded_wins() -> None:
     assert p.choose(facts(), cands).id == "b"  # type: ignore[union-attr]
 
 
+def test_a_prefix_one_backend_can_carry_stays_with_the_first_to_get_it() -> None:
+    """A copy the guard once made elsewhere is not kept warm by routing there on load."""
+    p = policy()
+    for _ in range(50):
+        p.heat.observe(None)  # other traffic: this prompt is a small share of it
+    p.index.record("a", PROMPT)
+    p.index.record("b", PROMPT)  # say, a request the guard sent to b while a was busy
+    cands = [snap("a", 3), snap("b", 1), snap("c", 2)]
+    for _ in range(5):
+        assert p.choose(facts(), cands).id == "a"  # type: ignore[union-attr]
+    assert p.decisions["prefix"] == 5
+
+
+def test_a_prefix_with_more_traffic_than_one_backend_spreads_over_its_holders() -> None:
+    p = policy()
+    for b in "ab":
+        p.index.record(b, PROMPT)
+    cands = [snap("a", 3), snap("b", 1), snap("c", 2)]
+    # Every decision so far is this prompt: more than a third of the traffic of three.
+    for _ in range(5):
+        assert p.choose(facts(), cands).id == "b"  # type: ignore[union-attr]
+
+
+def test_a_new_prefix_goes_to_the_least_loaded_then_to_the_most_cache_room() -> None:
+    p = policy()
+    p.index.record("a", (101, 102, 103))
+    p.index.record("c", (201,))
+    new = facts((7, 8, 9))
+    assert p.choose(new, [snap("a"), snap("b", 1), snap("c")]).id == "c"  # type: ignore[union-attr]
+    assert p.decisions["load"] == 1
+    # Load first: the emptiest cache does not take a request it is busier for.
+    other = facts((17, 18))
+    assert p.choose(other, [snap("a"), snap("b", 1), snap("c", 1)]).id == "a"  # type: ignore[union-attr]
+
+
 def test_ties_are_broken_at_random() -> None:
     p = policy(seed=3)
     for b in "abc":
@@ -138,6 +173,30 @@ def test_the_least_loaded_backend_is_never_overloaded() -> None:
     cands = [snap("a", 2), snap("b", 3)]
     assert p.choose(facts(), cands).id == "a"  # type: ignore[union-attr]
     assert p.decisions["balance"] == 1
+
+
+def test_no_choice_ever_takes_a_backend_past_the_spread() -> None:
+    """Hot and cold prefixes, sticky owners, requests finishing at random: after every choice
+    the chosen backend is within balance_abs or balance_rel of the least loaded one."""
+    rng = random.Random(5)
+    p = policy(seed=5, balance_abs=3.0, balance_rel=1.5)
+    prompts = [tuple(range(g * 100, g * 100 + 8)) for g in range(12)]
+    in_flight = dict.fromkeys("abcd", 0)
+    for _ in range(3000):
+        if rng.random() < 0.45:
+            busy = [b for b, n in in_flight.items() if n]
+            if busy:
+                in_flight[rng.choice(busy)] -= 1
+            continue
+        prompt = prompts[0] if rng.random() < 0.5 else rng.choice(prompts[1:])
+        floor = min(in_flight.values())
+        choice = p.choose(facts(prompt), [snap(b, n) for b, n in in_flight.items()])
+        assert choice is not None
+        in_flight[choice.id] += 1
+        after = in_flight[choice.id]
+        assert after - floor <= 3 or after <= floor * 1.5
+    assert p.decisions["prefix"] > 0
+    assert p.decisions["balance"] > 0
 
 
 def test_a_session_sticks_to_its_rendezvous_backend() -> None:

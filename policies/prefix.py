@@ -196,16 +196,19 @@ class PrefixIndex:
         alive = set(lengths)
         entries = self._entries
         depth = 0
+        last: tuple[str, ...] = ()
         for h in hashes:
             holders = entries.get(h)
             if not holders:
                 break
-            still = alive.intersection(holders)
-            if not still:
-                break
-            for gone in alive - still:
-                lengths[gone] = depth
-            alive = still
+            if holders != last:  # a chain's blocks mostly have the same holders
+                still = alive.intersection(holders)
+                if not still:
+                    break
+                for gone in alive - still:
+                    lengths[gone] = depth
+                alive = still
+                last = holders
             depth += 1
         for b in alive:
             lengths[b] = depth

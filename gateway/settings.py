@@ -104,7 +104,9 @@ class AffinitySettings(BaseModel):
         50_000, ge=128, description="block hashes remembered, least recently used dropped first"
     )
     balance_abs: float = Field(
-        8.0, ge=0, description="a backend this much above the least loaded one loses affinity..."
+        8.0,
+        ge=0,
+        description="a backend one more request puts this far above the idlest loses affinity...",
     )
     balance_rel: float = Field(1.5, ge=1, description="...if also this many times above it")
     balance_on: Literal["in_flight", "score"] = Field(

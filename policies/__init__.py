@@ -43,7 +43,7 @@ def make_policy(
     if name == "prefix_affinity":
         config = affinity or AffinityConfig()
         if isinstance(previous, PrefixAffinity) and previous.prefix_hasher == config.hasher:
-            return PrefixAffinity(w, r, config, previous.index, previous.decisions)
+            return PrefixAffinity(w, r, config, previous.index, previous.decisions, previous.heat)
         return PrefixAffinity(weights=w, rng=r, config=config)
     if name == "round_robin":
         return RoundRobin()

@@ -32,6 +32,7 @@ from loadtest.scenario import Scenario, load_scenario, run_scenario
 from loadtest.stats import percentile
 
 POLICIES = ("prefix_affinity", "least_load", "round_robin")
+ABS_ENV = "GATEWAY_AFFINITY__BALANCE_ABS"
 
 
 async def sample_in_flight(
@@ -132,7 +133,10 @@ def hit_rate(run: LabeledRun, window: str = "measured") -> float:
 
 
 def plot(
-    rows: list[dict[str, Any]], series: dict[str, list[tuple[float, int]]], path: Path
+    rows: list[dict[str, Any]],
+    series: dict[str, list[tuple[float, int]]],
+    path: Path,
+    guard: float,
 ) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -143,15 +147,17 @@ def plot(
     labels = [r["policy"] for r in rows]
     hit_ax.bar(labels, [r["hit_rate"] * 100 for r in rows], color=["C0", "C1", "C2"][: len(rows)])
     hit_ax.set(ylabel="%", title="prefix-cache hit rate (backends' metrics)")
+    hit_ax.tick_params(axis="x", labelsize="small", labelrotation=15)
     width = 0.38
     xs = range(len(rows))
     ttft_ax.bar([x - width / 2 for x in xs], [r["ttft_p50_ms"] for r in rows], width, label="p50")
     ttft_ax.bar([x + width / 2 for x in xs], [r["ttft_p99_ms"] for r in rows], width, label="p99")
-    ttft_ax.set_xticks(list(xs), labels)
+    ttft_ax.set_xticks(list(xs), labels, fontsize="small", rotation=15)
     ttft_ax.set(ylabel="ms", title="time to first token")
     ttft_ax.legend(fontsize="small")
     for policy, points in series.items():
         spread_ax.plot([t for t, _ in points], [s for _, s in points], label=policy, lw=0.9)
+    spread_ax.axhline(guard, color="k", ls="--", lw=0.8, label=f"balance_abs = {guard:g}")
     spread_ax.set(
         xlabel="time since start (s)",
         ylabel="requests",
@@ -172,7 +178,7 @@ async def run_all(
     sc: Scenario, policies: list[str], out: Path
 ) -> tuple[list[LabeledRun], list[Row], Series]:
     env = sc.gateway_env
-    abs_t = float(env.get("GATEWAY_AFFINITY__BALANCE_ABS", 8.0))
+    abs_t = float(env.get(ABS_ENV, 8.0))
     rel_t = float(env.get("GATEWAY_AFFINITY__BALANCE_REL", 1.5))
     runs: list[LabeledRun] = []
     rows: list[Row] = []
@@ -233,7 +239,7 @@ def main() -> int:
     checks = checks_of(rows)
     doc = {"scenario": sc.name, "load": sc.load.describe(), "policies": rows, "checks": checks}
     (out / "affinity.json").write_text(json.dumps(doc, indent=1) + "\n")
-    plot(rows, series, out / "affinity.png")
+    plot(rows, series, out / "affinity.png", float(sc.gateway_env.get(ABS_ENV, 8.0)))
     for r in rows:
         f = r["in_flight"]
         print(

@@ -246,6 +246,7 @@ def test_make_policy_builds_it_and_keeps_its_memory_across_a_retune() -> None:
     )
     assert isinstance(new, PrefixAffinity)
     assert new.index is old.index
+    assert new.heat is old.heat
     assert new.config.balance_abs == 9.0
     assert new.weights == Weights(active=1)
     # Other block sizes hash differently: the old memory is useless, start afresh.

@@ -68,6 +68,7 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--prefix-groups", type=int, default=0, help="shared-prefix groups")
     w.add_argument("--prefix-len", type=int, default=0, help="tokens per shared prefix")
     w.add_argument("--hot-share", type=float, help="share of requests in prefix group 0")
+    w.add_argument("--hot-len", type=int, help="tokens of group 0's prefix (default: --prefix-len)")
     w.add_argument("--turns", type=int, default=1, help="turns per multi-turn session")
     w.add_argument("--seed", type=int, default=0)
     ld = p.add_argument_group("load")
@@ -217,7 +218,7 @@ def _run(args: argparse.Namespace) -> int:
             stream=not args.no_stream,
             prompt=parse_length(args.prompt),
             output=parse_length(args.output),
-            prefix=PrefixGroups(args.prefix_groups, args.prefix_len, args.hot_share),
+            prefix=PrefixGroups(args.prefix_groups, args.prefix_len, args.hot_share, args.hot_len),
             turns=args.turns,
             seed=args.seed,
         )

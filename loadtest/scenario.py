@@ -21,7 +21,7 @@ A scenario file (TOML, ``loadtest/scenarios/*.toml``) says what to start and wha
     endpoint = "chat"
     prompt = { kind = "lognormal", median = 98, sigma = 1.0, low = 4, high = 1024 }
     output = { kind = "fixed", value = 64 }
-    prefix = { groups = 4, length = 256, hot_share = 0.7 }
+    prefix = { groups = 4, length = 256, hot_share = 0.7 }   # hot_length: group 0's own
 
     [load]                                       # mode "open" (rate, burstiness) or "closed"
     mode = "open"                                # (concurrency); duration and/or requests

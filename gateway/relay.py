@@ -62,6 +62,25 @@ def renamed(data: bytes, rename: Rename | None) -> bytes:
     return data if rename is None else data.replace(*rename)
 
 
+def partial_tail(data: bytes, field: bytes) -> int:
+    """How many bytes at the end of ``data`` begin ``field`` without completing it.
+
+    A read can end inside an event, so ``"model":"served"`` may arrive split over two reads;
+    those bytes wait for the next read. Only an unfinished event is held back: it could not be
+    parsed before the rest of it arrived anyway.
+    """
+    if data.endswith(b"\n\n"):  # the usual read: whole events
+        return 0
+    start = max(len(data) - len(field) + 1, 0)
+    quote = field[:1]
+    at = data.find(quote, start)
+    while at != -1:
+        if field.startswith(data[at:]):
+            return len(data) - at
+        at = data.find(quote, at + 1)
+    return 0
+
+
 class Chunks:
     """What both stream paths do with each upstream read, in one place.
 
@@ -70,7 +89,7 @@ class Chunks:
     bytes to send (maybe none).
     """
 
-    __slots__ = ("_first_token", "_now", "_rename", "_result", "_usage", "_watch")
+    __slots__ = ("_first_token", "_held", "_now", "_rename", "_result", "_usage", "_watch")
 
     def __init__(
         self,
@@ -86,6 +105,7 @@ class Chunks:
         self._usage = usage
         self._now = now
         self._rename = rename
+        self._held = b""  # the start of a model field a read ended in (renaming only)
 
     def take(self, data: bytes) -> bytes:
         self._watch.activity += 1
@@ -95,12 +115,18 @@ class Chunks:
             result.first_token_at = self._now()
         out = self._usage.feed(data)  # the same bytes, less a usage chunk the client didn't want
         if out and self._rename is not None:
-            out = out.replace(*self._rename)
+            old, new = self._rename
+            if self._held:
+                out, self._held = self._held + out, b""
+            out = out.replace(old, new)
+            if held := partial_tail(out, old):
+                out, self._held = out[:-held], out[-held:]
         return out
 
     def rest(self) -> bytes:
-        """What the usage filter still holds at the end of the stream."""
-        return renamed(self._usage.flush(), self._rename)
+        """What the usage filter (and the renaming) still holds at the end of the stream."""
+        held, self._held = self._held, b""
+        return renamed(held + self._usage.flush(), self._rename)
 
 
 class _Resumable(Protocol):

@@ -13,7 +13,9 @@ Hashes use Python's ``hash`` of tuples: fast and stable within one process, whic
 index needs (every gateway process keeps its own). They are not stable across processes.
 
 ``PrefixIndex`` remembers, for recently sent block hashes, which backends received them: an
-LRU of at most ``capacity`` hashes. Recording and matching are O(blocks); nothing here does I/O.
+LRU of at most ``capacity`` hashes. Recording and matching are O(blocks). ``PrefixHeat`` keeps
+each matched prefix's share of recent routing decisions, to tell a hot prefix (one that needs
+more than one backend) from the rest. Nothing here does I/O.
 """
 
 from __future__ import annotations

@@ -128,7 +128,8 @@ def facts_for(
     """``facts`` with what ``policy`` needs (prefix hashes, session) if it needs more."""
     hasher = getattr(policy, "prefix_hasher", None)
     if isinstance(hasher, PrefixHasher):
-        facts = replace(facts, prefix_hashes=hasher.hashes(facts.model, dict(doc)))
+        hashes, key = hasher.facts(facts.model, dict(doc))
+        facts = replace(facts, prefix_hashes=hashes, prefix_key=key)
     header = getattr(policy, "session_header", None)
     if isinstance(header, str):
         facts = replace(facts, session_key=headers.get(header))

@@ -111,10 +111,12 @@ def route_facts(
         )
     hasher = getattr(policy, "prefix_hasher", None)
     header = getattr(policy, "session_header", None)
+    hashes, key = hasher.facts(model, doc) if isinstance(hasher, PrefixHasher) else ((), None)
     return RouteFacts(
         model=model,
         session_key=headers.get(header) if isinstance(header, str) and headers else None,
-        prefix_hashes=hasher.hashes(model, doc) if isinstance(hasher, PrefixHasher) else (),
+        prefix_hashes=hashes,
+        prefix_key=key,
     )
 
 

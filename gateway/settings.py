@@ -112,6 +112,11 @@ class AffinitySettings(BaseModel):
     balance_on: Literal["in_flight", "score"] = Field(
         "in_flight", description="load for the guard: in-flight count or least_load score"
     )
+    placement: Literal["room", "hash"] = Field(
+        "room",
+        description="a new prefix: least loaded, then most cache room; or hash (use with "
+        "several gateway replicas, so they agree)",
+    )
     session_header: str | None = Field(
         None, description="request header naming a session (e.g. x-session-id); None: off"
     )

@@ -162,6 +162,7 @@ def start_gateway(
     env: Mapping[str, str] | None = None,
     cpus: set[int] | None = None,
     port: int | None = None,
+    name: str = "gateway",
 ) -> Proc:
     port = port or free_port()
     cmd = [
@@ -177,7 +178,7 @@ def start_gateway(
         policy,
     ]
     env = {"GATEWAY_LOG_FORMAT": "json", **(env or {})}
-    return spawn("gateway", cmd, log_dir, env=env, cpus=cpus, url=f"http://127.0.0.1:{port}")
+    return spawn(name, cmd, log_dir, env=env, cpus=cpus, url=f"http://127.0.0.1:{port}")
 
 
 async def wait_ok(proc: Proc, path: str, within: float = 30.0) -> None:

@@ -8,6 +8,8 @@ A scenario file (TOML, ``loadtest/scenarios/*.toml``) says what to start and wha
 
     [gateway]
     env = { GATEWAY_LOG_LEVEL = "warning" }      # GATEWAY_* settings for this run
+    replicas = 1                                 # gateway processes; request i goes to
+                                                 # replica i % replicas (admin: the first)
 
     [[backends]]                                 # each entry: `count` x `llm-gateway sim ARGS`
     count = 2
@@ -92,6 +94,7 @@ class Scenario:
     gateway_env: dict[str, str] = field(default_factory=dict)
     events: tuple[Event, ...] = ()
     roles: tuple[str, ...] = ()  # per backend: "both" (the default), "prefill", "decode"
+    replicas: int = 1  # gateway processes; request i goes to replica i % replicas
 
 
 def _check_keys(where: str, table: Mapping[str, Any], allowed: set[str]) -> None:
@@ -201,7 +204,10 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         backends += [tuple(args)] * int(b.get("count", 1))
         roles += [role] * int(b.get("count", 1))
     gw = _table(doc, "gateway")
-    _check_keys("[gateway]", gw, {"env"})
+    _check_keys("[gateway]", gw, {"env", "replicas"})
+    replicas = gw.get("replicas", 1)
+    if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+        raise ScenarioError("[gateway] replicas must be a whole number, at least 1")
     slo = _table(doc, "slo")
     _check_keys("[slo]", slo, {"ttft_ms", "itl_ms", "e2e_ms"})
     events = []
@@ -234,6 +240,7 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         slo=Slo(ttft=ms("ttft_ms"), itl=ms("itl_ms"), e2e=ms("e2e_ms")),
         policies=policies,
         gateway_env={str(k): str(v) for k, v in _table(gw, "env").items()},
+        replicas=replicas,
         events=tuple(sorted(events, key=lambda e: e.at)),
         roles=tuple(roles) if any(r != "both" for r in roles) else (),
     )
@@ -296,7 +303,7 @@ async def run_scenario(
         procs.start_sim(f"sim{i}", args, log_dir, admin_token=token)
         for i, args in enumerate(sc.backends)
     ]
-    gateway: procs.Proc | None = None
+    gateways: list[procs.Proc] = []
     try:
         await asyncio.gather(*(procs.wait_sim_url(s) for s in sims))
         env = {"GATEWAY_LOG_LEVEL": "warning", **sc.gateway_env}
@@ -305,8 +312,13 @@ async def run_scenario(
             urls = [
                 json.dumps([{"url": u, "role": r} for u, r in zip(urls, sc.roles, strict=True)])
             ]
-        gateway = procs.start_gateway(urls, policy, log_dir, env=env)
-        await procs.wait_ok(gateway, "/ready")
+        for k in range(sc.replicas):
+            # Replicas after the first share nothing with it, not even the admin listener.
+            own = env if k == 0 else {n: v for n, v in env.items() if "_ADMIN__" not in n}
+            name = "gateway" if k == 0 else f"gateway{k}"
+            gateways.append(procs.start_gateway(urls, policy, log_dir, env=own, name=name))
+        await asyncio.gather(*(procs.wait_ok(g, "/ready") for g in gateways))
+        gateway = gateways[0]
         async with aiohttp.ClientSession() as session:
 
             def event_action(e: Event) -> Callable[[], Any]:
@@ -328,15 +340,20 @@ async def run_scenario(
             timed = [(e.at, event_action(e)) for e in sc.events]
             if sc.load.warmup > 0:
                 timed.append((sc.load.warmup, warmed_up))
-            cpu0 = procs.cpu_seconds(gateway.pid)
+            cpu0 = [procs.cpu_seconds(g.pid) for g in gateways]
             result = await run_load(
-                gateway.url, sc.workload, sc.load, options, on_tick=on_tick, timed=timed
+                [g.url for g in gateways],
+                sc.workload,
+                sc.load,
+                options,
+                on_tick=on_tick,
+                timed=timed,
             )
-            gw_cpu = procs.cpu_seconds(gateway.pid) - cpu0
-            gw_rss = procs.rss_bytes(gateway.pid)
+            gw_cpu = sum(procs.cpu_seconds(g.pid) for g in gateways) - sum(cpu0)
+            gw_rss = sum(procs.rss_bytes(g.pid) for g in gateways)
             after, gw_after = await _settled(session, sims, gateway)
     finally:
-        procs.stop_all([*sims, *([gateway] if gateway else [])])
+        procs.stop_all([*sims, *gateways])
     backends = [
         {
             "name": s.name,
@@ -358,10 +375,11 @@ async def run_scenario(
         gateway={
             "cpu_s": round(gw_cpu, 3),
             "rss_mb": round(gw_rss / 2**20, 1),
-            "metrics": promtext.delta(gw_before, gw_after),
+            "metrics": promtext.delta(gw_before, gw_after),  # the first replica's
+            "replicas": sc.replicas,
         },
         commands={
-            "gateway": gateway.cmd if gateway else None,
+            "gateway": gateways[0].cmd if gateways else None,
             "sims": [_redact(s.cmd) for s in sims],
         },
     )

@@ -21,6 +21,7 @@ more than one backend) from the rest. Nothing here does I/O.
 from __future__ import annotations
 
 import sys
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,27 @@ class PrefixHasher:
     def hashes(self, model: str, doc: Mapping[str, Any]) -> tuple[int, ...]:
         """The chain of block hashes of a request body's prompt (``()`` if it has none)."""
         return chain_hashes(prompt_text(doc, self.max_chars), self.block_chars, seed=model)
+
+    def facts(self, model: str, doc: Mapping[str, Any]) -> tuple[tuple[int, ...], int | None]:
+        """The block hashes, and the prompt's ``stable_key`` (None without a full block)."""
+        text = prompt_text(doc, self.max_chars)
+        hashes = chain_hashes(text, self.block_chars, seed=model)
+        return hashes, stable_key(model, text, self.block_chars) if hashes else None
+
+
+# Leading blocks that name a prompt's prefix for placement across gateway replicas.
+KEY_BLOCKS: Final = 8
+
+
+def stable_key(model: str, text: str, block_chars: int) -> int:
+    """The same number in every gateway process for prompts that begin alike.
+
+    Block hashes use Python's ``hash``, which differs from process to process; replicas that
+    must agree where a new prefix goes (rendezvous hashing) use this instead: a CRC-32 of the
+    model and the prompt's first ``KEY_BLOCKS`` full blocks (fewer if it has fewer).
+    """
+    full = min(len(text) // block_chars, KEY_BLOCKS) * block_chars
+    return zlib.crc32(f"{model}\x00{text[:full]}".encode())
 
 
 def chain_hashes(text: str, block_chars: int, *, seed: object = None) -> tuple[int, ...]:

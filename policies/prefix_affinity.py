@@ -44,6 +44,7 @@ from policies.scoring import Weights, score
 from policies.types import BackendSnapshot, Rng, RouteFacts
 
 BalanceOn = Literal["in_flight", "score"]
+Placement = Literal["room", "hash"]
 # Why a backend was chosen (the ``decisions`` keys).
 REASONS: Final = ("session", "session_overflow", "prefix", "balance", "load")
 
@@ -58,6 +59,7 @@ class AffinityConfig:
     balance_abs: float = 8.0
     balance_rel: float = 1.5
     balance_on: BalanceOn = "in_flight"
+    placement: Placement = "room"
     session_header: str | None = None
 
     def __post_init__(self) -> None:
@@ -67,6 +69,8 @@ class AffinityConfig:
             raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
         if self.balance_on not in ("in_flight", "score"):
             raise ValueError(f"balance_on must be in_flight or score, got {self.balance_on!r}")
+        if self.placement not in ("room", "hash"):
+            raise ValueError(f"placement must be room or hash, got {self.placement!r}")
         PrefixHasher(self.block_chars, self.max_blocks)  # validates both
 
     @property
@@ -193,11 +197,16 @@ class PrefixAffinity:
         return top[0]
 
     def _place(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
-        """A prompt nobody holds: the least loaded, then the one with the most cache room.
+        """A prompt nobody holds.
 
-        Room (the smallest footprint in the index) breaks load ties, as when a burst of new
-        prefixes arrives at an idle fleet, so they spread over the caches evenly.
+        ``room``: the least loaded, then the one with the most cache room (the smallest
+        footprint in the index), so a burst of new prefixes spreads over the caches evenly.
+        ``hash``: the rendezvous winner for the prompt's stable key among the candidates the
+        guard allows, so every gateway replica places a new prefix on the same backend.
         """
+        key = facts.prefix_key
+        if self.config.placement == "hash" and key is not None:
+            return max(pool, key=lambda s: rendezvous(str(key), s.id))
         floor = min(score(s, self.weights) for s in pool)
         lightest = [s for s in pool if score(s, self.weights) == floor]
         if len(lightest) > 1:

@@ -38,6 +38,7 @@ class RouteFacts:
     model: str
     session_key: str | None = None
     prefix_hashes: tuple[int, ...] = field(default=())
+    prefix_key: int | None = None  # the same in every gateway replica (``prefix.stable_key``)
 
 
 class Policy(Protocol):

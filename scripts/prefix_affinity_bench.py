@@ -8,6 +8,11 @@ spread, the checks) and ``affinity.png`` (hit rate and in-flight spread per poli
 
     .venv/bin/python scripts/prefix_affinity_bench.py --out runs/prefix-affinity
     .venv/bin/python scripts/prefix_affinity_bench.py prefix-affinity-chat --out runs/pa-chat
+    .venv/bin/python scripts/prefix_affinity_bench.py prefix-affinity-replicas \
+        --env GATEWAY_AFFINITY__PLACEMENT=room --out runs/pa-replicas-room
+
+With several gateway replicas (``[gateway] replicas``), the in-flight counts are the first
+replica's: its own requests, half or less of each backend's.
 """
 
 from __future__ import annotations
@@ -228,8 +233,18 @@ def main() -> int:
     p.add_argument("scenario", nargs="?", default="prefix-affinity")
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--out", type=Path, default=Path("runs/prefix-affinity"))
+    p.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="a gateway setting over the scenario's, e.g. GATEWAY_AFFINITY__PLACEMENT=hash",
+    )
     args = p.parse_args()
     sc = load_scenario(args.scenario)
+    extra = dict(item.split("=", 1) for item in args.env)
+    if extra:
+        sc = dataclasses.replace(sc, gateway_env={**sc.gateway_env, **extra})
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     runs, rows, series = run(run_all(sc, args.policies.split(","), out))

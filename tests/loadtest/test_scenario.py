@@ -63,6 +63,8 @@ def test_burst_and_shared_prefix_shapes() -> None:
 def test_minimal_scenario_defaults() -> None:
     sc = parse_scenario(MINIMAL, source="x/mini.toml")
     assert sc.name == "mini"
+    assert sc.replicas == 1
+    assert load_scenario("prefix-affinity-replicas").replicas == 2
     assert sc.backends == (("--max-num-seqs", "4"),) * 2
     assert sc.load.requests == 5
     assert sc.events == ()
@@ -97,6 +99,8 @@ faults = { slowdown = 3.0 }
         ("[[events]]\nat = 1\nbackend = 0\n", "needs a faults table"),
         ("[workload]\nendpoint = 'embeddings'\n", "endpoint"),
         ("[slo]\nttft = 5\n", "unknown key"),
+        ("[gateway]\nreplicas = 0\n", "replicas"),
+        ("[gateway]\nreplicas = 1.5\n", "replicas"),
     ],
 )
 def test_mistakes_are_named(extra: str, message: str) -> None:

@@ -71,3 +71,13 @@ async def test_backend_counters_are_also_taken_from_the_end_of_the_warm_up(
         whole = b["metrics"]["vllm:request_success_total"]
         measured = b["measured"]["vllm:request_success_total"]
         assert 0 < measured < whole
+
+
+async def test_requests_alternate_between_gateway_replicas(tmp_path: Path) -> None:
+    sc = parse_scenario(TINY.replace("[[backends]]", "[gateway]\nreplicas = 2\n\n[[backends]]", 1))
+    run = await run_scenario(sc, "round_robin", tmp_path)
+    assert run.summary.ok == 12
+    assert run.extra["gateway"]["replicas"] == 2
+    # The first replica's own count: every other request (or one fewer, see above).
+    assert 0 < run.extra["gateway"]["metrics"]["llm_gateway_requests_total"] <= 6
+    assert (tmp_path / "logs" / "round_robin" / "gateway1.log").exists()

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from policies import PrefixHasher, PrefixIndex
-from policies.prefix import PrefixHeat, chain_hashes, prompt_text
+from policies.prefix import KEY_BLOCKS, PrefixHeat, chain_hashes, prompt_text, stable_key
 
 
 def test_the_same_text_always_gives_the_same_hashes() -> None:
@@ -131,3 +134,35 @@ def test_heat_forgets_what_stopped_arriving() -> None:
     assert heat.observe(1) < 0.1
     with pytest.raises(ValueError, match="window"):
         PrefixHeat(window=0)
+
+
+def test_the_stable_key_is_the_same_in_every_process() -> None:
+    code = "from policies.prefix import stable_key; print(stable_key('m', 'x' * 700, 64))"
+    keys = {
+        subprocess.run(
+            [sys.executable, "-c", code],
+            env={"PYTHONHASHSEED": seed, "PATH": ""},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        for seed in ("1", "2")
+    }
+    assert keys == {str(stable_key("m", "x" * 700, 64))}
+
+
+def test_the_stable_key_names_the_first_blocks_and_the_model() -> None:
+    head = "h" * 64 * KEY_BLOCKS
+    assert stable_key("m", head + "one", 64) == stable_key("m", head + "two", 64)
+    assert stable_key("m", head, 64) != stable_key("m", "g" + head[1:], 64)
+    assert stable_key("m", head, 64) != stable_key("n", head, 64)
+    # A short prompt: its full blocks only.
+    assert stable_key("m", "a" * 100, 64) == stable_key("m", "a" * 64 + "b" * 36, 64)
+
+
+def test_hasher_facts_give_the_hashes_and_the_key() -> None:
+    hasher = PrefixHasher(block_chars=16, max_blocks=4)
+    hashes, key = hasher.facts("m", {"prompt": "p" * 40})
+    assert hashes == hasher.hashes("m", {"prompt": "p" * 40})
+    assert key == stable_key("m", "p" * 40, 16)
+    assert hasher.facts("m", {"prompt": "short"}) == ((), None)

@@ -132,6 +132,39 @@ def test_a_new_prefix_goes_to_the_least_loaded_then_to_the_most_cache_room() -> 
     assert p.choose(other, [snap("a"), snap("b", 1), snap("c", 1)]).id == "a"  # type: ignore[union-attr]
 
 
+def test_hash_placement_puts_a_new_prefix_where_every_replica_would() -> None:
+    """Two replicas with different histories and different views of the load agree."""
+    one, two = policy(seed=1, placement="hash"), policy(seed=2, placement="hash")
+    one.index.record("a", (101, 102, 103))  # replica one has sent other prompts to a
+    keyed = RouteFacts(model="m", prefix_hashes=(7, 8, 9), prefix_key=12345)
+    first = one.choose(keyed, [snap("a", 1), snap("b", 0), snap("c", 2)])
+    second = two.choose(keyed, [snap("a", 0), snap("b", 3), snap("c", 0)])
+    assert first is not None
+    assert second is not None
+    assert first.id == second.id == max("abc", key=lambda b: rendezvous("12345", b))
+    # Different prefixes spread over the backends.
+    cands = [snap("a"), snap("b"), snap("c")]
+    picks = {
+        policy(placement="hash")
+        .choose(  # type: ignore[union-attr]
+            RouteFacts(model="m", prefix_hashes=(k,), prefix_key=k), cands
+        )
+        .id
+        for k in range(30)
+    }
+    assert picks == {"a", "b", "c"}
+
+
+def test_hash_placement_respects_the_guard() -> None:
+    p = policy(placement="hash", balance_abs=2.0, balance_rel=1.0)
+    keyed = RouteFacts(model="m", prefix_hashes=(7, 8), prefix_key=99)
+    winner = max("abc", key=lambda b: rendezvous("99", b))
+    cands = [snap(b, 6 if b == winner else 1) for b in "abc"]
+    choice = p.choose(keyed, cands)
+    assert choice is not None
+    assert choice.id != winner
+
+
 def test_ties_are_broken_at_random() -> None:
     p = policy(seed=3)
     for b in "abc":
@@ -270,6 +303,7 @@ def test_the_index_is_sized_by_the_config() -> None:
         {"index_capacity": 10, "max_blocks": 20},
         {"block_chars": 0},
         {"balance_on": "queue"},
+        {"placement": "random"},
     ],
 )
 def test_config_rejects_nonsense(bad: dict[str, object]) -> None:

@@ -85,6 +85,28 @@ async def test_requests_sharing_a_long_prefix_land_on_the_same_backend() -> None
         assert 'llm_gateway_prefix_affinity_decisions_total{reason="prefix"}' in text
 
 
+async def test_replicas_with_hash_placement_put_a_new_prefix_on_the_same_backend() -> None:
+    """Two gateways in front of the same three simulators, each seeing a prefix for the first
+    time, send it to the same backend (room placement would choose by each one's own view)."""
+    systems = [" ".join(f"{g}rule{i}" for i in range(100)) for g in "uvwxyz"]
+    hashed = {"placement": "hash"}
+    async with (
+        fleet(affinity=hashed) as (sims, one),
+        running_gateway([s.url for s in sims], policy="prefix_affinity", affinity=hashed) as two,
+        aiohttp.ClientSession() as s,
+    ):
+        await wait_for(two.ready, what="second gateway ready")
+        pairs = [
+            (
+                await send(s, one, sims, chat(system, "first")),
+                await send(s, two, sims, chat(system, "second")),
+            )
+            for system in systems
+        ]
+    assert all(a == b for a, b in pairs), pairs
+    assert len({a for a, _ in pairs}) > 1  # and the prefixes spread over the backends
+
+
 async def test_a_session_header_keeps_a_conversation_on_one_backend() -> None:
     async with (
         fleet(affinity={"session_header": "x-session-id"}) as (sims, gw),
@@ -105,19 +127,27 @@ async def test_weights_and_thresholds_are_tuned_live_without_forgetting_prefixes
         before = gw.app[ROUTER].policy
         assert isinstance(before, PrefixAffinity)
         assert len(before.index) > 0
-        change = {"weights": {"active": 1, "queue": 1, "kv": 0}, "affinity": {"balance_abs": 2}}
+        change = {
+            "weights": {"active": 1, "queue": 1, "kv": 0},
+            "affinity": {"balance_abs": 2, "placement": "hash"},
+        }
         async with s.put(gw.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
             assert r.status == 200
             doc = await r.json()
         assert doc["policy"] == "prefix_affinity"
         assert doc["affinity"]["balance_abs"] == 2
+        assert doc["affinity"]["placement"] == "hash"
         assert doc["affinity"]["balance_rel"] == 1.5
         after = gw.app[ROUTER].policy
         assert isinstance(after, PrefixAffinity)
         assert after is not before
         assert after.index is before.index
         assert after.weights.active == 1
-        for bad in ({"affinity": {"balance_rel": 0.5}}, {"affinity": {"nonsense": 1}}):
+        for bad in (
+            {"affinity": {"balance_rel": 0.5}},
+            {"affinity": {"nonsense": 1}},
+            {"affinity": {"placement": "random"}},
+        ):
             async with s.put(gw.admin_url + "/admin/policy", json=bad, headers=AUTH) as r:
                 assert r.status == 400, await r.text()
             assert gw.app[ROUTER].policy is after

@@ -128,7 +128,8 @@ def facts_for(
     """``facts`` with what ``policy`` needs (prefix hashes, session) if it needs more."""
     hasher = getattr(policy, "prefix_hasher", None)
     if isinstance(hasher, PrefixHasher):
-        hashes, key = hasher.facts(facts.model, dict(doc))
+        keyed = getattr(policy, "prefix_keyed", False) is True
+        hashes, key = hasher.facts(facts.model, dict(doc), keyed=keyed)
         facts = replace(facts, prefix_hashes=hashes, prefix_key=key)
     header = getattr(policy, "session_header", None)
     if isinstance(header, str):

@@ -101,8 +101,9 @@ def route_facts(
 ) -> RouteFacts:
     """What the policy may know of the request; only what ``policy`` asks for is computed.
 
-    A policy with a ``prefix_hasher`` gets the prompt's block hashes, one with a
-    ``session_header`` that header's value (``policies.prefix_affinity``).
+    A policy with a ``prefix_hasher`` gets the prompt's block hashes (and its stable key if
+    ``prefix_keyed``), one with a ``session_header`` that header's value
+    (``policies.prefix_affinity``).
     """
     model = doc.get("model")
     if not isinstance(model, str) or not model:
@@ -111,7 +112,11 @@ def route_facts(
         )
     hasher = getattr(policy, "prefix_hasher", None)
     header = getattr(policy, "session_header", None)
-    hashes, key = hasher.facts(model, doc) if isinstance(hasher, PrefixHasher) else ((), None)
+    hashes, key = (
+        hasher.facts(model, doc, keyed=getattr(policy, "prefix_keyed", False) is True)
+        if isinstance(hasher, PrefixHasher)
+        else ((), None)
+    )
     return RouteFacts(
         model=model,
         session_key=headers.get(header) if isinstance(header, str) and headers else None,

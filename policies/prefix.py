@@ -47,15 +47,14 @@ class PrefixHasher:
     def max_chars(self) -> int:
         return self.block_chars * self.max_blocks
 
-    def hashes(self, model: str, doc: Mapping[str, Any]) -> tuple[int, ...]:
-        """The chain of block hashes of a request body's prompt (``()`` if it has none)."""
-        return chain_hashes(prompt_text(doc, self.max_chars), self.block_chars, seed=model)
-
-    def facts(self, model: str, doc: Mapping[str, Any]) -> tuple[tuple[int, ...], int | None]:
-        """The block hashes, and the prompt's ``stable_key`` (None without a full block)."""
+    def facts(
+        self, model: str, doc: Mapping[str, Any], *, keyed: bool = False
+    ) -> tuple[tuple[int, ...], int | None]:
+        """The chain of block hashes of a request body's prompt (``()`` if it has none) and,
+        when ``keyed``, the prompt's ``stable_key`` (None without a full block)."""
         text = prompt_text(doc, self.max_chars)
         hashes = chain_hashes(text, self.block_chars, seed=model)
-        return hashes, stable_key(model, text, self.block_chars) if hashes else None
+        return hashes, stable_key(model, text, self.block_chars) if keyed and hashes else None
 
 
 # Leading blocks that name a prompt's prefix for placement across gateway replicas.

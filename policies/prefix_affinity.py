@@ -77,7 +77,7 @@ class AffinityConfig:
     def hasher(self) -> PrefixHasher:
         return PrefixHasher(self.block_chars, self.max_blocks)
 
-    def overloaded(self, load: float, floor: float, step: float = 1.0) -> bool:
+    def overloaded(self, load: float, floor: float, step: float) -> bool:
         """Would ``step`` more load put it past both thresholds above the ``floor``?
 
         ``floor`` is the least-loaded candidate's load, which is never overloaded.
@@ -116,6 +116,11 @@ class PrefixAffinity:
     def prefix_hasher(self) -> PrefixHasher:
         """What the request path hashes prompts with for this policy (see ``route_facts``)."""
         return self._hasher
+
+    @property
+    def prefix_keyed(self) -> bool:
+        """Whether the request path should compute ``RouteFacts.prefix_key`` (hash placement)."""
+        return self.config.placement == "hash"
 
     @property
     def session_header(self) -> str | None:
@@ -207,11 +212,13 @@ class PrefixAffinity:
         key = facts.prefix_key
         if self.config.placement == "hash" and key is not None:
             return max(pool, key=lambda s: rendezvous(str(key), s.id))
-        floor = min(score(s, self.weights) for s in pool)
-        lightest = [s for s in pool if score(s, self.weights) == floor]
+        scores = [score(s, self.weights) for s in pool]
+        floor = min(scores)
+        lightest = [s for s, sc in zip(pool, scores, strict=True) if sc == floor]
         if len(lightest) > 1:
-            room = min(self.index.footprint(s.id) for s in lightest)
-            lightest = [s for s in lightest if self.index.footprint(s.id) == room]
+            rooms = [self.index.footprint(s.id) for s in lightest]
+            least = min(rooms)
+            lightest = [s for s, r in zip(lightest, rooms, strict=True) if r == least]
         return self._pick(facts, lightest)
 
     def _pick(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:

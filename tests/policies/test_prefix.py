@@ -37,7 +37,7 @@ def test_only_full_blocks_are_hashed_and_the_seed_separates_models() -> None:
 
 def test_hasher_caps_the_blocks_hashed() -> None:
     hasher = PrefixHasher(block_chars=10, max_blocks=3)
-    assert len(hasher.hashes("m", {"prompt": "z" * 1000})) == 3
+    assert len(hasher.facts("m", {"prompt": "z" * 1000})[0]) == 3
 
 
 def test_chat_messages_render_in_order_with_role_and_content() -> None:
@@ -162,7 +162,7 @@ def test_the_stable_key_names_the_first_blocks_and_the_model() -> None:
 
 def test_hasher_facts_give_the_hashes_and_the_key() -> None:
     hasher = PrefixHasher(block_chars=16, max_blocks=4)
-    hashes, key = hasher.facts("m", {"prompt": "p" * 40})
-    assert hashes == hasher.hashes("m", {"prompt": "p" * 40})
+    hashes, key = hasher.facts("m", {"prompt": "p" * 40}, keyed=True)
+    assert hashes == chain_hashes("p" * 40, 16, seed="m")
     assert key == stable_key("m", "p" * 40, 16)
-    assert hasher.facts("m", {"prompt": "short"}) == ((), None)
+    assert hasher.facts("m", {"prompt": "short"}, keyed=True) == ((), None)

@@ -8,6 +8,7 @@ by a collector, so they cost the request path nothing.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import asdict
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -185,7 +186,7 @@ class LimitsCollector(Collector):
                 "What happened to requests at the admission queue.",
                 labels=["outcome"],
             )
-            for outcome, n in vars(queue.stats).items():
+            for outcome, n in asdict(queue.stats).items():
                 outcomes.add_metric([outcome], n)
             yield outcomes
 

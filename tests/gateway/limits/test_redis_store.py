@@ -17,7 +17,7 @@ from gateway.errors import LimitsUnavailable
 from gateway.limits.redis_store import RedisLimitStore
 from gateway.limits.settings import RedisSettings
 from gateway.limits.store import Limits, finish
-from tests.gateway.limits.redis_server import RedisServer
+from tests.redis_server import RedisServer
 
 StoreFactory = Callable[..., RedisLimitStore]
 

@@ -17,7 +17,6 @@ from aiohttp import web
 
 from gateway.keys import ADMISSION, LIMITER
 from gateway.limits.keys import hash_key
-from tests.gateway.limits.redis_server import RedisServer
 from tests.helpers import (
     FakeBackend,
     Seen,
@@ -27,6 +26,7 @@ from tests.helpers import (
     stream_chat,
     wait_for,
 )
+from tests.redis_server import RedisServer
 
 ALICE, BOB = "sk-alice-123", "sk-bob-456"
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 10}

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tests.gateway.limits.redis_server import RedisServer, ping
+from tests.redis_server import RedisServer, ping
 
 _DEFAULT_PORT = 6379
 

@@ -109,6 +109,10 @@ class BackendPool:
         """The union of the models the backends were last seen serving."""
         return sorted(self._by_model)
 
+    def serves(self, model: str) -> bool:
+        """Whether some backend was last seen serving ``model`` (healthy or not)."""
+        return model in self._by_model
+
     def routable(self, backend: BackendState, now: float) -> bool:
         return (
             backend.health.state is Health.UP

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import re
 import time
 from collections.abc import Awaitable, Collection, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Final
 
 import structlog
 from aiohttp import web
@@ -83,17 +84,46 @@ async def read_json_body(
         raise BodyTooLarge(f"Request body is larger than the limit of {limit} bytes.") from exc
     except TimeoutError as exc:
         raise BodyTimeout(f"The request body did not arrive within {within:g}s.") from exc
+    return raw, parse_json_object(raw)
+
+
+# ``\uD800``-``\uDFFF`` escapes: JSON lets them stand alone, Unicode text (and UTF-8) does not.
+_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """A body as a JSON object of valid Unicode text; ``InvalidRequest`` (400) otherwise.
+
+    Everything a client can send that the rest of the gateway could not handle stops here:
+    bytes that are not UTF-8 JSON, nesting deeper than Python's parser goes, lone surrogates
+    (they cannot be encoded again: prompt hashing, logs, metrics), anything but an object.
+    """
     if not raw:
-        raise InvalidRequest("The request body is empty; expected a JSON object.")
+        raise InvalidRequest(
+            "The request body is empty; expected a JSON object.", code="invalid_json"
+        )
     try:
         doc = json.loads(raw)
     except ValueError as exc:
         raise InvalidRequest(
             f"We could not parse the JSON body of your request: {exc}.", code="invalid_json"
         ) from exc
+    except RecursionError as exc:
+        raise InvalidRequest(
+            "The JSON body of your request is nested too deeply.", code="invalid_json"
+        ) from exc
     if not isinstance(doc, dict):
         raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    return raw, doc
+    if _SURROGATE_ESCAPE.search(raw) is not None:
+        try:  # a valid pair was joined by the parser; a lone half was not
+            json.dumps(doc, ensure_ascii=False).encode()
+        except UnicodeEncodeError as exc:
+            raise InvalidRequest(
+                "The JSON body of your request holds a lone UTF-16 surrogate (\\uD800-\\uDFFF),"
+                " which is not valid Unicode text.",
+                code="invalid_json",
+            ) from exc
+    return doc
 
 
 def route_facts(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
 
 import structlog
 from aiohttp import web
@@ -15,6 +15,9 @@ from gateway.limits.tokens import Usage
 from policies import BackendSnapshot, Weights, score
 
 log = structlog.get_logger("gateway.request")
+
+OTHER: Final = "other"  # the label of every name the fleet does not serve
+_LOGGED_NAME_CHARS: Final = 200  # a client's model name is cut to this in the log event
 
 
 @dataclass(slots=True)
@@ -68,7 +71,7 @@ class RequestRecord:
         ttft = self.ttft
         fields: dict[str, Any] = {
             "request_id": self.request_id,
-            "model": self.model,
+            "model": self.model[:_LOGGED_NAME_CHARS],
             "pool": self.pool,
             "backend": self.backend,
             "attempts": len(self.backends),
@@ -92,19 +95,24 @@ class RequestRecord:
 
 
 def finish(app: web.Application, record: RequestRecord) -> None:
-    """Record a finished request: metrics always, the log event when info is enabled."""
+    """Record a finished request: metrics always, the log event when info is enabled.
+
+    The model label is the model's name only if the fleet serves it (or it is an alias):
+    any other name a client sends is ``other``, so clients cannot grow the series.
+    """
     if record.ended_at is None:
         record.ended_at = time.monotonic()
     metrics = app[METRICS]
     backend = record.backend
-    metrics.requests.labels(record.model, backend, str(record.status)).inc()
-    metrics.duration.labels(record.model, backend).observe(record.duration)
+    model = record.model if app[ROUTER].pool.serves(record.model) or record.pool else OTHER
+    metrics.requests.labels(model, backend, str(record.status)).inc()
+    metrics.duration.labels(model, backend).observe(record.duration)
     ttft = record.ttft
     if ttft is not None:
-        metrics.ttft.labels(record.model, backend).observe(ttft)
+        metrics.ttft.labels(model, backend).observe(ttft)
     itl = record.mean_itl()
     if itl is not None:
-        metrics.itl.labels(record.model, backend).observe(itl)
+        metrics.itl.labels(model, backend).observe(itl)
     if record.pool is not None:
         metrics.record_pool(
             record.model, record.pool, record.status, record.ending, ttft=ttft, itl=itl
@@ -112,7 +120,7 @@ def finish(app: web.Application, record: RequestRecord) -> None:
     if record.abort_reason is not None:
         metrics.aborts.labels(backend, record.abort_reason).inc()
     if len(record.backends) > 1 and record.status and record.status < 500:
-        metrics.failovers.labels(record.model).inc()
+        metrics.failovers.labels(model).inc()
     if log.is_enabled_for(logging.INFO):
         weights: Weights | None = getattr(app[ROUTER].policy, "weights", None)
         log.info("request", **record.log_fields(weights))

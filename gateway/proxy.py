@@ -53,7 +53,7 @@ from gateway.limits.fairqueue import parse_priority
 from gateway.limits.limiter import Grant
 from gateway.limits.tokens import UsageFilter, usage_from_body, usage_plan, with_include_usage
 from gateway.record import RequestRecord, finish
-from gateway.relay import Ending, relay_body, relay_stream
+from gateway.relay import Ending, RelayResult, relay_body, relay_stream
 from gateway.retry import RETRYABLE_STATUS
 from gateway.rollout import ROLLOUT, Choice
 from gateway.router import Router
@@ -194,8 +194,8 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         finally:
             if ticket is not None:
                 ticket.release()
-    except GatewayError as exc:
-        record.status, record.ending = exc.status, type(exc).__name__
+    except BaseException as exc:
+        _classify(app, record, exc)
         raise
     finally:
         try:
@@ -206,6 +206,22 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
                 await asyncio.shield(limiter.finish(grant, spent))
         finally:
             finish(app, record)  # counted and logged even if cancelled while settling
+
+
+def _classify(app: web.Application, record: RequestRecord, exc: BaseException) -> None:
+    """Say truthfully in ``record`` how a request that raised ``exc`` ended (idempotent)."""
+    if isinstance(exc, GatewayError):
+        record.status, record.ending = exc.status, type(exc).__name__
+    elif isinstance(exc, asyncio.CancelledError):
+        if record.ending is None:  # before the relay: still queued, or waiting for the head
+            record.ending = cancel_reason(app)
+    elif isinstance(exc, Exception):  # a bug: the middleware answers 500 and logs it
+        record.status, record.ending = 500, "internal_error"
+
+
+def cancel_reason(app: web.Application) -> str:
+    """Why a handler was cancelled: its client left, or the gateway is shutting down."""
+    return "shutdown" if app[LIFECYCLE].stopping else "client_disconnect"
 
 
 async def _wait_for_capacity(
@@ -237,6 +253,9 @@ async def _traced(call: _Call, facts: RouteFacts) -> web.StreamResponse:
     ) as span:
         try:
             return await _route(call, facts, span)
+        except BaseException as exc:
+            _classify(app, record, exc)  # before the span is annotated
+            raise
         finally:
             annotate(span, record)
 
@@ -356,7 +375,7 @@ async def _attempt(
         end_attempt(span, status, error)
         return resp
     except asyncio.CancelledError:
-        record.abort_reason = "client_disconnect"
+        record.abort_reason = cancel_reason(app)
         end_attempt(span, status, None)
         raise
     except BaseException as exc:
@@ -383,24 +402,33 @@ async def _relay(
                 record.usage = usage_from_body(whole.body)
             return whole, True, None
         usage = UsageFilter(strip=call.strip_usage)
-        resp, result = await relay_stream(
-            call.request, upstream, headers, time.monotonic, usage, rename=rename
-        )
-        record.usage = usage.usage
+        result = RelayResult(ending=Ending.UPSTREAM_ERROR)
+        try:
+            resp = await relay_stream(
+                call.request,
+                upstream,
+                headers,
+                time.monotonic,
+                usage=usage,
+                result=result,
+                rename=rename,
+            )
+        finally:  # also when cancelled: what reached the client is known
+            record.usage = usage.usage
+            record.first_token_at = result.first_token_at
+            record.events = result.events
     except UpstreamError as exc:  # before anything reached the client
         lease.failed()
         if isinstance(exc, UpstreamTimeout):
             record.abort_reason = "timeout"
         raise
-    record.first_token_at = result.first_token_at
-    record.events = result.events
     record.ending = result.ending.value
     if result.ending is Ending.UPSTREAM_ERROR:
         lease.failed()
         record.abort_reason = "timeout" if isinstance(result.error, UpstreamTimeout) else "error"
         return resp, False, result.error
     if result.ending is Ending.CLIENT_DISCONNECT:
-        record.abort_reason = "client_disconnect"
+        record.abort_reason = cancel_reason(call.request.app)
     return resp, result.ending is Ending.COMPLETE, None
 
 

@@ -34,7 +34,9 @@ class RequestRecord:
     backends: list[str] = field(default_factory=list)
     candidates: list[BackendSnapshot] = field(default_factory=list)
     status: int = 0
-    ending: str = "client_disconnect"
+    # How it ended: complete, upstream_error, client_disconnect, shutdown, internal_error, or
+    # the name of the GatewayError that refused it. None until one of those is known.
+    ending: str | None = None
     first_token_at: float | None = None
     ended_at: float | None = None
     events: int = 0
@@ -102,6 +104,8 @@ def finish(app: web.Application, record: RequestRecord) -> None:
     """
     if record.ended_at is None:
         record.ended_at = time.monotonic()
+    if record.ending is None:  # every path should have said; this one did not
+        record.ending = "unknown"
     metrics = app[METRICS]
     backend = record.backend
     model = record.model if app[ROUTER].pool.serves(record.model) or record.pool else OTHER

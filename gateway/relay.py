@@ -231,12 +231,15 @@ async def relay_stream(
     upstream: Upstream,
     headers: CIMultiDict[str],
     now: Callable[[], float],
-    usage: UsageFilter,
     *,
+    usage: UsageFilter,
+    result: RelayResult,
     rename: Rename | None = None,
-) -> tuple[web.StreamResponse, RelayResult]:
+) -> web.StreamResponse:
     """Relay an event stream chunk by chunk, until either side ends it.
 
+    ``result`` is filled in as the stream goes (first token, events), so it tells what was
+    relayed even when the handler is cancelled mid-stream; ``result.ending`` says how it ended.
     Raises ``UpstreamError`` if the backend fails before its first chunk (nothing sent yet).
     """
     content = upstream.response.content
@@ -245,7 +248,7 @@ async def relay_stream(
     except CLIENT_ERRORS as exc:
         raise translate(exc, upstream.backend) from exc
     resp = web.StreamResponse(status=upstream.response.status, headers=headers)
-    result = RelayResult(ending=Ending.COMPLETE)
+    result.ending = Ending.COMPLETE
     chunks = Chunks(upstream.watch, result, usage, now, rename)
     fast_path_tried = False
     try:
@@ -271,7 +274,10 @@ async def relay_stream(
             await resp.write_eof(chunks.rest())
     except ConnectionResetError:  # the client went away between two writes
         result.ending = Ending.CLIENT_DISCONNECT
-    return resp, result
+    except asyncio.CancelledError:  # the client went away (aiohttp cancels its handler)
+        result.ending = Ending.CLIENT_DISCONNECT
+        raise
+    return resp
 
 
 async def _spliced(

@@ -72,10 +72,10 @@ def annotate(span: trace.Span, record: RequestRecord) -> None:
     span.set_attribute("http.response.status_code", record.status)
     span.set_attribute("llm_gateway.backend", record.backend)
     span.set_attribute("llm_gateway.attempts", len(record.backends))
-    span.set_attribute("llm_gateway.ending", record.ending)
+    span.set_attribute("llm_gateway.ending", record.ending or "unknown")
     if record.ttft is not None:
         span.set_attribute("llm_gateway.time_to_first_token_s", record.ttft)
     if record.events:
         span.set_attribute("llm_gateway.stream_events", record.events)
     if record.status >= 500 or record.status == 0:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, record.ending))
+        span.set_status(trace.Status(trace.StatusCode.ERROR, record.ending or "unknown"))

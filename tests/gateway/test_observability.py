@@ -14,9 +14,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import capture_logs
 
 from backends.sim import FAST, Faults, running_sim
+from gateway.keys import ROUTER
 from gateway.logs import redact_secrets
 from gateway.metrics import QUEUE_DEPTH_METRIC
-from tests.helpers import FakeBackend, running_fake, running_gateway, stream_chat, wait_for
+from tests.helpers import (
+    FakeBackend,
+    hang_before_headers,
+    running_fake,
+    running_gateway,
+    stream_chat,
+    wait_for,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -191,3 +199,75 @@ def test_redaction_processor_hides_credentials_whatever_the_caller_passes() -> N
     event = {"event": "x", "Authorization": "Bearer sk-1", "api_key": "k", "ok": 1}
     out = redact_secrets(None, "info", event)
     assert out == {"event": "x", "Authorization": "[redacted]", "api_key": "[redacted]", "ok": 1}
+
+
+async def test_an_abandoned_stream_is_logged_and_counted_with_its_ttft_and_events() -> None:
+    """A stream the client leaves mid-way still has its first-token time and event count
+    (issue 16.5): the TTFT histogram describes every stream that got a token, not only those
+    that ran to the end."""
+    fake = FakeBackend(behaviour=stream_chat(10, hold_after=3))
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], log_level="info") as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        bid = fake.url[7:]
+        with capture_logs() as logs:
+            r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
+            seen = b""
+            while seen.count(b'"content":"t') < 3:
+                seen += await r.content.readany()
+            r.close()
+            await wait_for(lambda: any(e["event"] == "request" for e in logs), what="log")
+        m = await scrape(s, gw.url)
+    (event,) = [e for e in logs if e["event"] == "request"]
+    assert event["ending"] == "client_disconnect"
+    assert event["ttft_ms"] is not None
+    assert event["ttft_ms"] > 0
+    assert event["events"] >= 4  # the role chunk and three tokens
+    assert value(m, "llm_gateway_time_to_first_token_seconds_count", model="m", backend=bid) == 1
+
+
+async def test_each_ending_is_told_truthfully_an_internal_failure_is_not_a_client_that_left() -> (
+    None
+):
+    """Issue 16.9: a bug is logged as internal_error (500), a client that leaves while its
+    request waits for the backend as client_disconnect, a refusal by its error's name."""
+
+    class Broken:
+        name = "broken"
+
+        def choose(self, facts: object, candidates: object) -> None:
+            raise RuntimeError("a policy bug")
+
+    fake = FakeBackend(behaviour=hang_before_headers)
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], log_level="info") as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        router = gw.app[ROUTER]
+        with capture_logs() as logs:
+            # Left while the backend had not answered yet.
+            left = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=CHAT))
+            await wait_for(lambda: fake.active() == 1, what="request upstream")
+            left.cancel()  # closes the connection: the client is gone
+            await wait_for(lambda: len(_requests(logs)) == 1, what="first log")
+            async with s.post(gw.url + "/v1/chat/completions", json=CHAT | {"model": "x"}) as r:
+                assert r.status == 404
+            good, router.policy = router.policy, Broken()  # type: ignore[assignment]
+            async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
+                assert r.status == 500
+                assert (await r.json())["error"]["type"] == "internal_error"
+            router.policy = good
+            await wait_for(lambda: len(_requests(logs)) == 3, what="three logs")
+    endings = [(e["ending"], e["status"]) for e in _requests(logs)]
+    assert endings == [
+        ("client_disconnect", 0),
+        ("ModelNotFound", 404),
+        ("internal_error", 500),
+    ]
+
+
+def _requests(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in logs if e["event"] == "request"]

@@ -54,9 +54,7 @@ class BackendMonitor:
         settings: MonitorSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
-        on_change: Callable[[], None] | None = None,
     ) -> None:
-        self._on_change = on_change  # called when load or health may have freed capacity
         self._pool = pool
         self._client = client
         self._settings = settings
@@ -108,8 +106,6 @@ class BackendMonitor:
         except UpstreamError as exc:
             ok, error = False, exc.message
         before, after = self._pool.record_probe(backend.id, ok, "" if ok else error)
-        if before is not after and self._on_change is not None:
-            self._on_change()
         if before is not after:
             emit = log.info if after is Health.UP else log.warning
             emit(

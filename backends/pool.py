@@ -70,6 +70,7 @@ class Lease:
         self.backend.in_flight -= 1
         if self.backend.removed and self.backend.in_flight == 0:
             self._pool.forget(self.backend.id)
+        self._pool.changed()
 
 
 class BackendPool:
@@ -91,11 +92,22 @@ class BackendPool:
         self._backends: dict[str, BackendState] = {}
         self._by_model: dict[str, list[BackendState]] = {}
         self._roles: dict[str, frozenset[str]] = {}  # model -> roles of backends serving it
+        self._listeners: list[Callable[[], None]] = []
         for spec in specs:
             self.add(spec)
 
     def now(self) -> float:
         return self._clock()
+
+    def on_change(self, listener: Callable[[], None]) -> None:
+        """Call ``listener`` whenever the fleet's capacity may have changed: a request ended,
+        a scrape arrived, health, models, draining or membership changed (the admission
+        queue wakes its next waiter on it). Listeners must be cheap and must not raise."""
+        self._listeners.append(listener)
+
+    def changed(self) -> None:
+        for listener in self._listeners:
+            listener()
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -219,6 +231,7 @@ class BackendPool:
         if b is None:
             return False
         b.draining = draining
+        self.changed()
         return True
 
     def record_models(self, backend_id: str, models: Iterable[str]) -> None:
@@ -243,6 +256,8 @@ class BackendPool:
             after = b.health.probe_ok()
         else:
             after = b.health.probe_failed(error, scrape_failing=b.scrape_failing or stale)
+        if after is not before:
+            self.changed()
         return before, after
 
     def record_load(
@@ -255,6 +270,7 @@ class BackendPool:
         b.load_at = began_at
         b.sent_at_scrape = sent_at_start
         b.scrape_failing = False
+        self.changed()
 
     def record_scrape_failed(self, backend_id: str) -> None:
         b = self._backends.get(backend_id)
@@ -268,3 +284,4 @@ class BackendPool:
                 by_model.setdefault(m, []).append(b)
         self._by_model = by_model
         self._roles = {m: frozenset(b.spec.role for b in bs) for m, bs in by_model.items()}
+        self.changed()

@@ -80,7 +80,6 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
             keepalive_timeout=s.upstream.keepalive_timeout,
         )
         app[UPSTREAM] = client
-        admission = app[ADMISSION]
         monitor = BackendMonitor(
             pool,
             client,
@@ -91,7 +90,6 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
                 probe_interval=s.health.interval,
                 probe_timeout=s.health.timeout,
             ),
-            on_change=admission.notify if admission is not None else None,
         )
         app[MONITOR] = monitor
         discovery_task: asyncio.Task[None] | None = None
@@ -203,6 +201,8 @@ def create_app(
     app[ROLLOUT] = Rollout.from_settings(settings)  # model pools and aliases
     admission = _admission(settings, pool)
     app[ADMISSION] = admission
+    if admission is not None:
+        pool.on_change(admission.notify)  # a scrape or a request's end may free capacity
     metrics = GatewayMetrics()
     metrics.watch_backends(
         pool, lambda: app[ROUTER].policy, lambda: admission.waiting if admission else 0

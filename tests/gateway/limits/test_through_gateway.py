@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.keys import ADMISSION, LIMITER
+from gateway.keys import ADMISSION, LIMITER, POOL
 from gateway.limits.keys import hash_key
 from tests.helpers import (
     FakeBackend,
@@ -297,3 +297,30 @@ async def test_disconnect_while_queued_leaves_at_once_and_max_wait_is_honoured()
         await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="leases released")
     assert len(fake.seen) == 1  # neither of bob's requests reached the backend
     assert limiter.rejections == Counter()
+
+
+async def test_a_scrape_that_shows_room_wakes_the_queue() -> None:
+    """A request queued on the engine's own queue depth runs as soon as a scrape shows room,
+    not at max_wait (issue 16.6): health changes are not the only news of capacity."""
+    busy = 'vllm:num_requests_waiting{engine="0",model_name="m"} 9.0\n'
+    fake = FakeBackend(metrics_text=busy)
+    config = limits({}, admission={"enabled": True, "max_queue_depth": 5, "max_wait": 8})
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], limits=config) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        queue = gw.app[ADMISSION]
+        assert queue is not None
+        await wait_for(lambda: gw.app[POOL].all()[0].load is not None, what="a first scrape")
+        request = asyncio.create_task(
+            s.post(gw.url + "/v1/chat/completions", json=CHAT, headers=auth(ALICE))
+        )
+        await wait_for(lambda: queue.waiting == 1, what="queued on the engine's queue depth")
+        freed = asyncio.get_running_loop().time()
+        fake.metrics_text = busy.replace("9.0", "0.0")
+        async with await request as r:
+            assert r.status == 200
+        took = asyncio.get_running_loop().time() - freed
+    assert took < 2.0  # scrapes every 50 ms here; the old wake-up came at max_wait (8 s)
+    assert queue.stats.admitted_after_wait == 1

@@ -200,10 +200,17 @@ class BackendPool:
     # -- writing (monitors, discovery, admin) ----------------------------------------------
 
     def add(self, spec: BackendSpec) -> BackendState:
-        """Add a backend; it gets no traffic until a probe has seen it up."""
+        """Add a backend; it gets no traffic until a probe has seen it up.
+
+        Adding an id the pool has takes the new spec. A new URL is another server: what was
+        known of the old one (health, circuit, load, models) is forgotten, so it gets no
+        traffic until probed; requests in flight to the old one finish there.
+        """
         existing = self._backends.get(spec.id)
         if existing is not None:
             existing.removed = False
+            if existing.spec != spec:
+                self._respec(existing, spec)
             return existing
         state = BackendState(
             spec=spec,
@@ -212,6 +219,24 @@ class BackendPool:
         )
         self._backends[spec.id] = state
         return state
+
+    def _respec(self, b: BackendState, spec: BackendSpec) -> None:
+        old = b.spec
+        b.spec = spec
+        if spec.url != old.url:
+            b.health = HealthTracker(self._health_policy)
+            b.circuit = CircuitBreaker(self._circuit_policy)
+            b.load, b.load_at, b.scrape_failing = None, float("-inf"), False
+            b.models, b.models_known = frozenset(), False
+        log.info(
+            "backend_changed",
+            backend=spec.id,
+            url=spec.url,
+            was=old.url,
+            role=spec.role,
+            api_key_changed=spec.api_key != old.api_key,
+        )
+        self._reindex()
 
     def remove(self, backend_id: str) -> None:
         """No new requests; the backend is forgotten once its in-flight requests end."""

@@ -9,7 +9,7 @@ import aiohttp
 
 from gateway.keys import ROUTER
 from gateway.settings import Settings
-from tests.helpers import FakeBackend, running_fake, running_gateway
+from tests.helpers import FakeBackend, running_fake, running_gateway, wait_for
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -120,3 +120,34 @@ async def test_reload_applies_live_settings_and_refuses_a_bad_config() -> None:
                 assert r.status == 400
                 assert "fastest" in (await r.json())["error"]["message"]
             assert gw.app[ROUTER].policy.name == "round_robin"
+
+
+async def test_reload_that_changes_a_named_backends_url_and_key_takes_effect() -> None:
+    """Issue 16.7: the reload said `backends` applied while the old spec stayed in use."""
+    old, new = FakeBackend(), FakeBackend()
+    async with running_fake(old), running_fake(new):
+        pending: list[dict[str, Any]] = []
+
+        def loader() -> Settings:
+            return Settings.model_validate(pending.pop(0))
+
+        named = {"name": "gpu", "url": old.url, "api_key": "sk-old"}
+        async with (
+            running_gateway([named], admin={"token": TOKEN}, loader=loader) as gw,
+            aiohttp.ClientSession() as s,
+        ):
+            assert gw.admin_url is not None
+            assert await route_counts(s, gw.url, 2) == Counter({old.url[7:]: 2})
+            moved = {"name": "gpu", "url": new.url, "api_key": "sk-new", "role": "both"}
+            pending.append({"backends": [moved], "admin": {"token": TOKEN}})
+            async with s.post(gw.admin_url + "/admin/reload", headers=AUTH) as r:
+                assert r.status == 200
+                assert (await r.json())["applied"] == ["backends"]
+            await wait_for(gw.ready, what="the new server probed up")
+            assert await route_counts(s, gw.url, 3) == Counter({new.url[7:]: 3})
+            async with s.get(gw.admin_url + "/admin/backends", headers=AUTH) as r:
+                (view,) = (await r.json())["backends"]
+    assert view["id"] == "gpu"
+    assert view["url"] == new.url
+    assert len(old.seen) == 2
+    assert [seen.headers["Authorization"] for seen in new.seen] == ["Bearer sk-new"] * 3

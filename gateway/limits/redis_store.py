@@ -12,6 +12,11 @@ Redis slow or down: every call is bounded by ``timeout``; then ``failure_mode`` 
 admit without limits, logged once per outage; closed: ``LimitsUnavailable``, a 503). After a
 failure Redis is not tried again for ``retry_interval``, so an outage costs requests no waiting;
 the first success after it ends the outage, with no restart.
+
+What a request owes Redis when it ends (its concurrency slot, its token correction) is not lost
+to a blip: a release or settlement that cannot reach Redis waits in a bounded backlog
+(``max_backlog`` tickets, oldest dropped first: their slots still expire after ``slot_ttl``),
+which a background task retries every ``retry_interval`` until Redis answers again.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -121,6 +127,16 @@ _ADMIT: Final = _Script(ADMIT_LUA)
 _SETTLE: Final = _Script(SETTLE_LUA)
 
 
+class _Owed:
+    """What one ticket still owes Redis: its slot's release and/or a token correction."""
+
+    __slots__ = ("release", "settle")
+
+    def __init__(self) -> None:
+        self.release: Ticket | None = None
+        self.settle: tuple[Ticket, int] | None = None  # the ticket and its delta
+
+
 class RedisLimitStore:
     def __init__(
         self,
@@ -132,6 +148,7 @@ class RedisLimitStore:
         retry_interval: float = 0.5,
         slot_ttl: float = 900.0,
         retry_after: int = 1,
+        max_backlog: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if failure_mode not in ("open", "closed"):
@@ -146,6 +163,10 @@ class RedisLimitStore:
         self._clock = clock
         self._down_since: float | None = None
         self._retry_at = 0.0
+        self._max_backlog = max_backlog
+        self._backlog: OrderedDict[str, _Owed] = OrderedDict()  # by ticket id, oldest first
+        self._flusher: asyncio.Task[None] | None = None
+        self.backlog_dropped = 0  # owed operations given up (backlog full): slots expire
 
     @classmethod
     def from_settings(cls, s: RedisSettings, *, retry_after: int = 1) -> RedisLimitStore:
@@ -163,6 +184,7 @@ class RedisLimitStore:
             retry_interval=s.retry_interval,
             slot_ttl=s.slot_ttl,
             retry_after=retry_after,
+            max_backlog=s.max_backlog,
         )
 
     @property
@@ -208,29 +230,79 @@ class RedisLimitStore:
         if not ticket.claim_settle():
             return
         delta = ticket.reserved - actual_tokens
-        tpm = ticket.limits.tokens_per_minute
-        if delta == 0 or tpm is None:
+        if delta == 0 or ticket.limits.tokens_per_minute is None:
             return
-        args = (ticket.limits.requests_per_minute or 0, tpm, delta)
         try:
-            await self._script(_SETTLE, self.redis_keys(ticket.key)[:1], args)
+            await self._settle(ticket, delta)
         except _FAILURES as exc:
-            self._note_failure(exc)  # the correction is lost; the buckets refill regardless
+            self._note_failure(exc)
+            self._owe(ticket).settle = (ticket, delta)
 
     async def release(self, ticket: Ticket) -> None:
         if not ticket.claim_release() or ticket.limits.max_concurrent is None:
             return
-        if self._in_retry_window():
-            return  # the slot comes back when it expires (slot_ttl)
+        owed = self._backlog.get(ticket.id)
+        if owed is not None and owed.settle is not None:  # keep its order: settle, release
+            owed.release = ticket
+            return
         try:
-            await self._bounded(self._client.zrem(self.redis_keys(ticket.key)[1], ticket.id))
+            await self._release(ticket)
         except _FAILURES as exc:
-            self._note_failure(exc)  # the slot comes back when it expires (slot_ttl)
-        else:
-            self._note_success()
+            self._note_failure(exc)
+            self._owe(ticket).release = ticket
+
+    @property
+    def backlog(self) -> int:
+        """Tickets whose release or settlement waits for Redis to answer again."""
+        return len(self._backlog)
 
     async def aclose(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
         await self._client.aclose()
+
+    # -- what ended requests owe Redis ---------------------------------------------------
+
+    async def _settle(self, ticket: Ticket, delta: int) -> None:
+        args = (ticket.limits.requests_per_minute or 0, ticket.limits.tokens_per_minute, delta)
+        await self._script(_SETTLE, self.redis_keys(ticket.key)[:1], args)
+
+    async def _release(self, ticket: Ticket) -> None:
+        if self._in_retry_window():
+            raise _InRetryWindow("limit store in its retry interval after a failure")
+        await self._bounded(self._client.zrem(self.redis_keys(ticket.key)[1], ticket.id))
+        self._note_success()
+
+    def _owe(self, ticket: Ticket) -> _Owed:
+        owed = self._backlog.get(ticket.id)
+        if owed is None:
+            owed = self._backlog[ticket.id] = _Owed()
+            if len(self._backlog) > self._max_backlog:
+                self._backlog.popitem(last=False)
+                self.backlog_dropped += 1
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush_backlog(), name="limits-backlog")
+        return owed
+
+    async def _flush_backlog(self) -> None:
+        """Retry what is owed, oldest first, until the backlog is empty."""
+        while self._backlog:
+            await asyncio.sleep(max(self._retry_interval, 0.05))
+            while self._backlog:
+                ticket_id, owed = next(iter(self._backlog.items()))
+                try:
+                    if owed.settle is not None:
+                        await self._settle(*owed.settle)
+                        owed.settle = None
+                    if owed.release is not None:
+                        await self._release(owed.release)
+                        owed.release = None
+                except _FAILURES as exc:
+                    self._note_failure(exc)
+                    break  # still down: wait and try again
+                self._backlog.pop(ticket_id, None)
+        log.info("limits_backlog_flushed", dropped=self.backlog_dropped)
 
     # -- plumbing ----------------------------------------------------------------------------
 

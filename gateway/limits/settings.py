@@ -66,6 +66,12 @@ class RedisSettings(BaseModel):
         gt=0,
         description="seconds after which a concurrency slot a crashed gateway held comes back",
     )
+    max_backlog: int = Field(
+        10_000,
+        ge=0,
+        description="ended requests whose slot release and token correction wait for Redis"
+        " to answer again after a blip (oldest dropped first; their slots expire)",
+    )
 
 
 class AdmissionSettings(BaseModel):

@@ -4,6 +4,7 @@ everything it writes, and its failure modes when Redis goes away and comes back.
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import time
 from collections.abc import AsyncIterator, Callable
@@ -275,3 +276,41 @@ async def test_unlimited_key_never_touches_redis() -> None:
         assert not d.degraded
     finally:
         await store.aclose()
+
+
+async def test_a_slot_released_during_a_blip_is_given_back_when_redis_answers_again(
+    make_store: StoreFactory, own_redis: RedisServer
+) -> None:
+    """Issue 16.10: a release that met a frozen Redis was skipped, and the key's concurrency
+    slot stayed taken until slot_ttl (900 s). Now it waits in the backlog and goes through
+    (with the token correction) as soon as Redis answers."""
+    store = make_store(url=own_redis.url, timeout=0.1, retry_interval=0.05)
+    limits = Limits(max_concurrent=1, tokens_per_minute=1000)
+    held = await store.admit("k", limits, 600)
+    assert held.ticket is not None
+    c = sync_client(own_redis.url)
+    assert own_redis.proc is not None
+    try:
+        own_redis.proc.send_signal(signal.SIGSTOP)  # a blip: Redis keeps its data, stops answering
+        await finish(store, held.ticket, 100)  # the request ends during it
+        own_redis.proc.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while c.zcard(store.redis_keys("k")[1]):
+            assert time.monotonic() < deadline, "the owed release never reached Redis"
+            await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+    finally:
+        own_redis.proc.send_signal(signal.SIGCONT)
+        c.close()
+    again = await store.admit("k", limits, 800)  # the slot and the 500 refunded tokens are back
+    assert again.allowed, again.reason
+
+
+async def test_the_backlog_is_bounded(make_store: StoreFactory, own_redis: RedisServer) -> None:
+    store = make_store(url=own_redis.url, timeout=0.05, retry_interval=10, max_backlog=3)
+    limits = Limits(max_concurrent=10)
+    tickets = [(await store.admit("k", limits, 0)).ticket for _ in range(5)]
+    own_redis.stop()
+    for t in tickets:
+        assert t is not None
+        await store.release(t)
+    assert (store.backlog, store.backlog_dropped) == (3, 2)

@@ -19,6 +19,7 @@ import structlog
 from backends.health import Health
 from backends.pool import BackendPool
 from backends.state import BackendState
+from backends.supervise import Supervisor
 from backends.upstream import UpstreamClient, json_or_none
 from backends.vllm_metrics import MetricsFormatError, parse_load
 from gateway.errors import UpstreamError
@@ -54,7 +55,9 @@ class BackendMonitor:
         settings: MonitorSettings,
         *,
         clock: Callable[[], float] = time.monotonic,
+        supervisor: Supervisor | None = None,
     ) -> None:
+        self._supervisor = supervisor or Supervisor()
         self._pool = pool
         self._client = client
         self._settings = settings
@@ -80,10 +83,11 @@ class BackendMonitor:
     def watch(self, backend: BackendState) -> None:
         if backend.id in self._tasks:
             return
+        spawn = self._supervisor.spawn
         self._tasks[backend.id] = [
-            asyncio.create_task(self._probe_loop(backend), name=f"probe:{backend.id}"),
-            asyncio.create_task(self._models_loop(backend), name=f"models:{backend.id}"),
-            asyncio.create_task(self._load_loop(backend), name=f"scrape:{backend.id}"),
+            spawn("probe", f"probe:{backend.id}", lambda: self._probe_loop(backend)),
+            spawn("models", f"models:{backend.id}", lambda: self._models_loop(backend)),
+            spawn("scrape", f"scrape:{backend.id}", lambda: self._load_loop(backend)),
         ]
 
     def unwatch(self, backend_id: str) -> None:

@@ -23,6 +23,7 @@ from multidict import CIMultiDict
 
 from backends.idle import IdleWatch, IdleWatchdog
 from backends.state import BackendSpec
+from backends.supervise import Supervisor
 from gateway.errors import (
     UpstreamError,
     UpstreamProtocolError,
@@ -67,6 +68,7 @@ class UpstreamClient:
         idle_timeout: float,
         max_connections: int = 0,
         keepalive_timeout: float = 4.0,
+        supervisor: Supervisor | None = None,
     ) -> None:
         self._connector = aiohttp.TCPConnector(
             limit=max_connections,
@@ -84,7 +86,9 @@ class UpstreamClient:
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
         )
-        self._watchdog_task = asyncio.create_task(self.watchdog.run(), name="idle-watchdog")
+        self._watchdog_task = (supervisor or Supervisor()).spawn(
+            "idle_watchdog", "idle-watchdog", self.watchdog.run
+        )
 
     async def close(self) -> None:
         self._watchdog_task.cancel()

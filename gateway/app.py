@@ -14,6 +14,7 @@ from backends.discovery import DnsDiscovery, Resolver
 from backends.health import HealthPolicy
 from backends.monitor import BackendMonitor, MonitorSettings
 from backends.pool import BackendPool
+from backends.supervise import Supervisor
 from backends.upstream import UpstreamClient
 from gateway import proxy
 from gateway.disagg import DISAGG, Disagg
@@ -27,6 +28,7 @@ from gateway.keys import (
     RETRY,
     ROUTER,
     SETTINGS,
+    SUPERVISOR,
     TRACER,
     UPSTREAM,
     Lifecycle,
@@ -73,11 +75,13 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         s = app[SETTINGS]
         pool = app[POOL]
+        supervisor = app[SUPERVISOR]
         client = UpstreamClient(
             connect_timeout=s.upstream.connect_timeout,
             idle_timeout=s.upstream.idle_timeout,
             max_connections=s.upstream.max_connections,
             keepalive_timeout=s.upstream.keepalive_timeout,
+            supervisor=supervisor,
         )
         app[UPSTREAM] = client
         monitor = BackendMonitor(
@@ -90,6 +94,7 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
                 probe_interval=s.health.interval,
                 probe_timeout=s.health.timeout,
             ),
+            supervisor=supervisor,
         )
         app[MONITOR] = monitor
         discovery_task: asyncio.Task[None] | None = None
@@ -109,7 +114,9 @@ def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
                 resolver=resolver,
             )
             await discovery.refresh()
-            discovery_task = asyncio.create_task(discovery.run(d.interval), name="discovery")
+            discovery_task = supervisor.spawn(
+                "discovery", "discovery", lambda: discovery.run(d.interval)
+            )
         await monitor.start(first_round_timeout=max(s.health.timeout, s.scrape.timeout))
         try:
             yield
@@ -142,7 +149,9 @@ def _admission(settings: Settings, pool: BackendPool) -> AdmissionQueue | None:
 
 async def _limits_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
-    async with open_limiter(s.limits, retry_after=s.retry_after_seconds) as limiter:
+    async with open_limiter(
+        s.limits, retry_after=s.retry_after_seconds, supervisor=app[SUPERVISOR]
+    ) as limiter:
         app[LIMITER] = limiter
         yield
 
@@ -176,6 +185,7 @@ def create_app(
     app[SETTINGS] = settings
     app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)
     app[LIFECYCLE] = Lifecycle()
+    supervisor = app[SUPERVISOR] = Supervisor()  # every background loop runs under it
     pool = _pool(settings)
     app[POOL] = pool
     w = settings.weights
@@ -208,6 +218,7 @@ def create_app(
         pool, lambda: app[ROUTER].policy, lambda: admission.waiting if admission else 0
     )
     metrics.watch_limits(lambda: app[LIMITER].rejections, admission)
+    metrics.watch_supervisor(supervisor)
     app[METRICS] = metrics
     app.cleanup_ctx.append(_limits_ctx)
     provider = tracer_provider or provider_from_settings(settings.tracing)

@@ -10,6 +10,7 @@ from opentelemetry.trace import Tracer
 
 from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
+from backends.supervise import Supervisor
 from backends.upstream import UpstreamClient
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
@@ -32,6 +33,7 @@ ROUTER: Final = web.AppKey("router", Router)
 RETRY: Final = web.AppKey("retry", RetryPolicy)
 UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
 MONITOR: Final = web.AppKey("monitor", BackendMonitor)
+SUPERVISOR: Final = web.AppKey("supervisor", Supervisor)
 LIFECYCLE: Final = web.AppKey("lifecycle", Lifecycle)
 METRICS: Final = web.AppKey("metrics", GatewayMetrics)
 LIMITER: Final = web.AppKey("limiter", Limiter)

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 from backends.circuit import Circuit
 from backends.health import Health
 from backends.pool import BackendPool
+from backends.supervise import Supervisor
 from gateway.limits.admission import AdmissionQueue
 from policies import Policy, PrefixAffinity, Weights, score
 from policies.prefix_affinity import REASONS
@@ -35,6 +36,9 @@ ITL_BUCKETS: Final = (
 QUEUE_DEPTH_METRIC: Final = "inference_queue_depth"
 FLEET_ENGINE_QUEUE_METRIC: Final = "llm_gateway_fleet_engine_queue_depth"
 ADMISSION_QUEUE_METRIC: Final = "llm_gateway_admission_queue_length"
+SUPERVISED_KINDS: Final = (
+    "probe", "scrape", "models", "discovery", "idle_watchdog", "limits_backlog",
+)  # fmt: skip
 
 
 class BackendCollector(Collector):
@@ -191,6 +195,27 @@ class LimitsCollector(Collector):
             yield outcomes
 
 
+class SupervisorCollector(Collector):
+    """Crashes of background loops, each restarted (``backends.supervise``)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._supervisor = supervisor
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        restarts = CounterMetricFamily(
+            "llm_gateway_background_task_restarts",
+            "Background loops (probe, scrape, models, discovery, idle_watchdog, limits_backlog)"
+            " that crashed and were restarted; each crash is logged as background_task_failed.",
+            labels=["task"],
+        )
+        for kind in SUPERVISED_KINDS:
+            restarts.add_metric([kind], self._supervisor.restarts[kind])
+        yield restarts
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
@@ -333,6 +358,9 @@ class GatewayMetrics:
         admission: AdmissionQueue | None,
     ) -> None:
         self.registry.register(LimitsCollector(rejections, admission))
+
+    def watch_supervisor(self, supervisor: Supervisor) -> None:
+        self.registry.register(SupervisorCollector(supervisor))
 
     def watch_backends(
         self, pool: BackendPool, policy: Callable[[], Policy], gateway_queue: Callable[[], int]

@@ -12,6 +12,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from backends.supervise import Supervisor
 from gateway.limits.headers import rate_limit_headers, rate_limited
 from gateway.limits.keys import Authenticator, Principal
 from gateway.limits.memory import MemoryLimitStore
@@ -83,16 +84,22 @@ class Limiter:
         await finish(self.store, grant.ticket, actual)
 
 
-def make_store(settings: LimitsSettings, *, retry_after: int = 1) -> LimitStore:
+def make_store(
+    settings: LimitsSettings, *, retry_after: int = 1, supervisor: Supervisor | None = None
+) -> LimitStore:
     if settings.store == "redis":
-        return RedisLimitStore.from_settings(settings.redis, retry_after=retry_after)
+        return RedisLimitStore.from_settings(
+            settings.redis, retry_after=retry_after, supervisor=supervisor
+        )
     return MemoryLimitStore()
 
 
 @asynccontextmanager
-async def open_limiter(settings: LimitsSettings, *, retry_after: int = 1) -> AsyncIterator[Limiter]:
+async def open_limiter(
+    settings: LimitsSettings, *, retry_after: int = 1, supervisor: Supervisor | None = None
+) -> AsyncIterator[Limiter]:
     """A limiter and its store, closed on exit: for the app's cleanup context."""
-    store = make_store(settings, retry_after=retry_after)
+    store = make_store(settings, retry_after=retry_after, supervisor=supervisor)
     try:
         yield Limiter(settings, store)
     finally:

@@ -34,6 +34,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
+from backends.supervise import Supervisor
 from gateway.errors import LimitsUnavailable
 from gateway.limits.settings import RedisSettings
 from gateway.limits.store import Decision, Limits, Reason, Ticket, Window
@@ -150,6 +151,7 @@ class RedisLimitStore:
         retry_after: int = 1,
         max_backlog: int = 10_000,
         clock: Callable[[], float] = time.monotonic,
+        supervisor: Supervisor | None = None,
     ) -> None:
         if failure_mode not in ("open", "closed"):
             raise ValueError(f"failure_mode must be 'open' or 'closed', not {failure_mode!r}")
@@ -166,10 +168,13 @@ class RedisLimitStore:
         self._max_backlog = max_backlog
         self._backlog: OrderedDict[str, _Owed] = OrderedDict()  # by ticket id, oldest first
         self._flusher: asyncio.Task[None] | None = None
+        self._supervisor = supervisor or Supervisor()
         self.backlog_dropped = 0  # owed operations given up (backlog full): slots expire
 
     @classmethod
-    def from_settings(cls, s: RedisSettings, *, retry_after: int = 1) -> RedisLimitStore:
+    def from_settings(
+        cls, s: RedisSettings, *, retry_after: int = 1, supervisor: Supervisor | None = None
+    ) -> RedisLimitStore:
         client = Redis.from_url(
             s.url.get_secret_value(),
             socket_timeout=s.timeout,
@@ -185,6 +190,7 @@ class RedisLimitStore:
             slot_ttl=s.slot_ttl,
             retry_after=retry_after,
             max_backlog=s.max_backlog,
+            supervisor=supervisor,
         )
 
     @property
@@ -282,7 +288,9 @@ class RedisLimitStore:
                 self._backlog.popitem(last=False)
                 self.backlog_dropped += 1
         if self._flusher is None or self._flusher.done():
-            self._flusher = asyncio.create_task(self._flush_backlog(), name="limits-backlog")
+            self._flusher = self._supervisor.spawn(
+                "limits_backlog", "limits-backlog", self._flush_backlog
+            )
         return owed
 
     async def _flush_backlog(self) -> None:

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 
 import structlog
 
+from backends.errors import UpstreamError
 from backends.health import Health
 from backends.pool import BackendPool
 from backends.state import BackendState
 from backends.supervise import Supervisor
 from backends.upstream import UpstreamClient, json_or_none
 from backends.vllm_metrics import MetricsFormatError, parse_load
-from gateway.errors import UpstreamError
 
 log = structlog.get_logger("backends.monitor")
 

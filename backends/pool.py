@@ -13,10 +13,10 @@ from collections.abc import Callable, Collection, Iterable
 import structlog
 
 from backends.circuit import Circuit, CircuitBreaker, CircuitPolicy
+from backends.errors import ModelNotFound, NoBackendAvailable
 from backends.health import Health, HealthPolicy, HealthTracker
 from backends.state import BackendSpec, BackendState
 from backends.vllm_metrics import LoadReading
-from gateway.errors import ModelNotFound, NoBackendAvailable
 from policies import BackendSnapshot
 
 Clock = Callable[[], float]

@@ -21,15 +21,15 @@ import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError as BadFraming
 from multidict import CIMultiDict
 
-from backends.idle import IdleWatch, IdleWatchdog
-from backends.state import BackendSpec
-from backends.supervise import Supervisor
-from gateway.errors import (
+from backends.errors import (
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from backends.idle import IdleWatch, IdleWatchdog
+from backends.state import BackendSpec
+from backends.supervise import Supervisor
 
 
 def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:

@@ -12,17 +12,12 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from backends.errors import GatewayError, InvalidRequest, NotFound, error_envelope
 from backends.state import BackendState
-from gateway.errors import GatewayError, InvalidRequest, error_envelope
 from gateway.keys import GATEWAY, METRICS, POOL, ROUTER
 from gateway.reload import change_policy, describe_policy, reload_settings
 from gateway.rollout import ROLLOUT
 from policies import score
-
-
-class AdminNotFound(GatewayError):
-    status = 404
-    type = "not_found_error"
 
 
 def _token_middleware(token: str) -> Middleware:
@@ -85,7 +80,7 @@ def _set_draining(draining: bool) -> Handler:
         pool = request.app[GATEWAY][POOL]
         backend_id = request.match_info["backend_id"]
         if not pool.set_draining(backend_id, draining):
-            raise AdminNotFound(f"No backend {backend_id!r}.")
+            raise NotFound(f"No backend {backend_id!r}.")
         b = pool.get(backend_id)
         assert b is not None
         return web.json_response(backend_view(b, pool.now()))

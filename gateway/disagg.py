@@ -35,10 +35,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 from opentelemetry.trace import Span, set_span_in_context
 
+from backends.errors import NoBackendAvailable, UpstreamError, UpstreamProtocolError
 from backends.pool import BackendPool, Lease
 from backends.state import BackendSpec
 from backends.upstream import json_or_none
-from gateway.errors import NoBackendAvailable, UpstreamError, UpstreamProtocolError
 from gateway.headers import downstream_headers
 from gateway.keys import METRICS, RETRY, TRACER, UPSTREAM
 from gateway.record import RequestRecord

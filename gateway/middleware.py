@@ -8,11 +8,11 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from gateway.errors import GatewayError, ShuttingDown, error_envelope
+from backends.errors import GatewayError, ShuttingDown, error_envelope
 from gateway.headers import REQUEST_ID, valid_request_id
 from gateway.keys import LIFECYCLE, REQUEST_ID_KEY
 
-log = structlog.get_logger("gateway.errors")
+log = structlog.get_logger("backends.errors")
 
 _HTTP_ERROR_TYPES = {
     400: "invalid_request_error",

@@ -23,10 +23,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 from opentelemetry.trace import Span, SpanKind, set_span_in_context
 
-from backends.pool import Lease
-from backends.upstream import Upstream
-from gateway.disagg import DISAGG, Picker
-from gateway.errors import (
+from backends.errors import (
     BodyTimeout,
     BodyTooLarge,
     GatewayError,
@@ -35,6 +32,9 @@ from gateway.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from backends.pool import Lease
+from backends.upstream import Upstream
+from gateway.disagg import DISAGG, Picker
 from gateway.headers import downstream_headers, upstream_headers
 from gateway.keys import (
     ADMISSION,

@@ -25,11 +25,11 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
+from backends.errors import UpstreamError
 from backends.idle import IdleWatch
 from backends.state import BackendSpec
 from backends.tap import tap
 from backends.upstream import CLIENT_ERRORS, Upstream, UpstreamClient, translate
-from gateway.errors import UpstreamError
 from gateway.limits.tokens import UsageFilter
 from gateway.sse import FirstTokenWatch
 

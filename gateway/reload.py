@@ -14,8 +14,8 @@ import structlog
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from backends.errors import InvalidRequest
 from backends.state import BackendSpec
-from gateway.errors import InvalidRequest
 from gateway.keys import METRICS, MONITOR, POOL, ROUTER
 from gateway.rollout import ROLLOUT
 from gateway.settings import AffinitySettings, Settings, WeightSettings

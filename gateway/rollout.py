@@ -19,17 +19,12 @@ from typing import Any, Final
 import structlog
 from aiohttp import web
 
-from gateway.errors import InvalidRequest, NoBackendAvailable
+from backends.errors import InvalidRequest, NoBackendAvailable, NotFound
 from gateway.settings import Settings
 from policies import Rng
 from policies.rollout import WeightsError, check_weights, choose_pool
 
 log = structlog.get_logger("gateway.rollout")
-
-
-class NotFound(InvalidRequest):
-    status = 404
-    type = "not_found_error"
 
 
 @dataclass(frozen=True, slots=True)

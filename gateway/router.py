@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
+from backends.errors import NoBackendAvailable
 from backends.pool import BackendPool, Lease
-from gateway.errors import NoBackendAvailable
 from policies import BackendSnapshot, Policy, RouteFacts
 
 

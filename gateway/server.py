@@ -14,9 +14,9 @@ import ssl
 import structlog
 from aiohttp import web
 
+from backends.errors import InvalidRequest
 from gateway.admin import create_admin_app
 from gateway.app import create_app
-from gateway.errors import InvalidRequest
 from gateway.keys import LIFECYCLE
 from gateway.logs import configure_logging
 from gateway.reload import SettingsLoader, reload_settings

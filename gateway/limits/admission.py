@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from gateway.errors import QueueFull, QueueTimeout
+from backends.errors import QueueFull, QueueTimeout
 from gateway.limits.fairqueue import FairQueue
 
 

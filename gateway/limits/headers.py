@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from gateway.errors import RateLimited
+from backends.errors import RateLimited
 from gateway.limits.store import Decision, Window
 
 _WHAT = {

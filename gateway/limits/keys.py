@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from gateway.errors import AuthenticationError
+from backends.errors import AuthenticationError
 from gateway.limits.settings import LimitsSettings, TierSettings
 from gateway.limits.store import Limits
 

@@ -34,8 +34,8 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import NoScriptError, RedisError
 
+from backends.errors import LimitsUnavailable
 from backends.supervise import Supervisor
-from gateway.errors import LimitsUnavailable
 from gateway.limits.settings import RedisSettings
 from gateway.limits.store import Decision, Limits, Reason, Ticket, Window
 

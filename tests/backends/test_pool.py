@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from backends.errors import ModelNotFound, NoBackendAvailable
 from backends.health import Health
 from backends.pool import BackendPool
 from backends.state import BackendSpec
 from backends.vllm_metrics import LoadReading
-from gateway.errors import ModelNotFound, NoBackendAvailable
 
 
 class Clock:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from gateway.errors import QueueFull, QueueTimeout
+from backends.errors import QueueFull, QueueTimeout
 from gateway.limits.admission import AdmissionQueue, AdmissionTicket
 from gateway.limits.fairqueue import (
     FairQueue,

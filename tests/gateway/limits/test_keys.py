@@ -11,8 +11,8 @@ import pytest
 from multidict import CIMultiDict
 from pydantic import ValidationError
 
+from backends.errors import AuthenticationError, RateLimited
 from gateway.cli import main as cli_main
-from gateway.errors import AuthenticationError, RateLimited
 from gateway.limits.keys import Authenticator, hash_key, presented_key
 from gateway.limits.limiter import Limiter
 from gateway.limits.memory import MemoryLimitStore

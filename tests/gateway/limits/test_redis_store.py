@@ -14,7 +14,7 @@ import redis
 from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
-from gateway.errors import LimitsUnavailable
+from backends.errors import LimitsUnavailable
 from gateway.limits.redis_store import RedisLimitStore
 from gateway.limits.settings import RedisSettings
 from gateway.limits.store import Limits, finish

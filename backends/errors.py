@@ -1,13 +1,18 @@
-"""The gateway's exception tree; one middleware maps it to OpenAI's error envelope.
+"""The gateway's one exception tree; one middleware maps it to OpenAI's error envelope.
+
+It lives in the lowest layer that raises any of it (``backends``: the pool and the upstream
+client), so every layer above imports it and no arrow points back up. Every error the gateway
+answers a client with is here:
 
     GatewayError                      500 internal_error
     ├── InvalidRequest                400 invalid_request_error
-    │   ├── BodyTooLarge              413 invalid_request_error
+    │   ├── BodyTooLarge              413 invalid_request_error / request_too_large
     │   └── BodyTimeout               408 invalid_request_error (body not received in time)
     ├── AuthenticationError           401 authentication_error / invalid_api_key
+    ├── NotFound                      404 not_found_error (an admin object: backend, alias, pool)
+    ├── ModelNotFound                 404 invalid_request_error / model_not_found
     ├── RateLimited                   429 requests|tokens / rate_limit_exceeded
     │                                     (+ Retry-After, x-ratelimit-*)
-    ├── ModelNotFound                 404 invalid_request_error / model_not_found
     ├── NoBackendAvailable            503 service_unavailable (+ Retry-After)
     ├── ShuttingDown                  503 service_unavailable (connection closed after it)
     ├── LimitsUnavailable             503 service_unavailable / limits_unavailable
@@ -17,19 +22,26 @@
     │   └── QueueTimeout                  / queue_timeout (waited the maximum time)
     └── UpstreamError                 an upstream attempt failed before a response was relayed
         ├── UpstreamUnreachable       502 bad_gateway (connect error, reset, closed early)
+        │   └── BackendDown           502 bad_gateway (its probes marked it down meanwhile)
         ├── UpstreamProtocolError     502 bad_gateway (the backend answered nonsense)
-        └── UpstreamTimeout           504 gateway_timeout (no byte within the idle timeout)
+        ├── UpstreamTimeout           504 gateway_timeout (no byte within the idle timeout)
+        └── BackendRefused            the backend's own 429/502/503/504 answer, passed on as
+                                      it came (+ Retry-After) when no other backend could help
 
-Each carries the envelope fields, so the middleware needs no knowledge of the cases.
+Each carries the envelope fields, so the middleware needs no knowledge of the cases. Pure
+modules raise their own ``ValueError`` subclasses (``WeightsError``, ``FaultsError``,
+``PlanError``, ``ScenarioError``, ``MetricsFormatError``), which never reach a client as
+such: where a client's input caused one, it is re-raised as ``InvalidRequest``.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, ClassVar
 
 
 class GatewayError(Exception):
-    status: ClassVar[int] = 500
+    status: int = 500  # an instance may carry its own (BackendRefused)
     type: ClassVar[str] = "internal_error"
     default_code: ClassVar[str | None] = None
 
@@ -92,6 +104,13 @@ class RateLimited(GatewayError):
         return error_envelope(self.message, self.limit_type, param=self.param, code=self.code)
 
 
+class NotFound(GatewayError):
+    """An object of the admin API (backend, alias, pool) that does not exist."""
+
+    status = 404
+    type = "not_found_error"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"
@@ -150,6 +169,12 @@ class UpstreamUnreachable(UpstreamError):
     default_code = "backend_unreachable"
 
 
+class BackendDown(UpstreamUnreachable):
+    """The request was waiting for its backend's answer when the probes marked it down."""
+
+    default_code = "backend_down"
+
+
 class UpstreamProtocolError(UpstreamError):
     default_code = "backend_protocol_error"
 
@@ -158,6 +183,31 @@ class UpstreamTimeout(UpstreamError):
     status = 504
     type = "gateway_timeout"
     default_code = "backend_timeout"
+
+
+class BackendRefused(UpstreamError):
+    """A backend answered "not now" (429, 502, 503, 504) before sending anything else.
+
+    Another backend is tried while one is left; when none is, this answer is passed on to the
+    client as the backend gave it (its status and error body), with a ``Retry-After``.
+    """
+
+    def __init__(self, backend: str, status: int, body: bytes, *, retry_after: str | None) -> None:
+        super().__init__(
+            f"backend {backend} answered {status}", headers={"Retry-After": retry_after or "1"}
+        )
+        self.status = status
+        self.body = body
+
+    def envelope(self) -> dict[str, Any]:
+        try:
+            doc = json.loads(self.body)
+        except (ValueError, RecursionError):
+            doc = None
+        if isinstance(doc, dict) and isinstance(doc.get("error"), dict):
+            return doc  # vLLM's own envelope
+        kind = "rate_limit_exceeded" if self.status == 429 else "service_unavailable"
+        return error_envelope(self.message, kind, code=self.status)
 
 
 def error_envelope(

@@ -21,7 +21,7 @@ from backends.health import Health
 from backends.pool import BackendPool
 from backends.state import BackendState
 from backends.supervise import Supervisor
-from backends.upstream import UpstreamClient, json_or_none
+from backends.upstream import Transport, json_or_none
 from backends.vllm_metrics import MetricsFormatError, parse_load
 
 log = structlog.get_logger("backends.monitor")
@@ -51,7 +51,7 @@ class BackendMonitor:
     def __init__(
         self,
         pool: BackendPool,
-        client: UpstreamClient,
+        client: Transport,
         settings: MonitorSettings,
         *,
         clock: Callable[[], float] = time.monotonic,

@@ -30,15 +30,27 @@ class Lease:
     ``release``; release is idempotent, so the in-flight count drops exactly once.
     """
 
-    __slots__ = ("_pool", "_released", "_verdict", "backend")
+    __slots__ = ("_down", "_pool", "_released", "_verdict", "backend")
 
     def __init__(self, pool: BackendPool, backend: BackendState) -> None:
         self._pool = pool
         self.backend = backend
         self._released = False
         self._verdict: bool | None = None
+        self._down: Callable[[], None] | None = None
         backend.in_flight += 1
         backend.sent_total += 1
+
+    def on_down(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` if the backend's probes mark it down while this lease is held
+        (None: no longer). The request path sets it while nothing has reached the client,
+        so a request waiting on a dead backend moves on at once."""
+        watchers = self.backend.down_watchers
+        if self._down is not None:
+            watchers.discard(self._down)
+        self._down = callback
+        if callback is not None and not self._released:
+            watchers.add(callback)
 
     @property
     def released(self) -> bool:
@@ -64,6 +76,7 @@ class Lease:
     def release(self) -> None:
         if self._released:
             return
+        self.on_down(None)
         self._released = True
         if self._verdict is None:
             self.backend.circuit.on_abandoned()
@@ -282,6 +295,9 @@ class BackendPool:
         else:
             after = b.health.probe_failed(error, scrape_failing=b.scrape_failing or stale)
         if after is not before:
+            if after is Health.DOWN:
+                for callback in list(b.down_watchers):
+                    callback()
             self.changed()
         return before, after
 

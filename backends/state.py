@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -39,6 +40,9 @@ class BackendState:
     load: LoadReading | None = None
     load_at: float = field(default=float("-inf"))
     scrape_failing: bool = False
+    # Requests waiting on this backend with nothing sent to their client yet: told when the
+    # probes mark it down (``Lease.on_down``).
+    down_watchers: set[Callable[[], None]] = field(default_factory=set)
 
     @property
     def id(self) -> str:

@@ -1,12 +1,15 @@
 """The upstream client: the one place where aiohttp client errors become gateway errors.
 
-It owns the pooled ``ClientSession``. ``open`` sends a request and returns once the backend's
-status line and headers have arrived, as an ``Upstream`` whose body the caller reads; the
-caller must then ``finish`` it: back to the keep-alive pool after a complete read, or closed
+``Transport`` is the seam the request path and the monitors talk to (a ``Protocol``, as httpx's
+transports are): ``UpstreamClient`` is the real one, on aiohttp, and ``backends.mock`` an
+in-memory one for tests of the logic above it. ``open`` sends a request and returns once the
+backend's status line and headers have arrived, as an ``Upstream`` whose body the caller reads;
+the caller must then ``finish`` it: back to the keep-alive pool after a complete read, or closed
 otherwise, which is what makes vLLM abort a generation nobody is waiting for.
 
 Timeouts: connecting has its own; waiting for the response head is bounded by the idle timeout;
-after that an ``IdleWatchdog`` cuts a body that stops moving (see ``backends.idle``).
+after that an ``IdleWatchdog`` cuts a body that stops moving (see ``backends.idle``). An
+``Interrupt`` ends the wait at once when the backend's probes mark it down.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp.http_exceptions import HttpProcessingError as BadFraming
-from multidict import CIMultiDict
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.errors import (
+    BackendDown,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
@@ -32,9 +36,15 @@ from backends.state import BackendSpec
 from backends.supervise import Supervisor
 
 
+class MarkedDown(aiohttp.ClientConnectionError):
+    """Set on a response body whose backend the probes marked down (``Interrupt``)."""
+
+
 def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
     """Map an aiohttp/OS error from talking to ``backend`` onto the gateway's tree."""
     where = f"backend {backend.id}"
+    if isinstance(exc, MarkedDown):
+        return BackendDown(f"{where}: marked down by its health probes while the request waited")
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return UpstreamUnreachable(f"{where}: connect timed out")
     if isinstance(exc, aiohttp.ServerTimeoutError | asyncio.TimeoutError | TimeoutError):
@@ -51,13 +61,82 @@ def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
 CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, OSError)
 
 
+class Body(Protocol):
+    """What the relay reads of a response body (aiohttp's ``StreamReader`` is one)."""
+
+    async def readany(self) -> bytes: ...
+
+    async def read(self, n: int = -1) -> bytes: ...
+
+    def set_exception(self, exc: BaseException) -> None: ...
+
+
+class Interrupt:
+    """Ends an attempt's wait for its backend (head or first bytes) when ``fire()`` is called.
+
+    The request path arms one per attempt and hands ``fire`` to the lease (``Lease.on_down``);
+    once anything has been sent to the client it is disarmed: from then on the stream is the
+    client's, and only the idle watchdog cuts it.
+    """
+
+    __slots__ = ("_body", "_timeout", "armed", "fired")
+
+    def __init__(self) -> None:
+        self._timeout: asyncio.Timeout | None = None
+        self._body: Body | None = None
+        self.armed = True
+        self.fired = False
+
+    def fire(self) -> None:
+        if not self.armed or self.fired:
+            return
+        self.fired = True
+        if self._body is not None:
+            self._body.set_exception(MarkedDown())
+        elif self._timeout is not None:
+            self._timeout.reschedule(asyncio.get_running_loop().time())
+
+    def disarm(self) -> None:
+        self.armed = False
+
+
 @dataclass(slots=True)
 class Upstream:
-    """A response whose head has arrived; ``watch.activity`` is bumped per body read."""
+    """A response whose head has arrived; ``watch.activity`` is bumped per body read.
+
+    ``response`` is aiohttp's own (which the tap needs), None from an in-memory transport.
+    """
 
     backend: BackendSpec
-    response: aiohttp.ClientResponse
+    status: int
+    headers: CIMultiDictProxy[str]
+    content_type: str
+    content: Body
     watch: IdleWatch
+    interrupt: Interrupt | None = None
+    response: aiohttp.ClientResponse | None = None
+
+
+class Transport(Protocol):
+    """How the gateway talks to backends: the request path's calls and the monitors' GETs."""
+
+    async def open(
+        self,
+        backend: BackendSpec,
+        path: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        *,
+        interrupt: Interrupt | None = None,
+    ) -> Upstream: ...
+
+    async def read_body(self, upstream: Upstream) -> bytes: ...
+
+    def finish(self, upstream: Upstream, *, complete: bool) -> None: ...
+
+    async def get(self, backend: BackendSpec, path: str, *, within: float) -> tuple[int, bytes]: ...
+
+    async def close(self) -> None: ...
 
 
 class UpstreamClient:
@@ -101,35 +180,59 @@ class UpstreamClient:
         path: str,
         body: bytes,
         headers: Mapping[str, str],
+        *,
+        interrupt: Interrupt | None = None,
     ) -> Upstream:
         """POST ``body`` and return once the response head is in."""
         hdrs = CIMultiDict(headers)
         if backend.api_key:
             hdrs["Authorization"] = f"Bearer {backend.api_key}"
         try:
-            async with asyncio.timeout(self._idle_timeout):
+            async with asyncio.timeout(self._idle_timeout) as timeout:
+                if interrupt is not None:
+                    interrupt._timeout = timeout
                 resp = await self._session.post(backend.url + path, data=body, headers=hdrs)
         except CLIENT_ERRORS as exc:
+            if interrupt is not None and interrupt.fired:
+                raise translate(MarkedDown(), backend) from exc
             raise translate(exc, backend) from exc
+        finally:
+            if interrupt is not None:
+                interrupt._timeout = None
+        if interrupt is not None:
+            interrupt._body = resp.content
+            if interrupt.fired:  # marked down as the head arrived: nothing was read yet
+                resp.content.set_exception(MarkedDown())
 
         def on_idle() -> None:
             resp.content.set_exception(aiohttp.SocketTimeoutError("idle timeout"))
 
-        return Upstream(backend, resp, self.watchdog.watch(on_idle))
+        return Upstream(
+            backend,
+            resp.status,
+            resp.headers,
+            resp.content_type,
+            resp.content,
+            self.watchdog.watch(on_idle),
+            interrupt,
+            resp,
+        )
 
     async def read_body(self, upstream: Upstream) -> bytes:
         try:
-            return await upstream.response.read()
+            return await upstream.content.read()
         except CLIENT_ERRORS as exc:
             raise translate(exc, upstream.backend) from exc
 
     def finish(self, upstream: Upstream, *, complete: bool) -> None:
         """Return the connection to the pool after a complete read; close it otherwise."""
         self.watchdog.unwatch(upstream.watch)
+        resp = upstream.response
+        assert resp is not None
         if complete:
-            upstream.response.release()
+            resp.release()
         else:
-            upstream.response.close()
+            resp.close()
 
     async def get(self, backend: BackendSpec, path: str, *, within: float) -> tuple[int, bytes]:
         """A small GET for monitors, with its own overall timeout."""

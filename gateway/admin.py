@@ -65,7 +65,7 @@ def backend_view(
 async def list_backends(request: web.Request) -> web.Response:
     pool = request.app[GATEWAY][POOL]
     policy = request.app[GATEWAY][ROUTER].policy
-    weights = getattr(policy, "weights", None)
+    weights = policy.weights
     now = pool.now()
     return web.json_response(
         {

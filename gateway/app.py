@@ -15,9 +15,9 @@ from backends.health import HealthPolicy
 from backends.monitor import BackendMonitor, MonitorSettings
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
-from backends.upstream import UpstreamClient
+from backends.upstream import Transport, UpstreamClient
 from gateway import proxy
-from gateway.disagg import DISAGG, Disagg
+from gateway.disagg import role_policies
 from gateway.keys import (
     ADMISSION,
     LIFECYCLE,
@@ -71,12 +71,12 @@ def _pool(settings: Settings) -> BackendPool:
     return pool
 
 
-def _backends_ctx(resolver: Resolver | None):  # type: ignore[no-untyped-def]
+def _backends_ctx(resolver: Resolver | None, transport: Transport | None):  # type: ignore[no-untyped-def]
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         s = app[SETTINGS]
         pool = app[POOL]
         supervisor = app[SUPERVISOR]
-        client = UpstreamClient(
+        client = transport or UpstreamClient(
             connect_timeout=s.upstream.connect_timeout,
             idle_timeout=s.upstream.idle_timeout,
             max_connections=s.upstream.max_connections,
@@ -167,11 +167,13 @@ def create_app(
     resolver: Resolver | None = None,
     tracer_provider: TracerProvider | None = None,
     loader: SettingsLoader | None = None,
+    transport: Transport | None = None,
 ) -> web.Application:
     """The gateway app.
 
     ``loader`` re-reads the configuration for a reload (SIGHUP, ``POST /admin/reload``);
-    ``resolver`` and ``tracer_provider`` replace the real ones in tests.
+    ``resolver``, ``tracer_provider`` and ``transport`` (how backends are reached:
+    ``backends.mock.MockTransport`` in tests) replace the real ones.
     """
     app = web.Application(
         client_max_size=settings.max_body_bytes,
@@ -189,6 +191,7 @@ def create_app(
     pool = _pool(settings)
     app[POOL] = pool
     w = settings.weights
+    prefill, decode = role_policies(settings)  # the prefill and decode pools' own
     app[ROUTER] = Router(
         pool,
         make_policy(
@@ -196,6 +199,8 @@ def create_app(
             Weights(active=w.active, queue=w.queue, kv=w.kv),
             affinity=affinity_config(settings.affinity),
         ),
+        prefill=prefill,
+        decode=decode,
         retry_after=settings.retry_after_seconds,
     )
     r = settings.retry
@@ -207,7 +212,6 @@ def create_app(
         backoff_factor=r.backoff_factor,
         jitter=r.jitter,
     )
-    app[DISAGG] = Disagg.from_settings(settings, pool)  # prefill/decode role pools
     app[ROLLOUT] = Rollout.from_settings(settings)  # model pools and aliases
     admission = _admission(settings, pool)
     app[ADMISSION] = admission
@@ -225,7 +229,7 @@ def create_app(
     app[TRACER] = tracer_from(provider)
     if provider is not None and tracer_provider is None:
         app.on_cleanup.append(lambda _: _shutdown_tracing(provider))
-    app.cleanup_ctx.append(_backends_ctx(resolver))
+    app.cleanup_ctx.append(_backends_ctx(resolver, transport))
     app.router.add_post("/v1/completions", proxy.completions)
     app.router.add_post("/v1/chat/completions", proxy.chat_completions)
     app.router.add_get("/v1/models", proxy.list_models)

@@ -11,7 +11,7 @@ from opentelemetry.trace import Tracer
 from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
-from backends.upstream import UpstreamClient
+from backends.upstream import Transport
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
 from gateway.metrics import GatewayMetrics
@@ -31,7 +31,7 @@ SETTINGS: Final = web.AppKey("settings", Settings)
 POOL: Final = web.AppKey("pool", BackendPool)
 ROUTER: Final = web.AppKey("router", Router)
 RETRY: Final = web.AppKey("retry", RetryPolicy)
-UPSTREAM: Final = web.AppKey("upstream", UpstreamClient)
+UPSTREAM: Final = web.AppKey[Transport]("upstream")
 MONITOR: Final = web.AppKey("monitor", BackendMonitor)
 SUPERVISOR: Final = web.AppKey("supervisor", Supervisor)
 LIFECYCLE: Final = web.AppKey("lifecycle", Lifecycle)

@@ -61,7 +61,7 @@ class BackendCollector(Collector):
         pool = self._pool
         now = pool.now()
         # Policies without weights (round robin, random) still get the default load score.
-        weights: Weights = getattr(self._policy(), "weights", None) or Weights()
+        weights = self._policy().weights or Weights()
         g = {
             name: GaugeMetricFamily(f"llm_gateway_backend_{name}", doc, labels=labels)
             for name, doc, labels in (

@@ -1,10 +1,20 @@
-"""The request path: parse, pick, forward, relay, release. Read it top to bottom.
+"""The request path, top to bottom: parse, admit, route, attempt, relay, release.
+
+``forward`` reads the body once (``gateway.body``), authenticates and admits the request (rate
+limits, then the admission queue while the fleet is saturated), and decides its route once
+(``Router.route``): one step for a model served whole, by any of its backends or by the model
+pool an alias chose; two for a model served by prefill and decode pools, the prefill's KV
+handed to the decode (``gateway.disagg``). Every step runs the same attempt loop,
+``_attempts``: pick a backend, attempt, classify, release the lease, back off, pick again among
+the backends not yet tried, for as long as the retry policy allows. Only an attempt that has
+sent nothing to the client is retried; a backend that answers "not now" (429, 503...) is passed
+over while another is left, and its answer is the client's when none is. The policy hears how
+each attempt ended (``Policy.on_result``).
 
 Every attempt holds one lease on a backend, released in one ``finally`` on every way out:
-success, error, timeout and client disconnect (aiohttp cancels the handler when the client
-goes away, because the server runs with ``handler_cancellation``). Closing the upstream
-response early closes its connection, which is how vLLM learns to abort. An attempt that
-fails before anything has reached the client is retried on another backend.
+success, error, timeout and client disconnect (aiohttp cancels the handler when the client goes
+away, because the server runs with ``handler_cancellation``). Closing the upstream response
+early closes its connection, which is how vLLM learns to abort.
 """
 
 from __future__ import annotations
@@ -12,29 +22,25 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import re
 import time
-from collections.abc import Awaitable, Collection, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Final
 
 import structlog
 from aiohttp import web
-from multidict import CIMultiDict
-from opentelemetry.trace import Span, SpanKind, set_span_in_context
+from opentelemetry.trace import Span, SpanKind
 
 from backends.errors import (
-    BodyTimeout,
-    BodyTooLarge,
+    BackendRefused,
     GatewayError,
-    InvalidRequest,
     NoBackendAvailable,
     UpstreamError,
     UpstreamTimeout,
 )
-from backends.pool import Lease
 from backends.upstream import Upstream
-from gateway.disagg import DISAGG, Picker
+from gateway.attempt import Attempt, Call, T, Try, cancel_reason, open_upstream
+from gateway.body import read_json_body, request_model
+from gateway.disagg import decode_body, prefill_attempt, prefill_body
 from gateway.headers import downstream_headers, upstream_headers
 from gateway.keys import (
     ADMISSION,
@@ -55,104 +61,15 @@ from gateway.limits.tokens import UsageFilter, usage_from_body, usage_plan, with
 from gateway.record import RequestRecord, finish
 from gateway.relay import Ending, RelayResult, relay_body, relay_stream
 from gateway.retry import RETRYABLE_STATUS
-from gateway.rollout import ROLLOUT, Choice
-from gateway.router import Router
-from gateway.tracing import annotate, attempt_span, end_attempt, inject, parent_context
-from policies import BackendSnapshot, PrefixHasher, RouteFacts
+from gateway.rollout import ROLLOUT
+from gateway.router import Route, Step
+from gateway.tracing import annotate, end_attempt, parent_context
 
 log = structlog.get_logger("gateway.request")
 
-_EVENT_STREAM = "text/event-stream"
+_EVENT_STREAM: Final = "text/event-stream"
+_BUSY: Final = frozenset({429, 503})  # answers that tell the client when to come back
 _rng = random.Random()
-
-
-class _RetryableStatus(Exception):
-    def __init__(self, status: int) -> None:
-        self.status = status
-
-
-async def read_json_body(
-    request: web.Request, limit: int, within: float
-) -> tuple[bytes, dict[str, Any]]:
-    """The raw body (forwarded as is) and its parsed object; 400/408/413 on bad input."""
-    if request.content_length is not None and request.content_length > limit:
-        raise BodyTooLarge(f"Request body is larger than the limit of {limit} bytes.")
-    try:
-        async with asyncio.timeout(within):
-            raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise BodyTooLarge(f"Request body is larger than the limit of {limit} bytes.") from exc
-    except TimeoutError as exc:
-        raise BodyTimeout(f"The request body did not arrive within {within:g}s.") from exc
-    return raw, parse_json_object(raw)
-
-
-# ``\uD800``-``\uDFFF`` escapes: JSON lets them stand alone, Unicode text (and UTF-8) does not.
-_SURROGATE_ESCAPE: Final = re.compile(rb"\\u[dD][89abcdefABCDEF]")
-
-
-def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """A body as a JSON object of valid Unicode text; ``InvalidRequest`` (400) otherwise.
-
-    Everything a client can send that the rest of the gateway could not handle stops here:
-    bytes that are not UTF-8 JSON, nesting deeper than Python's parser goes, lone surrogates
-    (they cannot be encoded again: prompt hashing, logs, metrics), anything but an object.
-    """
-    if not raw:
-        raise InvalidRequest(
-            "The request body is empty; expected a JSON object.", code="invalid_json"
-        )
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise InvalidRequest(
-            f"We could not parse the JSON body of your request: {exc}.", code="invalid_json"
-        ) from exc
-    except RecursionError as exc:
-        raise InvalidRequest(
-            "The JSON body of your request is nested too deeply.", code="invalid_json"
-        ) from exc
-    if not isinstance(doc, dict):
-        raise InvalidRequest("The request body must be a JSON object.", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(raw) is not None:
-        try:  # a valid pair was joined by the parser; a lone half was not
-            json.dumps(doc, ensure_ascii=False).encode()
-        except UnicodeEncodeError as exc:
-            raise InvalidRequest(
-                "The JSON body of your request holds a lone UTF-16 surrogate (\\uD800-\\uDFFF),"
-                " which is not valid Unicode text.",
-                code="invalid_json",
-            ) from exc
-    return doc
-
-
-def route_facts(
-    doc: dict[str, Any], policy: object = None, headers: Mapping[str, str] | None = None
-) -> RouteFacts:
-    """What the policy may know of the request; only what ``policy`` asks for is computed.
-
-    A policy with a ``prefix_hasher`` gets the prompt's block hashes (and its stable key if
-    ``prefix_keyed``), one with a ``session_header`` that header's value
-    (``policies.prefix_affinity``).
-    """
-    model = doc.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidRequest(
-            "You must provide a model parameter (a non-empty string).", param="model"
-        )
-    hasher = getattr(policy, "prefix_hasher", None)
-    header = getattr(policy, "session_header", None)
-    hashes, key = (
-        hasher.facts(model, doc, keyed=getattr(policy, "prefix_keyed", False) is True)
-        if isinstance(hasher, PrefixHasher)
-        else ((), None)
-    )
-    return RouteFacts(
-        model=model,
-        session_key=headers.get(header) if isinstance(header, str) and headers else None,
-        prefix_hashes=hashes,
-        prefix_key=key,
-    )
 
 
 async def forward(request: web.Request, path: str) -> web.StreamResponse:
@@ -167,18 +84,18 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         raw, doc = await read_json_body(
             request, settings.max_body_bytes, settings.client.body_timeout
         )
-        facts = route_facts(doc, app[ROUTER].policy, request.headers)
-        record.model = facts.model
-        choice = app[ROLLOUT].resolve(facts.model, request.headers)
+        model = record.model = request_model(doc)
+        choice = app[ROLLOUT].resolve(model, request.headers)
         if choice is not None:  # an alias (or a pool's own name): route in the chosen pool
             record.pool = choice.pool.name
-            facts = replace(facts, model=choice.pool.model)
+            model = choice.pool.model
             if choice.rename is not None:  # opt-in, so serialising the body again is fine
-                doc = {**doc, "model": choice.pool.model}
+                doc = {**doc, "model": model}
                 raw = json.dumps(doc, separators=(",", ":")).encode()
+        route = app[ROUTER].route(model, doc, request.headers, choice)
         grant = await limiter.admit(principal, doc)
         plan = usage_plan(doc)
-        call = _Call(
+        call = Call(
             request,
             path,
             with_include_usage(doc, raw) if plan.inject else raw,
@@ -190,7 +107,7 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         )
         ticket = await _wait_for_capacity(app, principal.id, principal.max_priority, request)
         try:
-            return await _traced(call, facts)
+            return await _traced(call, route, doc)
         finally:
             if ticket is not None:
                 ticket.release()
@@ -219,15 +136,13 @@ def _classify(app: web.Application, record: RequestRecord, exc: BaseException) -
         record.status, record.ending = 500, "internal_error"
 
 
-def cancel_reason(app: web.Application) -> str:
-    """Why a handler was cancelled: its client left, or the gateway is shutting down."""
-    return "shutdown" if app[LIFECYCLE].stopping else "client_disconnect"
-
-
 async def _wait_for_capacity(
     app: web.Application, key: str, max_priority: int, request: web.Request
 ) -> AdmissionTicket | None:
-    """Hold the request in the admission queue while every backend is saturated."""
+    """Hold the request in the admission queue while every backend is saturated.
+
+    A request let through takes its lease (``Router.pick``) before it next awaits.
+    """
     admission = app[ADMISSION]
     if admission is None:
         return None
@@ -240,19 +155,19 @@ async def _wait_for_capacity(
     return ticket
 
 
-async def _traced(call: _Call, facts: RouteFacts) -> web.StreamResponse:
+async def _traced(call: Call, route: Route, doc: dict[str, Any]) -> web.StreamResponse:
     app, record = call.request.app, call.record
     tracer = app[TRACER]
     if tracer is None:
-        return await _route(call, facts, None)
+        return await _serve(call, route, doc, None)
     with tracer.start_as_current_span(
         f"POST {call.path}",
         context=parent_context(call.request.headers),
         kind=SpanKind.SERVER,
-        attributes={"gen_ai.request.model": facts.model, "http.request.id": record.request_id},
+        attributes={"gen_ai.request.model": record.model, "http.request.id": record.request_id},
     ) as span:
         try:
-            return await _route(call, facts, span)
+            return await _serve(call, route, doc, span)
         except BaseException as exc:
             _classify(app, record, exc)  # before the span is annotated
             raise
@@ -260,176 +175,170 @@ async def _traced(call: _Call, facts: RouteFacts) -> web.StreamResponse:
             annotate(span, record)
 
 
-async def _route(
-    call: _Call, facts: RouteFacts, span: Span | None, pick: Picker | None = None
+async def _serve(
+    call: Call, route: Route, doc: dict[str, Any], span: Span | None
 ) -> web.StreamResponse:
-    """Pick a backend and try it; on a failure before the first byte, try another.
+    """Run the route's steps: the prefill (if any), then the step that answers the client."""
+    if route.prefill is None:
+        return await _attempts(call, route.serve, span, _answer)
+    app, record = call.request.app, call.record
+    metrics = app[METRICS]
+    app[ROUTER].check(route.serve)  # no decode backend: fail before any prefill
+    body = prefill_body(doc)
+    prefilled = await _attempts(call, route.prefill, span, lambda t: prefill_attempt(t, body))
+    if isinstance(prefilled, web.StreamResponse):  # the prefill refused the request (a 4xx)
+        return prefilled
+    answered = time.monotonic()
+    decode = replace(call, body=decode_body(doc, call.body, prefilled))
+    sent = time.monotonic()
+    metrics.disagg_handoff.labels(record.model).observe(sent - answered)
+    try:
+        return await _attempts(decode, route.serve, span, _answer)
+    finally:
+        if record.first_token_at is not None:
+            metrics.disagg_decode_ttft.labels(record.model, record.backend).observe(
+                record.first_token_at - sent
+            )
 
-    A model served by prefill and decode pools goes through ``gateway.disagg``, which runs
-    the prefill step and comes back here for the decode step with the decode pool's ``pick``.
+
+async def _attempts(call: Call, step: Step, parent: Span | None, attempt: Attempt[T]) -> T:
+    """Pick, attempt, classify, back off, pick again: the one loop every step runs.
+
+    The lease is released, and the policy told the outcome, before any backoff. When no
+    backend is left (or the retry policy says stop), the last failure is the answer: a
+    backend's own "not now" as it gave it, or the gateway's error.
     """
     app, record = call.request.app, call.record
-    router, retry = app[ROUTER], app[RETRY]
-    if pick is None and call.choice is not None:
-        pick = _pool_picker(router, call.choice.pool.backends)
-    if pick is None:
-        disagg = app.get(DISAGG)
-        if disagg is not None and disagg.serves(facts.model):
-
-            def decode(body: bytes, f: RouteFacts, p: Picker) -> Awaitable[web.StreamResponse]:
-                return _route(replace(call, body=body), f, span, p)
-
-            return await disagg.route(call, facts, span, decode)
-        pick = router.pick
-    last_error: GatewayError | None = None
+    router, retry, metrics = app[ROUTER], app[RETRY], app[METRICS]
+    tried: list[str] = []
+    last: UpstreamError | None = None
     while True:
         try:
-            lease, candidates = pick(facts, exclude=record.backends)
+            lease, candidates = router.pick(step, exclude=tried)
         except NoBackendAvailable:
-            if last_error is not None:  # every candidate failed: say how the last did
-                raise last_error from None
+            if last is not None:  # every candidate failed: say how the last did
+                raise last from None
             raise
-        record.backends.append(lease.backend.id)
-        if not record.candidates:
-            record.candidates = candidates
-        may_retry = len(record.backends) < retry.max_attempts
+        backend = lease.backend.id
+        tried.append(backend)
+        if step.name != "prefill":
+            record.backends.append(backend)
+            record.candidates = record.candidates or candidates
+        elapsed = time.monotonic() - record.started
+        may_retry = len(candidates) > 1 and retry.allows(len(tried), elapsed)
+        t = Try(call, step, lease, len(tried), may_retry, parent)
+        error: BaseException | None = None
         try:
-            return await _attempt(call, lease, may_retry, span)
-        except (UpstreamError, _RetryableStatus) as exc:
-            last_error = (
-                exc
-                if isinstance(exc, UpstreamError)
-                else UpstreamError(f"backend answered {exc.status}")
-            )
-            wait = retry.next_wait(len(record.backends), time.monotonic() - record.started, _rng)
-            if wait is None:
-                raise last_error from None
-            app[METRICS].retries.labels(lease.backend.id, type(last_error).__name__).inc()
-            log.info(
-                "upstream_retry",
-                request_id=record.request_id,
-                backend=lease.backend.id,
-                error=last_error.message,
-                wait_ms=round(wait * 1e3, 1),
-            )
-            await asyncio.sleep(wait)
+            return await attempt(t)
+        except UpstreamError as exc:  # nothing reached the client
+            error = last = exc
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
+            if error is not None:
+                t.tally.failed(error)
+            outcome = t.tally.outcome()
+            t.tally.judge(lease, outcome)
             lease.release()
+            step.policy.on_result(step.facts, backend, outcome)
+            cancelled = isinstance(error, asyncio.CancelledError)
+            end_attempt(t.span, t.tally.status, None if cancelled else error or t.stream_error)
+        reason = type(last).__name__
+        if step.role is not None:
+            metrics.disagg_failures.labels(step.name, backend, reason).inc()
+        wait = retry.next_wait(len(tried), time.monotonic() - record.started, _rng)
+        if not may_retry or wait is None:
+            raise last
+        metrics.retries.labels(backend, reason).inc()
+        log.info(
+            "upstream_retry",
+            request_id=record.request_id,
+            step=step.name,
+            backend=backend,
+            error=last.message,
+            wait_ms=round(wait * 1e3, 1),
+        )
+        await asyncio.sleep(wait)
 
 
-def _pool_picker(router: Router, only: frozenset[str]) -> Picker:
-    """``router.pick`` among one model pool's backends."""
-
-    def pick(
-        facts: RouteFacts, exclude: Collection[str] = ()
-    ) -> tuple[Lease, list[BackendSnapshot]]:
-        return router.pick(facts, exclude, only)
-
-    return pick
-
-
-@dataclass(frozen=True, slots=True)
-class _Call:
-    """What every attempt of one request sends."""
-
-    request: web.Request
-    path: str
-    body: bytes
-    headers: CIMultiDict[str]
-    record: RequestRecord
-    strip_usage: bool = False
-    extra_headers: dict[str, str] | None = None  # added to the client's response
-    choice: Choice | None = None  # the model pool chosen for an alias
-
-
-async def _attempt(
-    call: _Call, lease: Lease, may_retry: bool, parent: Span | None
-) -> web.StreamResponse:
-    """One backend's try. Raises (UpstreamError, _RetryableStatus) only if nothing was sent."""
-    app, record = call.request.app, call.record
-    client = app[UPSTREAM]
-    headers, span = call.headers, None
-    if parent is not None:
-        span = attempt_span(app[TRACER], parent, lease.backend.id, len(record.backends))
-        headers = CIMultiDict(headers)
-        inject(headers, set_span_in_context(span))
-    try:
-        upstream = await client.open(lease.backend.spec, call.path, call.body, headers)
-    except UpstreamError as exc:
-        lease.failed()
-        end_attempt(span, 0, exc)
-        raise
-    record.sent = True
-    status = upstream.response.status
+async def _answer(t: Try) -> web.StreamResponse:
+    """One backend's try at the client's answer: relay it, or raise if nothing was sent."""
+    call = t.call
+    client = call.request.app[UPSTREAM]
+    upstream = await open_upstream(t, call.body)
     complete = False
     try:
-        if status >= 500:
-            lease.failed()
-        if may_retry and status in RETRYABLE_STATUS:
-            raise _RetryableStatus(status)
-        record.status = status
-        resp, complete, error = await _relay(call, upstream, lease)
-        if complete and status < 500:
-            lease.succeeded()
-        record.ended_at = time.monotonic()
-        end_attempt(span, status, error)
+        status = upstream.status
+        if status in RETRYABLE_STATUS and t.may_retry:  # "not now": another may take it
+            body = await client.read_body(upstream)
+            complete = True
+            retry_after = upstream.headers.get("Retry-After")
+            raise BackendRefused(t.lease.backend.id, status, body, retry_after=retry_after)
+        call.record.status = status
+        resp, complete = await _relay(t, upstream)
+        call.record.ended_at = time.monotonic()
         return resp
-    except asyncio.CancelledError:
-        record.abort_reason = cancel_reason(app)
-        end_attempt(span, status, None)
-        raise
-    except BaseException as exc:
-        end_attempt(span, status, exc)
+    except asyncio.CancelledError:  # the client left: closing the upstream aborts it
+        call.record.abort_reason = cancel_reason(call.request.app)
         raise
     finally:
         client.finish(upstream, complete=complete)
 
 
-async def _relay(
-    call: _Call, upstream: Upstream, lease: Lease
-) -> tuple[web.StreamResponse, bool, UpstreamError | None]:
-    """Relay the answer; return the response, whether it completed, and a mid-stream error."""
-    record = call.record
-    headers = downstream_headers(upstream.response.headers, record.request_id)
+async def _relay(t: Try, upstream: Upstream) -> tuple[web.StreamResponse, bool]:
+    """Relay the answer; return the response and whether it completed.
+
+    Raises ``UpstreamError`` only if nothing reached the client; an error after that ends
+    the stream with an error event and is kept in ``t.stream_error``.
+    """
+    call, tally = t.call, t.tally
+    app, record = call.request.app, call.record
+    headers = downstream_headers(upstream.headers, record.request_id)
+    if upstream.status in _BUSY and "Retry-After" not in headers:
+        headers["Retry-After"] = str(app[SETTINGS].retry_after_seconds)
     if call.extra_headers:
         headers.update(call.extra_headers)
     rename = call.choice.rename if call.choice is not None else None
+    if upstream.content_type != _EVENT_STREAM:
+        whole = await relay_body(upstream, headers, app[UPSTREAM], rename)
+        record.ending = Ending.COMPLETE.value
+        if isinstance(whole.body, bytes):
+            record.usage = usage_from_body(whole.body)
+        tally.answered = True
+        tally.tokens = record.usage.completion_tokens if record.usage else None
+        return whole, True
+    usage = UsageFilter(strip=call.strip_usage)
+    result = RelayResult(ending=Ending.UPSTREAM_ERROR)
     try:
-        if upstream.response.content_type != _EVENT_STREAM:
-            whole = await relay_body(upstream, headers, call.request.app[UPSTREAM], rename)
-            record.ending = Ending.COMPLETE.value
-            if isinstance(whole.body, bytes):
-                record.usage = usage_from_body(whole.body)
-            return whole, True, None
-        usage = UsageFilter(strip=call.strip_usage)
-        result = RelayResult(ending=Ending.UPSTREAM_ERROR)
-        try:
-            resp = await relay_stream(
-                call.request,
-                upstream,
-                headers,
-                time.monotonic,
-                usage=usage,
-                result=result,
-                rename=rename,
-            )
-        finally:  # also when cancelled: what reached the client is known
-            record.usage = usage.usage
-            record.first_token_at = result.first_token_at
-            record.events = result.events
-    except UpstreamError as exc:  # before anything reached the client
-        lease.failed()
-        if isinstance(exc, UpstreamTimeout):
-            record.abort_reason = "timeout"
+        resp = await relay_stream(
+            call.request,
+            upstream,
+            headers,
+            time.monotonic,
+            usage=usage,
+            result=result,
+            rename=rename,
+        )
+    except UpstreamTimeout:  # before anything reached the client
+        record.abort_reason = "timeout"
         raise
+    finally:  # also when cancelled: what reached the client is known
+        record.usage = usage.usage
+        record.first_token_at = tally.first_token_at = result.first_token_at
+        record.events = result.events
+        tally.tokens = usage.usage.completion_tokens if usage.usage else None
     record.ending = result.ending.value
     if result.ending is Ending.UPSTREAM_ERROR:
-        lease.failed()
+        tally.error = "stream"
+        t.stream_error = result.error
         record.abort_reason = "timeout" if isinstance(result.error, UpstreamTimeout) else "error"
-        return resp, False, result.error
+        return resp, False
     if result.ending is Ending.CLIENT_DISCONNECT:
-        record.abort_reason = cancel_reason(call.request.app)
-    return resp, result.ending is Ending.COMPLETE, None
+        record.abort_reason = cancel_reason(app)
+        return resp, False
+    tally.answered = True
+    return resp, True
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

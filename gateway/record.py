@@ -126,5 +126,5 @@ def finish(app: web.Application, record: RequestRecord) -> None:
     if len(record.backends) > 1 and record.status and record.status < 500:
         metrics.failovers.labels(model).inc()
     if log.is_enabled_for(logging.INFO):
-        weights: Weights | None = getattr(app[ROUTER].policy, "weights", None)
+        weights = app[ROUTER].policy.weights
         log.info("request", **record.log_fields(weights))

@@ -29,7 +29,7 @@ from backends.errors import UpstreamError
 from backends.idle import IdleWatch
 from backends.state import BackendSpec
 from backends.tap import tap
-from backends.upstream import CLIENT_ERRORS, Upstream, UpstreamClient, translate
+from backends.upstream import CLIENT_ERRORS, Transport, Upstream, translate
 from gateway.limits.tokens import UsageFilter
 from gateway.sse import FirstTokenWatch
 
@@ -235,22 +235,26 @@ async def relay_stream(
     usage: UsageFilter,
     result: RelayResult,
     rename: Rename | None = None,
+    fast: bool = True,
 ) -> web.StreamResponse:
     """Relay an event stream chunk by chunk, until either side ends it.
 
     ``result`` is filled in as the stream goes (first token, events), so it tells what was
     relayed even when the handler is cancelled mid-stream; ``result.ending`` says how it ended.
     Raises ``UpstreamError`` if the backend fails before its first chunk (nothing sent yet).
+    ``fast`` False keeps to plain reads (when the tap's aiohttp internals are not as expected).
     """
-    content = upstream.response.content
+    content = upstream.content
     try:
         chunk = await content.readany()
     except CLIENT_ERRORS as exc:
         raise translate(exc, upstream.backend) from exc
-    resp = web.StreamResponse(status=upstream.response.status, headers=headers)
+    if upstream.interrupt is not None:
+        upstream.interrupt.disarm()  # from the first write on, the stream is the client's
+    resp = web.StreamResponse(status=upstream.status, headers=headers)
     result.ending = Ending.COMPLETE
     chunks = Chunks(upstream.watch, result, usage, now, rename)
-    fast_path_tried = False
+    fast_path_tried = not fast
     try:
         writer = await resp.prepare(request)
         while chunk:
@@ -303,7 +307,7 @@ async def _spliced(
         result=result,
         chunks=chunks,
     )
-    t = tap(upstream.response, splice)
+    t = tap(upstream.response, splice) if upstream.response is not None else None
     if t is None:
         return False
     try:
@@ -316,9 +320,9 @@ async def _spliced(
 async def relay_body(
     upstream: Upstream,
     headers: CIMultiDict[str],
-    client: UpstreamClient,
+    client: Transport,
     rename: Rename | None = None,
 ) -> web.Response:
     """Read a whole (non-stream) answer, then send it: errors before any byte stay mappable."""
     body = renamed(await client.read_body(upstream), rename)
-    return web.Response(status=upstream.response.status, body=body, headers=headers)
+    return web.Response(status=upstream.status, body=body, headers=headers)

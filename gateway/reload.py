@@ -55,7 +55,7 @@ def affinity_config(s: AffinitySettings) -> AffinityConfig:
 
 def describe_policy(app: web.Application) -> dict[str, Any]:
     policy = app[ROUTER].policy
-    w: Weights | None = getattr(policy, "weights", None)
+    w = policy.weights
     doc: dict[str, Any] = {
         "policy": policy.name,
         "weights": None if w is None else {"active": w.active, "queue": w.queue, "kv": w.kv},
@@ -92,7 +92,7 @@ def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
         w = change.weights
         weights = Weights(active=w.active, queue=w.queue, kv=w.kv)
     else:
-        weights = getattr(current, "weights", None) or Weights()
+        weights = current.weights or Weights()
     affinity = _affinity(app, current, change.affinity)
     app[ROUTER].policy = make_policy(name, weights, affinity=affinity, previous=current)
     new = describe_policy(app)

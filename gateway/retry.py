@@ -26,6 +26,10 @@ class RetryPolicy:
         capped = min(raw, self.backoff_max)
         return max(0.0, capped * (1.0 + self.jitter * (2.0 * rng.random() - 1.0)))
 
+    def allows(self, attempts_made: int, elapsed: float) -> bool:
+        """Whether another attempt may follow these (before the backoff is drawn)."""
+        return attempts_made < self.max_attempts and elapsed < self.deadline
+
     def may_retry(self, attempts_made: int, elapsed: float, next_wait: float) -> bool:
         return attempts_made < self.max_attempts and elapsed + next_wait < self.deadline
 

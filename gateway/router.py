@@ -1,36 +1,108 @@
-"""Turns a model name into a lease on one backend: candidates from the pool, choice by policy."""
+"""Routes: which backends may serve each step of a request, and which policy picks among them.
+
+``Router.route`` decides a request's route once, from its model: one ``Step`` for a model
+served whole (by any backend, or by the backends of the model pool its alias chose), or two,
+prefill then decode, for a model served by prefill and decode pools (``gateway.disagg``). Each
+step carries its policy and the facts that policy asked for; ``Router.pick`` leases the
+policy's choice among the step's candidates. The request path runs every step through the
+same attempt loop (``gateway.proxy``).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from backends.errors import NoBackendAvailable
 from backends.pool import BackendPool, Lease
+from gateway.rollout import Choice
 from policies import BackendSnapshot, Policy, RouteFacts
+from policies.facts import route_facts
+
+StepName = Literal["serve", "prefill", "decode"]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One leg of a request: a policy choosing among some of the backends of a model."""
+
+    name: StepName
+    policy: Policy
+    facts: RouteFacts
+    role: Literal["prefill", "decode"] | None = None  # None: any backend but prefill-only ones
+    only: frozenset[str] | None = None  # a model pool's backends (``gateway.rollout``)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """The steps of one request: ``serve`` answers it; ``prefill`` (if any) runs first."""
+
+    serve: Step
+    prefill: Step | None = None
 
 
 class Router:
-    def __init__(self, pool: BackendPool, policy: Policy, *, retry_after: int = 1) -> None:
+    def __init__(
+        self,
+        pool: BackendPool,
+        policy: Policy,
+        *,
+        prefill: Policy,
+        decode: Policy,
+        retry_after: int = 1,
+    ) -> None:
         self.pool = pool
         self.policy = policy  # swapped whole, never mutated, when ops change it live
+        self.prefill_policy = prefill
+        self.decode_policy = decode
         self._retry_after = retry_after
 
-    def pick(
-        self,
-        facts: RouteFacts,
-        exclude: Collection[str] = (),
-        only: Collection[str] | None = None,
-    ) -> tuple[Lease, list[BackendSnapshot]]:
-        """Lease the policy's choice among routable backends not in ``exclude``.
+    def disaggregated(self, model: str) -> bool:
+        """Whether ``model`` has both a prefill and a decode pool (healthy or not)."""
+        roles = self.pool.roles(model)
+        return "prefill" in roles and "decode" in roles
 
-        ``only`` restricts the candidates to a model pool's backends. Also returns the
-        candidates it chose among (for logs and metrics).
+    def route(
+        self,
+        model: str,
+        doc: Mapping[str, Any],
+        headers: Mapping[str, str],
+        choice: Choice | None = None,
+    ) -> Route:
+        """The route of a request for ``model`` (the served name; ``choice``: an alias's pool)."""
+
+        def step(name: StepName, policy: Policy, **where: Any) -> Step:
+            return Step(name, policy, route_facts(policy.needs, model, doc, headers), **where)
+
+        if choice is not None:
+            return Route(step("serve", self.policy, only=choice.pool.backends))
+        if self.disaggregated(model):
+            return Route(
+                serve=step("decode", self.decode_policy, role="decode"),
+                prefill=step("prefill", self.prefill_policy, role="prefill"),
+            )
+        return Route(step("serve", self.policy))
+
+    def check(self, step: Step) -> None:
+        """Raise as ``pick`` would if no backend can take ``step`` now (nothing is leased)."""
+        self.pool.candidates(step.facts.model, role=step.role, only=step.only)
+
+    def pick(
+        self, step: Step, exclude: Collection[str] = ()
+    ) -> tuple[Lease, list[BackendSnapshot]]:
+        """Lease the step policy's choice among its candidates not in ``exclude``.
+
+        Also returns the candidates it chose among (for logs, metrics, and whether another
+        backend is left to try).
         """
-        candidates = self.pool.candidates(facts.model, exclude, only=only)
-        choice = self.policy.choose(facts, candidates)
+        facts = step.facts
+        candidates = self.pool.candidates(facts.model, exclude, role=step.role, only=step.only)
+        choice = step.policy.choose(facts, candidates)
         if choice is None:
+            where = f"{step.role} backend" if step.role else "backend"
             raise NoBackendAvailable(
-                f"No backend can take a request for `{facts.model}` right now.",
+                f"No {where} can take a request for `{facts.model}` right now.",
                 retry_after=self._retry_after,
             )
         return self.pool.acquire(choice.id), candidates

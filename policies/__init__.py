@@ -10,7 +10,7 @@ from policies.prefix import PrefixHasher, PrefixIndex
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity
 from policies.scoring import Weights, score
 from policies.simple import PowerOfTwo, RandomChoice, RoundRobin
-from policies.types import BackendSnapshot, Policy, Rng, RouteFacts
+from policies.types import NO_NEEDS, BackendSnapshot, Needs, Outcome, Policy, Rng, RouteFacts
 
 PolicyName = Literal["least_load", "round_robin", "random", "power_of_two", "prefix_affinity"]
 POLICY_NAMES: Final[tuple[PolicyName, ...]] = (
@@ -55,10 +55,13 @@ def make_policy(
 
 
 __all__ = [
+    "NO_NEEDS",
     "POLICY_NAMES",
     "AffinityConfig",
     "BackendSnapshot",
     "LeastLoad",
+    "Needs",
+    "Outcome",
     "Policy",
     "PolicyName",
     "PowerOfTwo",

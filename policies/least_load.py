@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from policies.scoring import Weights, score
-from policies.types import BackendSnapshot, Rng, RouteFacts
+from policies.types import NO_NEEDS, BackendSnapshot, Needs, Outcome, Rng, RouteFacts
 
 
 @dataclass(slots=True)
@@ -14,6 +14,13 @@ class LeastLoad:
     weights: Weights = field(default_factory=Weights)
     rng: Rng = field(default_factory=random.Random)
     name: str = "least_load"
+
+    @property
+    def needs(self) -> Needs:
+        return NO_NEEDS
+
+    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
+        pass  # the load figures say everything it weighs
 
     def choose(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]

@@ -167,26 +167,52 @@ class PrefixIndex:
         """Memory held by the index, estimated from its counts (not measured)."""
         return len(self._entries) * (_ENTRY_BYTES + _TUPLE_BYTES) + self._refs * _REF_BYTES
 
-    def record(self, backend: str, hashes: Sequence[int]) -> None:
-        """``backend`` received a prompt with these block hashes: remember, evict the oldest."""
+    def record(self, backend: str, hashes: Sequence[int]) -> list[int]:
+        """``backend`` received a prompt with these block hashes: remember, evict the oldest.
+
+        Returns the hashes ``backend`` was not already recorded for (what ``withdraw`` undoes).
+        """
         entries = self._entries
-        added = 0
+        added: list[int] = []
         # Tail first, so a prompt's shared beginning is the most recently used and the last
         # to go (the way vLLM frees a sequence's blocks).
         for h in reversed(hashes):
             holders = entries.get(h)
             if holders is None:
                 entries[h] = (backend,)
-                added += 1
+                added.append(h)
             else:
                 if backend not in holders:
                     entries[h] = (*holders, backend)
-                    added += 1
+                    added.append(h)
                 entries.move_to_end(h)
         if added:
-            self._refs += added
-            self._held[backend] = self._held.get(backend, 0) + added
+            self._refs += len(added)
+            self._held[backend] = self._held.get(backend, 0) + len(added)
         self._evict_to(self.capacity)
+        return added
+
+    def withdraw(self, backend: str, hashes: Iterable[int]) -> None:
+        """Forget that ``backend`` holds these hashes (an attempt that never reached it)."""
+        entries = self._entries
+        gone = 0
+        for h in hashes:
+            holders = entries.get(h)
+            if holders is None or backend not in holders:
+                continue
+            rest = tuple(b for b in holders if b != backend)
+            if rest:
+                entries[h] = rest
+            else:
+                del entries[h]
+            gone += 1
+        if gone:
+            self._refs -= gone
+            left = self._held[backend] - gone
+            if left:
+                self._held[backend] = left
+            else:
+                del self._held[backend]
 
     def resize(self, capacity: int) -> None:
         if capacity < 1:

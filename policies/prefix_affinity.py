@@ -25,28 +25,34 @@ Each decision, in order:
    loaded ones, to the one whose cache the index fills least (``PrefixIndex.footprint``), so
    a burst of new prefixes spreads over the caches instead of landing by chance.
 
-The chosen backend is then recorded as holding the prompt's blocks. The index and the heat
-are the only state, bounded by ``index_capacity`` block hashes (LRU) and the heat's window;
-``decisions`` counts why each choice was made.
+The chosen backend is then recorded as holding the prompt's blocks, tentatively: a burst of
+the same new prefix follows the first request at once. The attempt's ``Outcome`` settles it:
+an attempt that failed (the backend never computed the prompt, or broke) withdraws what it
+added; one that succeeded records the blocks again, which also restores them if a concurrent
+failure on the same backend withdrew them. The index and the heat are the only state, bounded
+by ``index_capacity`` block hashes (LRU) and the heat's window; tentative records by the
+attempts in flight (``_TENTATIVE_MAX``); ``decisions`` counts why each choice was made.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
 from policies.least_load import LeastLoad
 from policies.prefix import PrefixHasher, PrefixHeat, PrefixIndex
 from policies.scoring import Weights, score
-from policies.types import BackendSnapshot, Rng, RouteFacts
+from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
 
 BalanceOn = Literal["in_flight", "score"]
 Placement = Literal["room", "hash"]
 # Why a backend was chosen (the ``decisions`` keys).
 REASONS: Final = ("session", "session_overflow", "prefix", "balance", "load")
+# Attempts whose outcome is awaited; past this, the oldest count as succeeded.
+_TENTATIVE_MAX: Final = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,26 +111,33 @@ class PrefixAffinity:
     heat: PrefixHeat = field(default_factory=PrefixHeat)
     name: str = "prefix_affinity"
     _load: LeastLoad = field(init=False, repr=False)
-    _hasher: PrefixHasher = field(init=False, repr=False)
+    _needs: Needs = field(init=False, repr=False)
+    # (id of the facts, backend) -> (the facts, kept alive so the id stays theirs; blocks added)
+    _tentative: OrderedDict[tuple[int, str], tuple[RouteFacts, list[int]]] = field(
+        init=False, repr=False
+    )
 
     def __post_init__(self) -> None:
         self._load = LeastLoad(weights=self.weights, rng=self.rng)
-        self._hasher = self.config.hasher
-        self.index.resize(self.config.index_capacity)
+        cfg = self.config
+        self._needs = Needs(
+            prefix=cfg.hasher,
+            prefix_key=cfg.placement == "hash",
+            session_header=cfg.session_header,
+        )
+        self._tentative = OrderedDict()
+        self.index.resize(cfg.index_capacity)
+
+    @property
+    def needs(self) -> Needs:
+        """The prompt's block hashes (and its stable key under hash placement), the session."""
+        return self._needs
 
     @property
     def prefix_hasher(self) -> PrefixHasher:
-        """What the request path hashes prompts with for this policy (see ``route_facts``)."""
-        return self._hasher
-
-    @property
-    def prefix_keyed(self) -> bool:
-        """Whether the request path should compute ``RouteFacts.prefix_key`` (hash placement)."""
-        return self.config.placement == "hash"
-
-    @property
-    def session_header(self) -> str | None:
-        return self.config.session_header
+        """How this policy cuts prompts into blocks (a replacement keeps the index if equal)."""
+        assert self._needs.prefix is not None
+        return self._needs.prefix
 
     def choose(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]
@@ -134,8 +147,22 @@ class PrefixAffinity:
         choice, reason = self._decide(facts, candidates)
         self.decisions[reason] += 1
         if facts.prefix_hashes:
-            self.index.record(choice.id, facts.prefix_hashes)
+            added = self.index.record(choice.id, facts.prefix_hashes)
+            tentative = self._tentative
+            tentative[(id(facts), choice.id)] = (facts, added)
+            if len(tentative) > _TENTATIVE_MAX:
+                tentative.popitem(last=False)
         return choice
+
+    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
+        """Settle the tentative record of this attempt: withdraw it, or confirm it."""
+        entry = self._tentative.pop((id(facts), backend), None)
+        if not facts.prefix_hashes:
+            return
+        if outcome.ok:
+            self.index.record(backend, facts.prefix_hashes)
+        elif entry is not None:
+            self.index.withdraw(backend, entry[1])
 
     def _decide(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]

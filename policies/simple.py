@@ -6,15 +6,32 @@ import random
 from dataclasses import dataclass, field
 
 from policies.scoring import Weights, score
-from policies.types import BackendSnapshot, Rng, RouteFacts
+from policies.types import NO_NEEDS, BackendSnapshot, Needs, Outcome, Rng, RouteFacts
+
+
+class _Stateless:
+    """What the baseline policies share: they ask nothing and learn nothing."""
+
+    __slots__ = ()
+
+    @property
+    def needs(self) -> Needs:
+        return NO_NEEDS
+
+    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
+        pass
 
 
 @dataclass(slots=True)
-class RoundRobin:
+class RoundRobin(_Stateless):
     """Cycles through the candidates; the cursor survives changes in the candidate list."""
 
     name: str = "round_robin"
     _cursor: int = 0
+
+    @property
+    def weights(self) -> None:
+        return None
 
     def choose(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]
@@ -27,9 +44,13 @@ class RoundRobin:
 
 
 @dataclass(slots=True)
-class RandomChoice:
+class RandomChoice(_Stateless):
     rng: Rng = field(default_factory=random.Random)
     name: str = "random"
+
+    @property
+    def weights(self) -> None:
+        return None
 
     def choose(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]
@@ -40,7 +61,7 @@ class RandomChoice:
 
 
 @dataclass(slots=True)
-class PowerOfTwo:
+class PowerOfTwo(_Stateless):
     """Two distinct random candidates; the lower score wins, a tie goes to either at random."""
 
     weights: Weights = field(default_factory=Weights)

@@ -1,12 +1,33 @@
-"""The data a routing policy sees: frozen snapshots of backends and the request's routing facts.
+"""The routing contract: everything a policy may ask for, is given, returns and is told.
 
+A request reaches a policy in four steps, all plain data:
+
+1. **Needs.** A policy declares, as data (``Needs``), what it wants to know of a request
+   beyond its model: the prompt's prefix as block hashes (with the hasher to cut them), a key
+   for those hashes that every gateway replica computes alike, the value of a session
+   header. The request path computes exactly that and nothing more (``policies.facts``).
+2. **Facts.** ``choose`` is handed the request's ``RouteFacts`` and the candidates, frozen
+   ``BackendSnapshot``s of the backends that may take it (healthy, serving its model, in the
+   pool or role its route allows, not yet tried by this request).
+3. **Choice.** It returns one of the candidates, or ``None`` to choose none.
+4. **Outcome.** After each attempt on the chosen backend the request path calls
+   ``on_result`` once with what really happened (``Outcome``): whether the backend answered
+   and produced output, its status, the time to its first token, the tokens it generated.
+   A stateful policy learns from this, not from its own choice.
+
+``weights`` are the load-score weights of policies that score load (``None`` for the others);
+operators tune them live, and metrics and the admin API show the scores they give.
 Nothing here does I/O or knows about aiohttp; the pool builds snapshots, a policy reads them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from policies.prefix import PrefixHasher
+    from policies.scoring import Weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,8 +53,20 @@ class BackendSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class Needs:
+    """What a policy asks to know of a request beyond its model (nothing, by default)."""
+
+    prefix: PrefixHasher | None = None  # cut the prompt into block hashes this way
+    prefix_key: bool = False  # also the prompt's replica-stable key (needs ``prefix``)
+    session_header: str | None = None  # the value of this request header
+
+
+NO_NEEDS = Needs()
+
+
+@dataclass(frozen=True, slots=True)
 class RouteFacts:
-    """What a policy may know about the request being routed."""
+    """What a policy is told about the request being routed: its model and its ``Needs``."""
 
     model: str
     session_key: str | None = None
@@ -41,14 +74,42 @@ class RouteFacts:
     prefix_key: int | None = None  # the same in every gateway replica (``prefix.stable_key``)
 
 
-class Policy(Protocol):
-    """Chooses one of the candidates, or ``None`` if it will not choose any."""
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one attempt on the chosen backend ended, as the gateway saw it.
 
-    name: str
+    ``ok``: the backend answered 2xx and gave its answer (the whole body, or a stream that the
+    backend did not cut). ``error`` names what went wrong otherwise: ``unreachable`` (no
+    connection, or lost before an answer), ``down`` (its probes marked it down while the
+    request waited), ``timeout``, ``refused`` (429/502/503/504), ``protocol``, ``status``
+    (another 4xx/5xx), ``stream`` (cut mid-answer), ``abandoned`` (the client left first).
+    """
+
+    ok: bool
+    status: int = 0  # 0: no status line arrived
+    error: str | None = None
+    first_token_s: float | None = None  # from sending the request to its first token
+    tokens: int | None = None  # completion tokens, when the backend reported usage
+    duration_s: float = 0.0
+
+
+class Policy(Protocol):
+    """Chooses one of the candidates (or ``None``) and hears how each attempt went."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def needs(self) -> Needs: ...
+
+    @property
+    def weights(self) -> Weights | None: ...
 
     def choose(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]
     ) -> BackendSnapshot | None: ...
+
+    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None: ...
 
 
 class Rng(Protocol):

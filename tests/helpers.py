@@ -296,10 +296,17 @@ async def running_gateway(
     resolver = overrides.pop("resolver", None)
     tracer_provider = overrides.pop("tracer_provider", None)
     loader = overrides.pop("loader", None)
+    transport = overrides.pop("transport", None)
     overrides.setdefault("shutdown_grace", 0.5)
     overrides.setdefault("log_level", "warning")
     settings = Settings(backends=backend_urls, scrape=scrape, health=health, **overrides)
-    app = create_app(settings, resolver=resolver, tracer_provider=tracer_provider, loader=loader)
+    app = create_app(
+        settings,
+        resolver=resolver,
+        tracer_provider=tracer_provider,
+        loader=loader,
+        transport=transport,
+    )
     runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
     await runner.setup()
     sock = bound_socket()

@@ -168,12 +168,28 @@ async def test_failed_prefill_is_retried_on_another_prefill_backend() -> None:
 async def test_prefill_failing_everywhere_ends_in_an_openai_error() -> None:
     async with fleet() as (ps, ds, gw), aiohttp.ClientSession() as client:
         for p in ps:
-            p.faults = Faults(error_rate=1.0, error_status=503)
+            p.faults = Faults(error_rate=1.0, error_status=500)
         async with client.post(f"{gw.url}/v1/chat/completions", json=chat(True)) as resp:
             assert resp.status == 502
             err = (await resp.json())["error"]
         assert err["type"] == "bad_gateway"
-        assert "prefill step answered 503" in err["message"]
+        assert "prefill step answered 500" in err["message"]
+        assert {"message", "type", "param", "code"} <= set(err)
+        assert sum(p.state.injected_errors for p in ps) == 2  # each prefill backend once
+        assert all(d.state.in_flight == 0 and d.engine.stats.steps == 0 for d in ds)
+        await wait_for(lambda: no_leaks(gw, ps + ds), what="nothing in flight")
+
+
+async def test_a_prefill_pool_that_is_busy_everywhere_passes_its_answer_on() -> None:
+    """Every prefill backend answers 503: the client gets that 503, with Retry-After, not a
+    gateway error (issue 16.2)."""
+    async with fleet() as (ps, ds, gw), aiohttp.ClientSession() as client:
+        for p in ps:
+            p.faults = Faults(error_rate=1.0, error_status=503)
+        async with client.post(f"{gw.url}/v1/chat/completions", json=chat(True)) as resp:
+            assert resp.status == 503
+            assert resp.headers["Retry-After"] == "1"
+            err = (await resp.json())["error"]
         assert {"message", "type", "param", "code"} <= set(err)
         assert sum(p.state.injected_errors for p in ps) == 2  # each prefill backend once
         assert all(d.state.in_flight == 0 and d.engine.stats.steps == 0 for d in ds)
@@ -291,8 +307,8 @@ async def test_each_step_gets_a_span() -> None:
     assert server.attributes is not None
     assert server.attributes["llm_gateway.prefill_backend"] == "p0"
     assert server.attributes["llm_gateway.backend"] == "d0"
-    steps = {(s.attributes or {}).get("llm_gateway.disagg_step") for s in attempts}
-    assert steps == {"prefill", None}  # the decode attempt is an ordinary one
+    steps = {(s.attributes or {}).get("llm_gateway.step") for s in attempts}
+    assert steps == {"prefill", "decode"}  # one attempt loop, two steps
     assert all(s.parent is not None and s.parent.span_id == server.context.span_id
                for s in attempts)  # fmt: skip
 

@@ -216,3 +216,120 @@ async def test_all_attempts_failing_returns_the_last_error() -> None:
         assert r.status == 503
         assert body["error"]["message"] == "queue full"
     assert len(x.seen) + len(y.seen) == 2
+
+
+async def test_a_lone_busy_backends_answer_reaches_the_client_with_its_retry_after() -> None:
+    """Issue 16.2: with no other backend to try, "503, retry in 7 s" is the client's answer,
+    not a gateway error in its place (it was 502 "backend answered 503", no Retry-After)."""
+
+    async def busy(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        return web.json_response(
+            {"error": {"message": "queue full", "type": "ServiceUnavailable", "code": 503}},
+            status=503,
+            headers={"Retry-After": "7"},
+        )
+
+    async def throttled(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        return web.json_response({"error": {"message": "slow down"}}, status=429)
+
+    a = FakeBackend(behaviour=busy)
+    async with (
+        running_fake(a),
+        running_gateway([a.url], retry={"max_attempts": 3}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        async with s.post(gw.url + "/v1/completions", json={"model": "m"}) as r:
+            assert r.status == 503
+            assert r.headers["Retry-After"] == "7"
+            assert (await r.json())["error"]["message"] == "queue full"
+        a.behaviour = throttled
+        async with s.post(gw.url + "/v1/completions", json={"model": "m"}) as r:
+            assert r.status == 429
+            assert r.headers["Retry-After"] == "1"  # the gateway's, since the backend gave none
+            assert (await r.json())["error"]["message"] == "slow down"
+        assert set(gw.in_flight().values()) == {0}
+    assert len(a.seen) == 2  # one attempt each: no candidate was left to retry on
+
+
+async def test_every_backend_busy_each_is_tried_once_and_the_last_answer_is_passed_on() -> None:
+    async def busy(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        return web.json_response({"error": {"message": f"full {fake.url}"}}, status=503)
+
+    fakes = [FakeBackend(behaviour=busy) for _ in range(3)]
+    async with (
+        running_fake(fakes[0]),
+        running_fake(fakes[1]),
+        running_fake(fakes[2]),
+        running_gateway([f.url for f in fakes], retry={"max_attempts": 5}) as gw,
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/completions", json={"model": "m"}) as r,
+    ):
+        assert r.status == 503
+        assert "Retry-After" in r.headers
+        message = (await r.json())["error"]["message"]
+    assert [len(f.seen) for f in fakes] == [1, 1, 1]
+    (last,) = [f for f in fakes if f.seen[0].started_at == max(g.seen[0].started_at for g in fakes)]
+    assert message == f"full {last.url}"
+
+
+async def test_the_lease_is_released_before_the_retry_backoff() -> None:
+    """Issue 16.8: the failed backend counted the request as in flight while it slept."""
+
+    async def busy(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        return web.json_response({"error": {"message": "full"}}, status=503)
+
+    a, b = FakeBackend(behaviour=busy), FakeBackend()
+    async with (
+        running_fake(a),
+        running_fake(b),
+        running_gateway(
+            [a.url, b.url],
+            policy="round_robin",
+            retry={"backoff_base": 0.6, "jitter": 0.0},
+        ) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        request = asyncio.create_task(s.post(gw.url + "/v1/completions", json={"model": "m"}))
+        await wait_for(lambda: bool(a.seen) and a.seen[0].ended_at is not None, what="a's 503")
+        await wait_for(lambda: gw.in_flight()[a.url[7:]] == 0, within=0.3, what="a released")
+        assert not b.seen  # still in the backoff
+        async with await request as r:
+            assert r.status == 200
+    assert len(b.seen) == 1
+
+
+async def test_a_request_waiting_on_a_backend_that_goes_down_moves_on_at_once() -> None:
+    """Issue 16.13: it waited for the idle timeout (120 s) although the probes had marked the
+    backend down seconds before; now it moves to another backend as soon as they do."""
+
+    async def hang(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        await fake.release.wait()
+
+    a, b = FakeBackend(behaviour=hang), FakeBackend(behaviour=stream_chat(3))
+    async with (
+        running_fake(a),
+        running_fake(b),
+        running_gateway(
+            [a.url, b.url],
+            policy="round_robin",
+            health={"interval": 0.05, "timeout": 0.2, "fall": 2},
+        ) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        state = backend_state(gw, a.url)
+        whole = asyncio.create_task(s.post(gw.url + "/v1/completions", json={"model": "m"}))
+        await wait_for(lambda: len(a.seen) == 1, what="the first request on a")
+        streamed = asyncio.create_task(stream(s, gw.url))  # round robin: to b
+        third = asyncio.create_task(stream(s, gw.url))  # and a stream to a
+        await wait_for(lambda: len(a.seen) == 2, what="the stream on a")
+        a.health_hangs = True  # its probes start failing too
+        async with await asyncio.wait_for(whole, 10) as r:
+            assert r.status == 200
+        statuses = [
+            status for status, _ in await asyncio.wait_for(asyncio.gather(streamed, third), 10)
+        ]
+        assert state.health.state is Health.DOWN
+        a.release.set()
+    assert statuses == [200, 200]
+    assert len(b.seen) == 3  # the two that waited on a, and the one sent to b
+    assert all(seen.ending == "cancelled" for seen in a.seen)  # closed: vLLM would abort

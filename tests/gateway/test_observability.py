@@ -17,6 +17,7 @@ from backends.sim import FAST, Faults, running_sim
 from gateway.keys import ROUTER
 from gateway.logs import redact_secrets
 from gateway.metrics import QUEUE_DEPTH_METRIC
+from policies import NO_NEEDS
 from tests.helpers import (
     FakeBackend,
     hang_before_headers,
@@ -236,9 +237,14 @@ async def test_each_ending_is_told_truthfully_an_internal_failure_is_not_a_clien
 
     class Broken:
         name = "broken"
+        needs = NO_NEEDS
+        weights = None
 
         def choose(self, facts: object, candidates: object) -> None:
             raise RuntimeError("a policy bug")
+
+        def on_result(self, facts: object, backend: str, outcome: object) -> None:
+            pass
 
     fake = FakeBackend(behaviour=hang_before_headers)
     async with (
@@ -271,3 +277,25 @@ async def test_each_ending_is_told_truthfully_an_internal_failure_is_not_a_clien
 
 def _requests(logs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [e for e in logs if e["event"] == "request"]
+
+
+async def test_an_abort_while_the_backend_has_not_answered_yet_is_counted() -> None:
+    """Issue 16.12: every non-streaming request (and a stream still queued in the engine)
+    waits for the response head; a client leaving then was never counted as an abort."""
+    fake = FakeBackend(behaviour=hang_before_headers)
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url]) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        bid = fake.url[7:]
+        for body in (CHAT | {"stream": False}, CHAT):
+            left = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body))
+            await wait_for(lambda: fake.active() == 1, what="waiting for the head")
+            left.cancel()
+            await wait_for(lambda: fake.active() == 0, what="upstream closed")
+        await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="released")
+        m = await scrape(s, gw.url)
+    name = "llm_gateway_upstream_aborts_total"
+    assert value(m, name, backend=bid, reason="client_disconnect") == 2
+    assert [seen.ending for seen in fake.seen] == ["cancelled", "cancelled"]

@@ -1,0 +1,166 @@
+"""What one request carries into each attempt on a backend, and what an attempt reports back.
+
+``Call`` is the request as every attempt sends it; ``Try`` is one attempt: its lease, its
+step, whether another backend may still be tried, its span, and the ``Tally`` it fills in (the
+policy's ``Outcome`` is made from it). ``open_upstream`` is how every kind of attempt (a whole
+answer, a prefill step) sends its request: with the trace context, an ``Interrupt`` that ends
+the wait if the backend is marked down, and the upstream abort counted if the client leaves
+while the backend has not answered yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from aiohttp import web
+from multidict import CIMultiDict
+from opentelemetry.trace import Span, set_span_in_context
+
+from backends.errors import (
+    BackendDown,
+    BackendRefused,
+    UpstreamError,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from backends.pool import Lease
+from backends.upstream import Interrupt, Upstream
+from gateway.keys import LIFECYCLE, TRACER, UPSTREAM
+from gateway.record import RequestRecord
+from gateway.rollout import Choice
+from gateway.router import Step
+from gateway.tracing import attempt_span, inject
+from policies import Outcome
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What every attempt of one request sends."""
+
+    request: web.Request
+    path: str
+    body: bytes
+    headers: CIMultiDict[str]
+    record: RequestRecord
+    strip_usage: bool = False
+    extra_headers: dict[str, str] | None = None  # added to the client's response
+    choice: Choice | None = None  # the model pool chosen for an alias
+
+
+@dataclass(slots=True)
+class Tally:
+    """What one attempt saw, filled in as it goes; ``outcome()`` tells the policy."""
+
+    sent_at: float = field(default_factory=time.monotonic)
+    status: int = 0
+    first_token_at: float | None = None
+    tokens: int | None = None
+    error: str | None = None  # Outcome.error's names
+    answered: bool = False  # the whole answer arrived (or the stream ended cleanly)
+
+    def failed(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = error_kind(exc)
+
+    def outcome(self) -> Outcome:
+        error = self.error
+        if error is None:
+            if not self.answered:
+                error = "abandoned"  # the client left (or the gateway stopped) first
+            elif not 200 <= self.status < 300:
+                error = "status"
+        first = None if self.first_token_at is None else self.first_token_at - self.sent_at
+        return Outcome(
+            ok=error is None,
+            status=self.status,
+            error=error,
+            first_token_s=first,
+            tokens=self.tokens,
+            duration_s=time.monotonic() - self.sent_at,
+        )
+
+    def judge(self, lease: Lease, outcome: Outcome) -> None:
+        """Tell the backend's circuit breaker: an answer (a 4xx too) is a success; a failure
+        of the backend is a failure; "busy" (429) and a client that left are neither."""
+        if outcome.ok or (outcome.error == "status" and outcome.status < 500):
+            lease.succeeded()
+        elif outcome.error == "abandoned" or (outcome.error == "refused" and outcome.status == 429):
+            return
+        else:
+            lease.failed()
+
+
+def error_kind(exc: BaseException) -> str:
+    """``Outcome.error``'s name for what an attempt raised."""
+    if isinstance(exc, BackendDown):
+        return "down"
+    if isinstance(exc, UpstreamTimeout):
+        return "timeout"
+    if isinstance(exc, BackendRefused):
+        return "refused"
+    if isinstance(exc, UpstreamProtocolError):
+        return "protocol"
+    if isinstance(exc, UpstreamError):
+        return "unreachable"
+    return "abandoned"
+
+
+@dataclass(slots=True)
+class Try:
+    """One attempt: on ``lease``'s backend, for ``step``; ``n`` counts the step's attempts."""
+
+    call: Call
+    step: Step
+    lease: Lease
+    n: int
+    may_retry: bool  # another backend is left and the retry policy allows one more try
+    parent: Span | None
+    tally: Tally = field(default_factory=Tally)
+    span: Span | None = None
+    stream_error: UpstreamError | None = None  # what cut a stream after it began
+
+
+# An attempt: returns what its step produces, or raises ``UpstreamError`` if it failed before
+# anything reached the client (the loop may then try another backend).
+Attempt = Callable[[Try], Awaitable[T]]
+
+
+def cancel_reason(app: web.Application) -> str:
+    """Why a handler was cancelled: its client left, or the gateway is shutting down."""
+    return "shutdown" if app[LIFECYCLE].stopping else "client_disconnect"
+
+
+async def open_upstream(t: Try, body: bytes) -> Upstream:
+    """Send ``body`` on ``t``'s backend and return once its answer's head is in.
+
+    Until something reaches the client, the lease's down signal interrupts the wait
+    (``BackendDown``). A cancellation here (the client left) counts as an upstream abort:
+    closing the half-open request is what tells the backend to stop.
+    """
+    call = t.call
+    app, record = call.request.app, call.record
+    headers = call.headers
+    if t.parent is not None:
+        t.span = attempt_span(app[TRACER], t.parent, t.lease.backend.id, t.n)
+        t.span.set_attribute("llm_gateway.step", t.step.name)
+        headers = CIMultiDict(headers)
+        inject(headers, set_span_in_context(t.span))
+    interrupt = Interrupt()
+    t.lease.on_down(interrupt.fire)
+    t.tally.sent_at = time.monotonic()
+    try:
+        upstream = await app[UPSTREAM].open(
+            t.lease.backend.spec, call.path, body, headers, interrupt=interrupt
+        )
+    except asyncio.CancelledError:
+        record.abort_reason = cancel_reason(app)
+        raise
+    record.sent = True
+    t.tally.status = upstream.status
+    return upstream

@@ -185,6 +185,11 @@ class LimitsCollector(Collector):
             value=queue.waiting if queue is not None else 0,
         )
         if queue is not None:
+            yield GaugeMetricFamily(
+                "llm_gateway_admission_holding",
+                "Requests admitted through the admission queue and not yet ended.",
+                value=queue.holding,
+            )
             outcomes = CounterMetricFamily(
                 "llm_gateway_admission_outcomes",
                 "What happened to requests at the admission queue.",

@@ -20,18 +20,26 @@ How, on aiohttp's internals (pinned by ``tests/backends/test_tap.py``):
 Taking over *after* aiohttp's parser (rather than parsing the raw socket bytes ourselves) means
 no parser state is ever lost at the switch, and a completed response goes back to the keep-alive
 pool as usual: the tap puts the original protocol back before aiohttp releases the connection.
+
+Those internals are not aiohttp's public API, so ``pyproject.toml`` pins aiohttp to the minor
+versions the tests cover, and ``internals_problem()`` checks at start-up that they are as this
+module expects; when they are not, the gateway says so once and relays with plain reads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 from typing import Final, Protocol
 
 import aiohttp
+import aiohttp.helpers
 from aiohttp.client_proto import ResponseHandler
-from aiohttp.helpers import _EXC_SENTINEL
 from aiohttp.streams import StreamReader
+
+# aiohttp's "no cause given" marker for set_exception (private; checked by internals_problem).
+_EXC_SENTINEL: Final[BaseException] = getattr(aiohttp.helpers, "_EXC_SENTINEL", BaseException())
 
 
 class StreamSink(Protocol):
@@ -228,6 +236,60 @@ class Tap(asyncio.Protocol):
         finally:
             self._batch = None
         self._check_handler()
+
+
+# What the tap calls or overrides, with the parameters it passes (``tests/backends/test_tap.py``
+# exercises every one of them on the pinned aiohttp).
+_READER_API: Final = {
+    "feed_data": ("self", "data", "size"),
+    "feed_eof": ("self",),
+    "set_exception": ("self", "exc", "exc_cause"),
+    "begin_http_chunk_receiving": ("self",),
+    "end_http_chunk_receiving": ("self",),
+    "read_nowait": ("self", "n"),
+    "is_eof": ("self",),
+    "exception": ("self",),
+}
+_HANDLER_API: Final = {
+    "data_received": ("self", "data"),
+    "eof_received": ("self",),
+    "connection_lost": ("self", "exc"),
+    "pause_writing": ("self",),
+    "resume_writing": ("self",),
+    "exception": ("self",),
+}
+
+
+def internals_problem(reader: type = StreamReader, handler: type = ResponseHandler) -> str | None:
+    """What of aiohttp's internals the tap relies on is not as expected; None if all is.
+
+    Checked: the reader's and the response handler's methods and their parameters, that the
+    reader keeps its state in ``__slots__`` (so its class can be switched to ``_TapReader``
+    and back), and aiohttp's ``_EXC_SENTINEL``.
+    """
+    for cls, api in ((reader, _READER_API), (handler, _HANDLER_API)):
+        for name, params in api.items():
+            method = getattr(cls, name, None)
+            if method is None:
+                return f"{cls.__name__}.{name} is missing"
+            try:
+                found = tuple(inspect.signature(method).parameters)
+            except (TypeError, ValueError):
+                return f"{cls.__name__}.{name} has no readable signature"
+            if found != params:
+                return f"{cls.__name__}.{name} takes {found}, the tap expects {params}"
+    if "__slots__" not in vars(reader):
+        return f"{reader.__name__} no longer declares __slots__"
+    probe = type("_Probe", (reader,), {"__slots__": ()})
+    try:
+        instance: object = object.__new__(reader)
+        instance.__class__ = probe
+        instance.__class__ = reader
+    except TypeError as exc:
+        return f"{reader.__name__}'s class cannot be switched: {exc}"
+    if not hasattr(aiohttp.helpers, "_EXC_SENTINEL"):
+        return "aiohttp.helpers._EXC_SENTINEL is missing"
+    return None
 
 
 def installed() -> list[Tap]:

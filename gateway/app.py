@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
+import aiohttp
+import structlog
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -15,6 +17,7 @@ from backends.health import HealthPolicy
 from backends.monitor import BackendMonitor, MonitorSettings
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
+from backends.tap import internals_problem
 from backends.upstream import Transport, UpstreamClient
 from gateway import proxy
 from gateway.disagg import role_policies
@@ -25,6 +28,7 @@ from gateway.keys import (
     METRICS,
     MONITOR,
     POOL,
+    RELAY_FAST,
     RETRY,
     ROUTER,
     SETTINGS,
@@ -45,6 +49,8 @@ from gateway.router import Router
 from gateway.settings import Settings
 from gateway.tracing import provider_from_settings, tracer_from
 from policies import Weights, make_policy
+
+log = structlog.get_logger("gateway.app")
 
 
 async def _shutdown_tracing(provider: TracerProvider) -> None:
@@ -168,12 +174,14 @@ def create_app(
     tracer_provider: TracerProvider | None = None,
     loader: SettingsLoader | None = None,
     transport: Transport | None = None,
+    relay_check: Callable[[], str | None] = internals_problem,
 ) -> web.Application:
     """The gateway app.
 
     ``loader`` re-reads the configuration for a reload (SIGHUP, ``POST /admin/reload``);
     ``resolver``, ``tracer_provider`` and ``transport`` (how backends are reached:
-    ``backends.mock.MockTransport`` in tests) replace the real ones.
+    ``backends.mock.MockTransport`` in tests) replace the real ones. ``relay_check`` says
+    whether the stream relay's fast path (``backends.tap``) can be trusted with this aiohttp.
     """
     app = web.Application(
         client_max_size=settings.max_body_bytes,
@@ -223,6 +231,16 @@ def create_app(
     )
     metrics.watch_limits(lambda: app[LIMITER].rejections, admission)
     metrics.watch_supervisor(supervisor)
+    tap_problem = relay_check()
+    app[RELAY_FAST] = tap_problem is None
+    metrics.relay_plain_reads.set(0 if tap_problem is None else 1)
+    if tap_problem is not None:
+        log.warning(
+            "relay_fast_path_off",
+            reason=tap_problem,
+            aiohttp=aiohttp.__version__,
+            effect="streams are relayed with plain reads: correct, with more CPU per token",
+        )
     app[METRICS] = metrics
     app.cleanup_ctx.append(_limits_ctx)
     provider = tracer_provider or provider_from_settings(settings.tracing)

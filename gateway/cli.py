@@ -7,6 +7,7 @@ for the load tester's plotting library, and a problem in one tool cannot stop an
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -149,6 +150,28 @@ def _setup_top(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=top.run)
 
 
+# What a subcommand needs beyond the gateway itself: the extra to install, and its modules.
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "top": ("tools", ("rich",)),
+    "plan": ("tools", ("rich",)),
+    "loadtest": ("loadtest", ("rich", "matplotlib")),
+}
+
+
+def missing_extra(
+    command: str, have: Callable[[str], object] = importlib.util.find_spec
+) -> str | None:
+    """What to install for ``command`` if a module it needs is absent; None if nothing."""
+    extra, modules = EXTRAS.get(command, ("", ()))
+    absent = [m for m in modules if have(m) is None]
+    if not absent:
+        return None
+    return (
+        f"llm-gateway {command} needs {', '.join(absent)}: "
+        f"pip install 'llm-gateway[{extra}]' (the gateway alone does not install it)"
+    )
+
+
 COMMANDS: dict[str, tuple[str, Setup]] = {
     "serve": ("run the gateway in front of vLLM (or simulated) backends", _setup_serve),
     "sim": ("run a vLLM-compatible simulated backend (no GPU needed)", _setup_sim),
@@ -177,6 +200,9 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     for name, (help_text, setup) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text)
         if name == chosen:
+            problem = missing_extra(name)
+            if problem is not None:
+                parser.exit(2, problem + "\n")
             setup(p)
     return parser
 

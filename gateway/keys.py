@@ -39,6 +39,8 @@ METRICS: Final = web.AppKey("metrics", GatewayMetrics)
 LIMITER: Final = web.AppKey("limiter", Limiter)
 ADMISSION: Final = web.AppKey[AdmissionQueue | None]("admission")
 TRACER: Final = web.AppKey[Tracer | None]("tracer")
-GATEWAY: Final = web.AppKey("gateway", web.Application)  # on the admin app: the main app
+GATEWAY: Final = web.AppKey("gateway", web.Application)
+# False when the tap's aiohttp internals are not as expected: streams use plain reads.
+RELAY_FAST: Final = web.AppKey("relay_fast", bool)  # on the admin app: the main app
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from typing import Final
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -274,6 +274,12 @@ class GatewayMetrics:
             "llm_gateway_admission_wait_seconds",
             "Time requests spent in the admission queue.",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.relay_plain_reads = Gauge(
+            "llm_gateway_relay_plain_reads",
+            "1 when streams are relayed with plain reads because the fast path's aiohttp "
+            "internals are not as expected (logged as relay_fast_path_off at start-up).",
             registry=r,
         )
         self.policy_changes = Counter(

@@ -29,8 +29,14 @@ def error_response(err: GatewayError) -> web.Response:
 
 @web.middleware
 async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Bind the request id for every log line of this request (structlog's contextvars)."""
     request_id = valid_request_id(request.headers.get(REQUEST_ID)) or uuid.uuid4().hex
     request[REQUEST_ID_KEY] = request_id
+    with structlog.contextvars.bound_contextvars(request_id=request_id):
+        return await _answer(request, handler, request_id)
+
+
+async def _answer(request: web.Request, handler: Handler, request_id: str) -> web.StreamResponse:
     try:
         if request.app[LIFECYCLE].stopping and request.path.startswith("/v1/"):
             raise ShuttingDown("The gateway is shutting down; retry on another replica.")
@@ -52,7 +58,7 @@ async def request_context(request: web.Request, handler: Handler) -> web.StreamR
             headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
         )
     except Exception:
-        log.exception("unhandled_error", request_id=request_id, path=request.path)
+        log.exception("unhandled_error", path=request.path)
         resp = web.json_response(
             error_envelope("The gateway failed to handle this request.", "internal_error"),
             status=500,

@@ -47,6 +47,7 @@ from gateway.keys import (
     LIFECYCLE,
     LIMITER,
     METRICS,
+    RELAY_FAST,
     REQUEST_ID_KEY,
     RETRY,
     ROUTER,
@@ -253,7 +254,6 @@ async def _attempts(call: Call, step: Step, parent: Span | None, attempt: Attemp
         metrics.retries.labels(backend, reason).inc()
         log.info(
             "upstream_retry",
-            request_id=record.request_id,
             step=step.name,
             backend=backend,
             error=last.message,
@@ -319,6 +319,7 @@ async def _relay(t: Try, upstream: Upstream) -> tuple[web.StreamResponse, bool]:
             usage=usage,
             result=result,
             rename=rename,
+            fast=app[RELAY_FAST],
         )
     except UpstreamTimeout:  # before anything reached the client
         record.abort_reason = "timeout"

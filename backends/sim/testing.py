@@ -4,14 +4,12 @@ The simulator binds 127.0.0.1 on port 0 and serves with ``handler_cancellation=T
 like the real runner. ``sim.url`` is its base URL; ``sim.engine``/``sim.state`` give
 direct access; ``sim.faults = Faults(...)`` changes faults in-process (use ``await
 sim.set_faults(...)`` to also wait for the listening socket when refusing
-connections); ``await sim.wait_for(predicate)`` polls a condition with a deadline.
+connections).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from backends.sim.config import SimConfig
@@ -28,15 +26,7 @@ FAST: SimConfig = SimConfig(
 
 
 class RunningSim(SimServer):
-    async def wait_for(
-        self, predicate: Callable[[], bool], within: float = 10.0, what: str = "condition"
-    ) -> None:
-        """Poll ``predicate`` every millisecond until it holds, or fail after ``within`` s."""
-        deadline = time.monotonic() + within
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"timed out waiting for {what}")
-            await asyncio.sleep(0.001)
+    """A simulator started by ``running_sim`` (its URL, engine and faults at hand)."""
 
 
 @asynccontextmanager

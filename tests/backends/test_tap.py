@@ -18,7 +18,7 @@ import pytest
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 
-from backends.tap import Tap, tap
+from backends.tap import Tap, internals_problem, tap
 from tests.helpers import wait_for
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -226,3 +226,25 @@ async def test_a_body_that_already_ended_is_not_tapped() -> None:
         assert tap(resp, Sink()) is None
         assert await resp.read() == BODY
         up.go.set()
+
+
+def test_the_internals_the_tap_relies_on_are_as_it_expects() -> None:
+    """On the pinned aiohttp (pyproject.toml) the start-up check finds nothing amiss."""
+    assert internals_problem() is None
+
+
+def test_a_changed_internal_is_named() -> None:
+    class Reader(StreamReader):
+        __slots__ = ()
+
+        def feed_data(self, data: bytes) -> bool:  # type: ignore[override]
+            return False
+
+    class Plain:
+        def feed_data(self, data: bytes, size: int = 0) -> bool:
+            return False
+
+    assert internals_problem(reader=Reader) == (
+        "Reader.feed_data takes ('self', 'data'), the tap expects ('self', 'data', 'size')"
+    )
+    assert internals_problem(reader=Plain) == "Plain.feed_eof is missing"

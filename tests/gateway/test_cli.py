@@ -56,3 +56,16 @@ def test_console_script_runs() -> None:
         [sys.executable, "-m", "gateway", "--help"], capture_output=True, text=True, check=True
     )
     assert "serve" in out.stdout
+
+
+def test_a_subcommand_whose_extra_is_not_installed_says_which_to_install() -> None:
+    from gateway.cli import missing_extra
+
+    assert missing_extra("loadtest") is None  # the dev install has every extra
+    assert missing_extra("serve", have=lambda m: None) is None  # the gateway needs none
+    message = missing_extra("loadtest", have=lambda m: None if m == "matplotlib" else object())
+    assert message == (
+        "llm-gateway loadtest needs matplotlib: pip install 'llm-gateway[loadtest]' "
+        "(the gateway alone does not install it)"
+    )
+    assert "llm-gateway[tools]" in (missing_extra("top", have=lambda m: None) or "")

@@ -7,11 +7,13 @@ import json
 from typing import Any
 
 import aiohttp
+import structlog
+from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
-from structlog.testing import capture_logs
+from structlog.testing import LogCapture, capture_logs
 
 from backends.sim import FAST, Faults, running_sim
 from gateway.keys import ROUTER
@@ -299,3 +301,37 @@ async def test_an_abort_while_the_backend_has_not_answered_yet_is_counted() -> N
     name = "llm_gateway_upstream_aborts_total"
     assert value(m, name, backend=bid, reason="client_disconnect") == 2
     assert [seen.ending for seen in fake.seen] == ["cancelled", "cancelled"]
+
+
+async def test_every_log_line_of_a_request_carries_its_id_bound_once() -> None:
+    """The request id is bound with structlog's contextvars, not passed by hand: a retry's log
+    line has it, and it does not leak into the next request on the same connection."""
+
+    async def full(request: web.Request, fake: FakeBackend, seen: Any) -> web.StreamResponse:
+        return web.json_response({"error": {"message": "full"}}, status=503)
+
+    busy, ok = FakeBackend(behaviour=full), FakeBackend()
+    structlog.configure(
+        processors=[structlog.contextvars.merge_contextvars, LogCapture()],
+        cache_logger_on_first_use=False,
+    )
+    capture = structlog.get_config()["processors"][-1]
+    try:
+        async with (
+            running_fake(busy),
+            running_fake(ok),
+            running_gateway([busy.url, ok.url], policy="round_robin") as gw,
+            aiohttp.ClientSession() as s,
+        ):
+            for rid in ("first-id", "second-id"):
+                headers = {"X-Request-Id": rid}
+                async with s.post(
+                    gw.url + "/v1/completions", json={"model": "m"}, headers=headers
+                ) as r:
+                    assert r.status == 200
+    finally:
+        structlog.reset_defaults()
+    retries = [e for e in capture.entries if e["event"] == "upstream_retry"]
+    # Each request met the busy backend first (round robin) and its retry line has its own id.
+    assert [e["request_id"] for e in retries] == ["first-id", "second-id"]
+    assert "request_id" not in structlog.contextvars.get_contextvars()

@@ -9,6 +9,7 @@ from typing import Any
 import aiohttp
 
 from backends.sim import FAST, RunningSim, running_sim
+from tests.waiting import wait_for
 
 from .conftest import chat_body, completion_body
 
@@ -27,13 +28,13 @@ async def test_disconnect_while_queued(client: aiohttp.ClientSession) -> None:
         body = completion_body(stream=True, **LONG)
         running = await client.post(f"{sim.url}/v1/completions", json=body)
         queued = await client.post(f"{sim.url}/v1/completions", json=body)
-        await sim.wait_for(lambda: len(sim.engine.waiting) == 1, what="one queued")
+        await wait_for(lambda: len(sim.engine.waiting) == 1, within=10, what="one queued")
         queued.close()
-        await sim.wait_for(lambda: sim.engine.stats.aborted["queued"] == 1, what="abort")
+        await wait_for(lambda: sim.engine.stats.aborted["queued"] == 1, within=10, what="abort")
         assert not sim.engine.waiting
         assert len(sim.engine.running) == 1  # the other request is untouched
         running.close()
-        await sim.wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, what="abort 2")
+        await wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, within=10, what="abort 2")
         assert_clean(sim)
 
 
@@ -43,10 +44,10 @@ async def test_disconnect_during_prefill(client: aiohttp.ClientSession) -> None:
     async with running_sim(config) as sim:
         body = completion_body("w " * 4000, stream=True, **LONG)
         resp = await client.post(f"{sim.url}/v1/completions", json=body)
-        await sim.wait_for(lambda: sim.engine.pool.usage > 0, what="prefill under way")
+        await wait_for(lambda: sim.engine.pool.usage > 0, within=10, what="prefill under way")
         assert sim.engine.running[0].phase() == "prefill"
         resp.close()
-        await sim.wait_for(lambda: sim.engine.stats.aborted["prefill"] == 1, what="abort")
+        await wait_for(lambda: sim.engine.stats.aborted["prefill"] == 1, within=10, what="abort")
         assert_clean(sim)
         assert sim.engine.stats.generation_tokens == 0
 
@@ -62,7 +63,7 @@ async def test_disconnect_during_decode_stops_generation(
             if chunks == 6:  # the role chunk and five tokens
                 break
         resp.close()
-    await sim.wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, what="abort")
+    await wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, within=10, what="abort")
     assert_clean(sim)
     generated = sim.engine.stats.generation_tokens
     assert 5 <= generated < 4000
@@ -75,10 +76,10 @@ async def test_disconnect_of_a_non_streaming_request(
     task = asyncio.create_task(
         client.post(f"{sim.url}/v1/completions", json=completion_body(**LONG))
     )
-    await sim.wait_for(lambda: sim.engine.stats.generation_tokens > 3, what="decoding")
+    await wait_for(lambda: sim.engine.stats.generation_tokens > 3, within=10, what="decoding")
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    await sim.wait_for(lambda: sum(sim.engine.stats.aborted.values()) == 1, what="abort")
+    await wait_for(lambda: sum(sim.engine.stats.aborted.values()) == 1, within=10, what="abort")
     assert sim.engine.stats.aborted["decode"] == 1
     assert_clean(sim)
 
@@ -93,7 +94,7 @@ async def test_slot_freed_by_an_abort_admits_the_next_request(
         waiter = asyncio.create_task(
             client.post(f"{sim.url}/v1/completions", json=completion_body(max_tokens=3))
         )
-        await sim.wait_for(lambda: len(sim.engine.waiting) == 1, what="queued")
+        await wait_for(lambda: len(sim.engine.waiting) == 1, within=10, what="queued")
         hog.close()
         async with await waiter as resp:
             assert (await resp.json())["usage"]["completion_tokens"] == 3

@@ -10,6 +10,7 @@ import pytest
 
 from backends.sim import FAST, Faults, RunningSim, running_sim
 from backends.sim.faults import FaultsError
+from tests.waiting import wait_for
 
 from .conftest import completion_body, sse_events
 
@@ -201,9 +202,9 @@ async def test_admin_faults_can_revert_by_themselves(client: aiohttp.ClientSessi
         ) as resp:
             assert resp.status == 200
         assert sim.faults.refuse_connections
-        await sim.wait_for(lambda: not sim.faults.refuse_connections, what="revert")
+        await wait_for(lambda: not sim.faults.refuse_connections, within=10, what="revert")
         async with aiohttp.ClientSession() as fresh:
-            await sim.wait_for(lambda: sim.listening, what="listening again")
+            await wait_for(lambda: sim.listening, within=10, what="listening again")
             async with fresh.get(f"{sim.url}/health") as resp:
                 assert resp.status == 200
 
@@ -217,6 +218,6 @@ async def test_a_dead_engine_loop_makes_health_fail(
     sim.engine.step = broken_step  # type: ignore[method-assign]
     with pytest.raises(asyncio.TimeoutError):
         await client.post(f"{sim.url}/v1/completions", json=completion_body(), timeout=QUICK)
-    await sim.wait_for(lambda: sim.state.engine_dead, what="engine death noticed")
+    await wait_for(lambda: sim.state.engine_dead, within=10, what="engine death noticed")
     async with client.get(f"{sim.url}/health") as resp:
         assert resp.status == 503

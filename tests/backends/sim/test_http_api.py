@@ -8,6 +8,7 @@ import aiohttp
 import pytest
 
 from backends.sim import FAST, RunningSim, running_sim
+from tests.waiting import wait_for
 
 from .conftest import chat_body, completion_body, sse_events
 
@@ -226,8 +227,8 @@ async def test_requests_beyond_max_num_seqs_queue(client: aiohttp.ClientSession)
     async with running_sim(FAST.replace(max_num_seqs=2)) as sim:
         body = completion_body(stream=True, max_tokens=4000, ignore_eos=True)
         responses = [await client.post(f"{sim.url}/v1/completions", json=body) for _ in range(5)]
-        await sim.wait_for(lambda: len(sim.engine.waiting) == 3, what="3 waiting")
+        await wait_for(lambda: len(sim.engine.waiting) == 3, within=10, what="3 waiting")
         assert len(sim.engine.running) == 2
         for r in responses:
             r.close()
-        await sim.wait_for(lambda: not sim.engine.has_work(), what="all aborted")
+        await wait_for(lambda: not sim.engine.has_work(), within=10, what="all aborted")

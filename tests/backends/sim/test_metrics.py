@@ -9,6 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
 from backends.sim import FAST, RunningSim, running_sim
+from tests.waiting import wait_for
 
 from .conftest import completion_body
 
@@ -89,16 +90,16 @@ async def test_gauges_follow_running_waiting_and_kv_usage(
         body = completion_body("w " * 40, stream=True, max_tokens=4000, ignore_eos=True)
         first = await client.post(f"{sim.url}/v1/completions", json=body)
         second = await client.post(f"{sim.url}/v1/completions", json=body)
-        await sim.wait_for(lambda: len(sim.engine.waiting) == 1, what="one waiting")
+        await wait_for(lambda: len(sim.engine.waiting) == 1, within=10, what="one waiting")
         m = await scrape(client, sim)
         assert value(m["vllm:num_requests_running"], "vllm:num_requests_running") == 1
         assert value(m["vllm:num_requests_waiting"], "vllm:num_requests_waiting") == 1
         usage = value(m["vllm:kv_cache_usage_perc"], "vllm:kv_cache_usage_perc")
         assert 3 / 256 <= usage < 1  # 40 prompt tokens = 3 blocks at least
         second.close()
-        await sim.wait_for(lambda: not sim.engine.waiting, what="queued one aborted")
+        await wait_for(lambda: not sim.engine.waiting, within=10, what="queued one aborted")
         first.close()
-        await sim.wait_for(lambda: not sim.engine.has_work(), what="running one aborted")
+        await wait_for(lambda: not sim.engine.has_work(), within=10, what="running one aborted")
         m = await scrape(client, sim)
         aborted = m["sim:aborted_requests"]
         phases = {s.labels["phase"]: s.value for s in aborted if s.name.endswith("_total")}

@@ -17,7 +17,7 @@ from gateway.limits.fairqueue import (
     parse_priority,
 )
 from policies import BackendSnapshot
-from tests.gateway.limits.support import wait_for
+from tests.waiting import wait_for
 
 # -- pure order ------------------------------------------------------------------------------
 

@@ -18,7 +18,7 @@ from gateway.limits.tokens import (
     usage_plan,
     with_include_usage,
 )
-from tests.gateway.limits.support import chat_chunk, sse
+from loadtest.fakebackend import chat_chunk, sse
 
 
 def usage_event(prompt: int = 5, completion: int = 7) -> bytes:

@@ -13,13 +13,13 @@ answers a client with is here:
     ├── ModelNotFound                 404 invalid_request_error / model_not_found
     ├── RateLimited                   429 requests|tokens / rate_limit_exceeded
     │                                     (+ Retry-After, x-ratelimit-*)
-    ├── NoBackendAvailable            503 service_unavailable (+ Retry-After)
     ├── ShuttingDown                  503 service_unavailable (connection closed after it)
-    ├── LimitsUnavailable             503 service_unavailable / limits_unavailable
-    │                                     (limit store down, fail-closed; + Retry-After)
-    ├── AdmissionRejected             503 service_unavailable (+ Retry-After)
-    │   ├── QueueFull                     / queue_full (admission queue at its bound)
-    │   └── QueueTimeout                  / queue_timeout (waited the maximum time)
+    ├── Unavailable                   503 service_unavailable (+ Retry-After)
+    │   ├── NoBackendAvailable            / no_backend_available
+    │   ├── LimitsUnavailable             / limits_unavailable (limit store down, fail-closed)
+    │   └── AdmissionRejected
+    │       ├── QueueFull                 / queue_full (admission queue at its bound)
+    │       └── QueueTimeout              / queue_timeout (waited the maximum time)
     └── UpstreamError                 an upstream attempt failed before a response was relayed
         ├── UpstreamUnreachable       502 bad_gateway (connect error, reset, closed early)
         │   └── BackendDown           502 bad_gateway (its probes marked it down meanwhile)
@@ -117,30 +117,26 @@ class ModelNotFound(GatewayError):
     default_code = "model_not_found"
 
 
-class NoBackendAvailable(GatewayError):
+class Unavailable(GatewayError):
+    """503: the gateway cannot take the request now; ``Retry-After`` says when to come back."""
+
     status = 503
     type = "service_unavailable"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
+class NoBackendAvailable(Unavailable):
     default_code = "no_backend_available"
 
-    def __init__(self, message: str, *, retry_after: int) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after)})
 
-
-class LimitsUnavailable(GatewayError):
-    status = 503
-    type = "service_unavailable"
+class LimitsUnavailable(Unavailable):
     default_code = "limits_unavailable"
 
-    def __init__(self, message: str, *, retry_after: int) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after)})
 
-
-class AdmissionRejected(GatewayError):
-    status = 503
-    type = "service_unavailable"
-
-    def __init__(self, message: str, *, retry_after: int) -> None:
-        super().__init__(message, headers={"Retry-After": str(retry_after)})
+class AdmissionRejected(Unavailable):
+    pass
 
 
 class QueueFull(AdmissionRejected):

@@ -28,7 +28,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.idle import IdleWatch
 from backends.state import BackendSpec
-from backends.upstream import CLIENT_ERRORS, Interrupt, MarkedDown, Upstream, translate
+from backends.upstream import CLIENT_ERRORS, Interrupt, Upstream, head_wait, translate
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,21 +127,11 @@ class MockTransport:
     ) -> Upstream:
         request = MockRequest(backend, "POST", path, body, CIMultiDict(headers))
         self.requests.append(request)
-        try:
-            async with asyncio.timeout(self.idle_timeout) as timeout:
-                if interrupt is not None:
-                    interrupt._timeout = timeout
-                response = await self.handler(request)
-        except CLIENT_ERRORS as exc:
-            if interrupt is not None and interrupt.fired:
-                raise translate(MarkedDown(), backend) from exc
-            raise translate(exc, backend) from exc
-        finally:
-            if interrupt is not None:
-                interrupt._timeout = None
+        async with head_wait(backend, self.idle_timeout, interrupt):
+            response = await self.handler(request)
         content = _Body(response.body)
         if interrupt is not None:
-            interrupt._body = content
+            interrupt.watch(content)
         headers_out = CIMultiDictProxy(CIMultiDict(response.headers))
         ctype = headers_out.get("Content-Type", "application/octet-stream").split(";")[0].strip()
         upstream = Upstream(

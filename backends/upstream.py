@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -98,6 +99,32 @@ class Interrupt:
 
     def disarm(self) -> None:
         self.armed = False
+
+    def watch(self, body: Body) -> None:
+        """The head has arrived: from now on an interrupt fails the body's reads."""
+        self._body = body
+        if self.fired:  # marked down as the head arrived: nothing was read yet
+            body.set_exception(MarkedDown())
+
+
+@asynccontextmanager
+async def head_wait(
+    backend: BackendSpec, within: float, interrupt: Interrupt | None
+) -> AsyncIterator[None]:
+    """The wait for a response head: bounded by ``within``, ended at once by ``interrupt``;
+    aiohttp and OS errors become the gateway's (``BackendDown`` if it was the interrupt)."""
+    try:
+        async with asyncio.timeout(within) as timeout:
+            if interrupt is not None:
+                interrupt._timeout = timeout
+            yield
+    except CLIENT_ERRORS as exc:
+        if interrupt is not None and interrupt.fired:
+            raise translate(MarkedDown(), backend) from exc
+        raise translate(exc, backend) from exc
+    finally:
+        if interrupt is not None:
+            interrupt._timeout = None
 
 
 @dataclass(slots=True)
@@ -187,22 +214,10 @@ class UpstreamClient:
         hdrs = CIMultiDict(headers)
         if backend.api_key:
             hdrs["Authorization"] = f"Bearer {backend.api_key}"
-        try:
-            async with asyncio.timeout(self._idle_timeout) as timeout:
-                if interrupt is not None:
-                    interrupt._timeout = timeout
-                resp = await self._session.post(backend.url + path, data=body, headers=hdrs)
-        except CLIENT_ERRORS as exc:
-            if interrupt is not None and interrupt.fired:
-                raise translate(MarkedDown(), backend) from exc
-            raise translate(exc, backend) from exc
-        finally:
-            if interrupt is not None:
-                interrupt._timeout = None
+        async with head_wait(backend, self._idle_timeout, interrupt):
+            resp = await self._session.post(backend.url + path, data=body, headers=hdrs)
         if interrupt is not None:
-            interrupt._body = resp.content
-            if interrupt.fired:  # marked down as the head arrived: nothing was read yet
-                resp.content.set_exception(MarkedDown())
+            interrupt.watch(resp.content)
 
         def on_idle() -> None:
             resp.content.set_exception(aiohttp.SocketTimeoutError("idle timeout"))

@@ -205,6 +205,16 @@ def stream_chat(
     return behaviour
 
 
+def answer(status: int, message: str, **headers: str) -> Behaviour:
+    """Answer every request with ``status`` and an error envelope saying ``message``."""
+
+    async def behaviour(request: web.Request, fake: FakeBackend, seen: Seen) -> web.StreamResponse:
+        body = {"error": {"message": message, "type": "error", "param": None, "code": status}}
+        return web.json_response(body, status=status, headers=headers)
+
+    return behaviour
+
+
 async def hang_before_headers(
     request: web.Request, fake: FakeBackend, seen: Seen
 ) -> web.StreamResponse:

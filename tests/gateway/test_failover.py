@@ -16,6 +16,7 @@ from gateway.keys import POOL
 from tests.helpers import (
     FakeBackend,
     Seen,
+    answer,
     hung_server,
     kill,
     running_fake,
@@ -155,8 +156,7 @@ async def test_backend_coming_back_gets_traffic_only_after_rise_probes() -> None
 
 
 async def test_circuit_opens_on_5xx_and_traffic_moves_to_the_healthy_backend() -> None:
-    async def broken(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
-        return web.json_response({"error": {"message": "engine died"}}, status=500)
+    broken = answer(500, "engine died")
 
     bad, good = FakeBackend(behaviour=broken), FakeBackend()
     async with (
@@ -181,8 +181,7 @@ async def test_circuit_opens_on_5xx_and_traffic_moves_to_the_healthy_backend() -
 
 
 async def test_retryable_status_fails_over_before_the_first_byte() -> None:
-    async def full(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
-        return web.json_response({"error": {"message": "queue full"}}, status=503)
+    full = answer(503, "queue full")
 
     busy, ok = FakeBackend(behaviour=full), FakeBackend()
     async with (
@@ -200,8 +199,7 @@ async def test_retryable_status_fails_over_before_the_first_byte() -> None:
 
 
 async def test_all_attempts_failing_returns_the_last_error() -> None:
-    async def full(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
-        return web.json_response({"error": {"message": "queue full"}}, status=503)
+    full = answer(503, "queue full")
 
     x, y = FakeBackend(behaviour=full), FakeBackend(behaviour=full)
     async with (
@@ -229,8 +227,7 @@ async def test_a_lone_busy_backends_answer_reaches_the_client_with_its_retry_aft
             headers={"Retry-After": "7"},
         )
 
-    async def throttled(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
-        return web.json_response({"error": {"message": "slow down"}}, status=429)
+    throttled = answer(429, "slow down")
 
     a = FakeBackend(behaviour=busy)
     async with (
@@ -275,8 +272,7 @@ async def test_every_backend_busy_each_is_tried_once_and_the_last_answer_is_pass
 async def test_the_lease_is_released_before_the_retry_backoff() -> None:
     """Issue 16.8: the failed backend counted the request as in flight while it slept."""
 
-    async def busy(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
-        return web.json_response({"error": {"message": "full"}}, status=503)
+    busy = answer(503, "full")
 
     a, b = FakeBackend(behaviour=busy), FakeBackend()
     async with (

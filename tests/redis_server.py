@@ -52,7 +52,7 @@ class RedisServer:
             pytest.fail(HOW_TO_GET_REDIS)
         self.proc = subprocess.Popen(
             [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--protected-mode", "no"],
+             "--appendonly", "no", "--protected-mode", "no", "--enable-debug-command", "local"],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip

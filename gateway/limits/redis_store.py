@@ -32,6 +32,7 @@ import structlog
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, RedisError
 
 from backends.errors import LimitsUnavailable
@@ -328,11 +329,21 @@ class RedisLimitStore:
         return self._down_since is not None and self._clock() < self._retry_at
 
     async def _bounded(self, call: Any) -> Any:
-        async with asyncio.timeout(self._timeout):
-            return await call
+        try:
+            async with asyncio.timeout(self._timeout):
+                return await call
+        except RedisConnectionError:
+            # A restarted Redis closed every pooled connection; each idle one would fail on
+            # its next use (minutes later, as load reaches it). Drop them all now.
+            await self._client.connection_pool.disconnect(inuse_connections=False)
+            raise
 
     def _unavailable(self, ticket: Ticket, exc: BaseException) -> Decision:
         self._note_failure(exc)
+        if ticket.limits.max_concurrent is not None and not isinstance(exc, _InRetryWindow):
+            # The script may have run after we stopped waiting (a slow Redis answers late):
+            # then it holds a slot under this ticket's id, which nobody else will give back.
+            self._owe(ticket).release = ticket
         if not self.fail_open:
             raise LimitsUnavailable(
                 "Rate limits cannot be checked right now; please retry shortly.",

@@ -314,3 +314,47 @@ async def test_the_backlog_is_bounded(make_store: StoreFactory, own_redis: Redis
         assert t is not None
         await store.release(t)
     assert (store.backlog, store.backlog_dropped) == (3, 2)
+
+
+async def test_an_admission_whose_answer_came_too_late_gives_its_slot_back(
+    make_store: StoreFactory, own_redis: RedisServer
+) -> None:
+    """Found by the soak: Redis ran the admission script after the store had given up waiting
+    (fail-open), and the slot it took was never released: 15 minutes of a key's concurrency."""
+    store = make_store(url=own_redis.url, timeout=0.05, retry_interval=0.05)
+    limits = Limits(max_concurrent=4)
+    warm = await store.admit("k", limits, 0)  # loads the script
+    assert warm.ticket is not None
+    await store.release(warm.ticket)
+    c = Redis.from_url(own_redis.url)
+    try:
+        busy = asyncio.create_task(c.execute_command("DEBUG", "SLEEP", "0.1"))
+        await asyncio.sleep(0.01)  # sleep-ok: let DEBUG SLEEP reach Redis first
+        late = await store.admit("k", limits, 0)
+        await busy
+        assert late.degraded  # admitted without limits: the answer did not come in time
+        assert late.ticket is not None
+        await store.release(late.ticket)
+        deadline = time.monotonic() + 5
+        while await c.zcard(store.redis_keys("k")[1]):
+            assert time.monotonic() < deadline, "the late admission's slot was never released"
+            await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+    finally:
+        await c.aclose()
+
+
+async def test_after_a_redis_restart_stale_connections_fail_once_not_once_each(
+    make_store: StoreFactory, own_redis: RedisServer
+) -> None:
+    """Found by the soak: each pooled connection from before a restart failed on its next use,
+    so failures (each a retry interval of fail-open admissions) went on for minutes, as load
+    reached deeper into the pool. The first failure now drops every idle connection."""
+    store = make_store(url=own_redis.url, timeout=0.5, retry_interval=0)
+    limits = Limits(requests_per_minute=10_000)
+    first = await asyncio.gather(*(store.admit("k", limits, 0) for _ in range(8)))
+    assert not any(d.degraded for d in first)  # eight connections in the pool now
+    own_redis.stop()
+    own_redis.start()
+    assert (await store.admit("k", limits, 0)).degraded  # the first use meets a dead socket
+    after = await asyncio.gather(*(store.admit("k", limits, 0) for _ in range(8)))
+    assert [d.degraded for d in after] == [False] * 8

@@ -166,6 +166,14 @@ class BackendPool:
             kv_cache_usage=load.kv_cache_usage,
         )
 
+    def any_routable(self, model: str, only: Collection[str]) -> bool:
+        """Whether one of the backends ``only`` serving ``model`` can take a request now."""
+        now = self._clock()
+        return any(
+            b.id in only and b.spec.role != "prefill" and self.routable(b, now)
+            for b in self._by_model.get(model, ())
+        )
+
     def roles(self, model: str) -> frozenset[str]:
         """The roles (``both``, ``prefill``, ``decode``) of the backends serving ``model``."""
         return self._roles.get(model, frozenset())

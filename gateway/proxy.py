@@ -86,7 +86,10 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
             request, settings.max_body_bytes, settings.client.body_timeout
         )
         model = record.model = request_model(doc)
-        choice = app[ROLLOUT].resolve(model, request.headers)
+        pool = app[ROUTER].pool
+        choice = app[ROLLOUT].resolve(
+            model, request.headers, usable=lambda p: pool.any_routable(p.model, p.backends)
+        )
         if choice is not None:  # an alias (or a pool's own name): route in the chosen pool
             record.pool = choice.pool.name
             model = choice.pool.model

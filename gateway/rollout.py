@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -90,8 +90,19 @@ class Rollout:
         """The model names clients may use beyond the backends' own."""
         return sorted(set(self.aliases) | (set(self.pools) if self.expose_pools else set()))
 
-    def resolve(self, model: str, headers: Mapping[str, str]) -> Choice | None:
-        """The pool for a request naming ``model``; None if it is no alias or exposed pool."""
+    def resolve(
+        self,
+        model: str,
+        headers: Mapping[str, str],
+        usable: Callable[[Pool], bool] = lambda pool: True,
+    ) -> Choice | None:
+        """The pool for a request naming ``model``; None if it is no alias or exposed pool.
+
+        A pool that is not ``usable`` now (no backend of it can take a request) is passed over
+        while another pool of the alias is, as a drained one is: a canary whose only backend
+        died does not fail its share of the traffic. Sticky sessions come back to it when it
+        recovers (rendezvous hashing over the pools left).
+        """
         weights = self.aliases.get(model)
         if weights is None:
             if not (self.expose_pools and model in self.pools):
@@ -101,7 +112,8 @@ class Rollout:
             if self.drained:
                 weights = {p: 0.0 if p in self.drained else w for p, w in weights.items()}
             key = headers.get(self.sticky_header) if self.sticky_header else None
-            chosen = choose_pool(weights, key, self._rng)
+            live = {p: w if w > 0 and usable(self.pools[p]) else 0.0 for p, w in weights.items()}
+            chosen = choose_pool(live, key, self._rng) or choose_pool(weights, key, self._rng)
             if chosen is None:
                 raise NoBackendAvailable(f"Every pool serving `{model}` is drained.", retry_after=1)
             name = chosen

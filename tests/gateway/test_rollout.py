@@ -341,3 +341,16 @@ def test_settings_refuse_bad_pools_and_aliases(change: dict[str, Any], why: str)
     backends = ["http://h1:8000", {"url": "http://h2:8000", "name": "v2a"}]
     with pytest.raises(ValidationError, match=why):
         Settings(backends=[*backends, {"url": "http://h3", "name": "v1a"}], **change)
+
+
+async def test_a_pool_whose_backends_are_all_down_passes_its_share_to_the_others() -> None:
+    """Found by the soak: with its canary's one backend dead, an alias's canary share got
+    502/503 while the stable pool was healthy. A pool nobody can serve is passed over."""
+    async with fleet({"v1": 50, "v2": 50}) as gw, aiohttp.ClientSession() as http:
+        pool = gw.app[POOL]
+        pool.set_draining("v2a", True)  # its only backend takes no request: as if it died
+        pools_used = [await pool_of(http, gw) for _ in range(20)]
+        pool.set_draining("v2a", False)
+        back = {await pool_of(http, gw) for _ in range(20)}
+    assert set(pools_used) == {"v1"}
+    assert back == {"v1", "v2"}

@@ -139,9 +139,11 @@ def cancel_reason(app: web.Application) -> str:
 async def open_upstream(t: Try, body: bytes) -> Upstream:
     """Send ``body`` on ``t``'s backend and return once its answer's head is in.
 
-    Until something reaches the client, the lease's down signal interrupts the wait
-    (``BackendDown``). A cancellation here (the client left) counts as an upstream abort:
-    closing the half-open request is what tells the backend to stop.
+    Until something reaches the client, and if another backend could take the request, the
+    lease's down signal interrupts the wait (``BackendDown``): a backend marked down may still
+    answer, so with nowhere else to go the request keeps waiting. A cancellation here (the
+    client left) counts as an upstream abort: closing the half-open request is what tells the
+    backend to stop.
     """
     call = t.call
     app, record = call.request.app, call.record
@@ -151,8 +153,10 @@ async def open_upstream(t: Try, body: bytes) -> Upstream:
         t.span.set_attribute("llm_gateway.step", t.step.name)
         headers = CIMultiDict(headers)
         inject(headers, set_span_in_context(t.span))
-    interrupt = Interrupt()
-    t.lease.on_down(interrupt.fire)
+    interrupt = None
+    if t.may_retry:  # only worth it if another backend could take the request instead
+        interrupt = Interrupt()
+        t.lease.on_down(interrupt.fire)
     t.tally.sent_at = time.monotonic()
     try:
         upstream = await app[UPSTREAM].open(

@@ -17,6 +17,7 @@ from tests.helpers import (
     FakeBackend,
     Seen,
     answer,
+    hang_before_headers,
     hung_server,
     kill,
     running_fake,
@@ -329,3 +330,23 @@ async def test_a_request_waiting_on_a_backend_that_goes_down_moves_on_at_once() 
     assert statuses == [200, 200]
     assert len(b.seen) == 3  # the two that waited on a, and the one sent to b
     assert all(seen.ending == "cancelled" for seen in a.seen)  # closed: vLLM would abort
+
+
+async def test_a_request_with_nowhere_else_to_go_keeps_waiting_on_a_backend_marked_down() -> None:
+    """The interrupt is only for requests another backend could take: a backend marked down
+    may still answer (its probes time out under load), and a lone one is the only hope."""
+    a = FakeBackend(behaviour=hang_before_headers)
+    async with (
+        running_fake(a),
+        running_gateway([a.url], health={"interval": 0.05, "timeout": 0.2, "fall": 2}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        state = backend_state(gw, a.url)
+        request = asyncio.create_task(s.post(gw.url + "/v1/completions", json={"model": "m"}))
+        await wait_for(lambda: len(a.seen) == 1, what="the request on a")
+        a.health_hangs = True
+        await wait_for(lambda: state.health.state is Health.DOWN, what="a marked down")
+        a.release.set()  # it answers after all
+        async with await asyncio.wait_for(request, 10) as r:
+            assert r.status == 200
+            assert (await r.json()) == {"late": True}

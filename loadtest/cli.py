@@ -1,4 +1,4 @@
-"""``llm-gateway loadtest``: run, scenario, compare, overhead, report-all.
+"""``llm-gateway loadtest``: run, scenario, compare, overhead, report-all, soak.
 
 Only argparse is imported at parser-build time; each subcommand imports what it needs.
 """
@@ -35,6 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_compare(sub)
     _add_overhead(sub)
     _add_report_all(sub)
+    _add_soak(sub)
 
 
 def _out_arg(p: argparse.ArgumentParser) -> None:
@@ -116,6 +117,27 @@ def _add_report_all(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--img", type=Path, default=Path("docs/img"))
     p.add_argument("--quick", action="store_true", help="short runs, to check the pipeline")
     p.set_defaults(func=_report_all)
+
+
+def _add_soak(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "soak",
+        help="soak and chaos: the production configuration on two replicas, under faults, "
+        "with its invariants checked (non-zero exit if one fails)",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=180.0,
+        help="seconds of load, at least 75 (default 180: every fault once; the long form is 1800)",
+    )
+    p.add_argument("--concurrency", type=int, default=20, help="concurrent clients (default 20)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    p.add_argument(
+        "--config", type=Path, help="the TOML to run (default deploy/gateway.production.toml)"
+    )
+    p.add_argument("--out", type=Path, help="run directory (default runs/soak-TIME)")
+    p.set_defaults(func=_soak)
 
 
 def parse_length(spec: str) -> LengthDist:
@@ -278,6 +300,12 @@ def _compare(args: argparse.Namespace) -> int:
 
 def _overhead(args: argparse.Namespace) -> int:
     from loadtest.overhead import main_from_args
+
+    return main_from_args(args)
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from loadtest.soak import main_from_args
 
     return main_from_args(args)
 

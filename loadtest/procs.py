@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -130,14 +131,17 @@ def start_sim(
     args: Sequence[str],
     log_dir: Path,
     *,
+    port: int = 0,
     admin_token: str | None = None,
     cpus: set[int] | None = None,
 ) -> Proc:
-    """``llm-gateway sim --port 0 ARGS``; ``wait_sim_url`` fills in its URL."""
-    cmd = [*gateway_cli(), "sim", "--port", "0", *args]
+    """``llm-gateway sim --port PORT ARGS``. Port 0 picks one (``wait_sim_url`` fills in the
+    URL); a port fixed up front lets a restart reuse it."""
+    cmd = [*gateway_cli(), "sim", "--port", str(port), *args]
     if admin_token:
         cmd += ["--admin-token", admin_token]
-    return spawn(name, cmd, log_dir, cpus=cpus, admin_token=admin_token)
+    url = f"http://127.0.0.1:{port}" if port else ""
+    return spawn(name, cmd, log_dir, cpus=cpus, url=url, admin_token=admin_token)
 
 
 async def wait_sim_url(proc: Proc, within: float = 30.0) -> str:
@@ -214,3 +218,25 @@ async def put_faults(
         if resp.status != 200:
             text = await resp.text()
             raise RuntimeError(f"{proc.name}: /sim/faults answered {resp.status}: {text}")
+
+
+def start_redis(port: int, log_dir: Path, *, name: str = "redis") -> Proc:
+    """A ``redis-server`` on ``port`` without persistence (a restart starts empty)."""
+    exe = shutil.which("redis-server") or "redis-server"
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+           "--appendonly", "no", "--protected-mode", "no"]  # fmt: skip
+    return spawn(name, cmd, log_dir, url=f"redis://127.0.0.1:{port}/0")
+
+
+def start_gateway_with_config(
+    config: Path,
+    url: str,
+    log_dir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    cpus: set[int] | None = None,
+    name: str = "gateway",
+) -> Proc:
+    """``llm-gateway serve --config FILE``; ``url`` is where that file makes it listen."""
+    cmd = [*gateway_cli(), "serve", "--config", str(config)]
+    return spawn(name, cmd, log_dir, env=env, cpus=cpus, url=url)

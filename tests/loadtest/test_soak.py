@@ -4,6 +4,7 @@ one short end-to-end soak of the production configuration under faults."""
 from __future__ import annotations
 
 import json
+import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ from loadtest.soak_outcomes import (
     stream_error_event,
 )
 from loadtest.soak_report import markdown, timeline
+from tests.redis_server import HOW_TO_GET_REDIS
 
 BACKENDS = ("gpu-a", "gpu-b", "gpu-canary")
 MIB = 1 << 20
@@ -617,6 +619,8 @@ def test_evaluate_judges_every_invariant_and_the_report_says_so() -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 async def test_a_short_soak_holds_every_invariant(tmp_path: Path) -> None:
+    if shutil.which("redis-server") is None:  # the soak kills and restarts a Redis of its own
+        pytest.fail(HOW_TO_GET_REDIS)
     result = await run_soak(SoakOptions(duration=130.0, concurrency=16, seed=1, out=tmp_path))
     for v in result.verdicts:  # shown by pytest when the test fails
         print(f"{'PASS' if v.passed else 'FAIL'}  {v.name}: {v.why}")

@@ -71,7 +71,8 @@ def _cpu_seconds() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _error_kind(exc: BaseException) -> str:
+def error_kind(exc: BaseException) -> str:
+    """A short name for what a request's client met (also the soak's)."""
     if isinstance(exc, aiohttp.SocketTimeoutError):
         return "stall"
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
@@ -164,7 +165,7 @@ class _Run:
             )
             raise
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
-            error = _error_kind(exc)
+            error = error_kind(exc)
         e2e = time.perf_counter() - sent
         itls: tuple[float, ...] = ()
         if not self.workload.stream and error is None:

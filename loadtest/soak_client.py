@@ -16,6 +16,7 @@ from typing import Final
 
 import aiohttp
 
+from loadtest.client import error_kind
 from loadtest.soak_invariants import LimitsProbe
 from loadtest.soak_mix import Plan, probe_plan
 from loadtest.soak_outcomes import ErrorInfo, Left, Observation, parse_envelope, stream_error_event
@@ -51,20 +52,6 @@ class _Seen:
         self.tail = (self.tail + chunk)[-_TAIL:]
 
 
-def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.SocketTimeoutError):
-        return "stall"
-    if isinstance(exc, asyncio.TimeoutError | TimeoutError):
-        return "timeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect"
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientPayloadError):
-        return "disconnect"
-    if isinstance(exc, aiohttp.ClientOSError | OSError):
-        return "disconnect"
-    return type(exc).__name__
-
-
 def _headers(plan: Plan) -> dict[str, str]:
     headers = {
         "Content-Type": "application/json",
@@ -84,7 +71,7 @@ async def execute(
     try:
         await _run(session, base_url + plan.path, plan, clock, seen)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        seen.exception = _error_kind(exc)
+        seen.exception = error_kind(exc)
     if seen.error is None and seen.timer.error is not None:
         seen.error = stream_error_event(seen.tail) or ErrorInfo(
             seen.timer.error, None, None, None, well_formed=False

@@ -264,21 +264,18 @@ class Fleet:
         )
 
     async def sim_state(self, session: aiohttp.ClientSession, name: str) -> dict[str, Any] | None:
-        proc = self.sims[name]
-        headers = {"Authorization": f"Bearer {self.token}"}
-        try:
-            async with session.get(f"{proc.url}/sim/state", headers=headers) as resp:
-                if resp.status != 200:
-                    return None
-                doc: dict[str, Any] = await resp.json()
-                return doc
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
-            return None
+        return await self._sim_admin(session, name, "/sim/state")
 
     async def sim_faults(self, session: aiohttp.ClientSession, name: str) -> dict[str, Any] | None:
+        return await self._sim_admin(session, name, "/sim/faults")
+
+    async def _sim_admin(
+        self, session: aiohttp.ClientSession, name: str, path: str
+    ) -> dict[str, Any] | None:
+        """A simulator's admin document, or None if it cannot be read now."""
         headers = {"Authorization": f"Bearer {self.token}"}
         try:
-            async with session.get(f"{self.sims[name].url}/sim/faults", headers=headers) as resp:
+            async with session.get(f"{self.sims[name].url}{path}", headers=headers) as resp:
                 if resp.status != 200:
                     return None
                 doc: dict[str, Any] = await resp.json()

@@ -220,4 +220,4 @@ _LEFT: Final[dict[Left, Outcome]] = {
     "mid_stream": "left_mid_stream",
     "nonstream_wait": "left_nonstream_wait",
 }
-_TIMEOUTS: Final = frozenset({"timeout", "stall"})
+_TIMEOUTS: Final = frozenset({"timeout", "connect_timeout", "stall"})

@@ -1,5 +1,6 @@
-"""The soak runner: its pure parts on synthetic data (each invariant can pass and can fail), and
-one short end-to-end soak of the production configuration under faults."""
+"""The soak runner: its configuration, fault schedule, request mix and outcomes on synthetic
+data (the invariants: ``test_soak_invariants.py``), and one short end-to-end soak of the
+production configuration under faults."""
 
 from __future__ import annotations
 

@@ -25,6 +25,8 @@ answers a client with is here:
         │   └── BackendDown           502 bad_gateway (its probes marked it down meanwhile)
         ├── UpstreamProtocolError     502 bad_gateway (the backend answered nonsense)
         ├── UpstreamTimeout           504 gateway_timeout (no byte within the idle timeout)
+        │   └── BackendStalled        504 gateway_timeout (none of its streams moved)
+        ├── EngineFailed              502 bad_gateway (an error event, or an abort, mid-stream)
         └── BackendRefused            the backend's own 429/502/503/504 answer, passed on as
                                       it came (+ Retry-After) when no other backend could help
 
@@ -179,6 +181,18 @@ class UpstreamTimeout(UpstreamError):
     status = 504
     type = "gateway_timeout"
     default_code = "backend_timeout"
+
+
+class BackendStalled(UpstreamTimeout):
+    """Every stream on the backend stopped moving: it was taken out of rotation."""
+
+    default_code = "backend_stalled"
+
+
+class EngineFailed(UpstreamError):
+    """The engine said, inside a stream that had begun, that it could not go on."""
+
+    default_code = "backend_engine_error"
 
 
 class BackendRefused(UpstreamError):

@@ -57,3 +57,11 @@ class HealthTracker:
         ):
             self.state = Health.DOWN
         return self.state
+
+    def mark_down(self, error: str) -> Health:
+        """Down at once, whatever the probes said (a stall seen on the request path); back up
+        through ``rise`` good probes, as after failed ones."""
+        self.successes = 0
+        self.last_error = error
+        self.state = Health.DOWN
+        return self.state

@@ -1,10 +1,16 @@
-"""Idle timeouts for upstream streams, at the cost of one integer increment per read.
+"""Idle and stall timeouts for upstream streams, at the cost of one integer increment per read.
 
 aiohttp's own ``sock_read`` timeout re-arms a loop timer on every read, which on a token
 stream (one read per token) was the largest single cost of the relay. Here each stream bumps a
 counter when data arrives, and one sweep per interval finds the streams whose counter has not
 moved for ``timeout`` seconds. The decision is pure (``sweep`` takes the time as an argument);
 the loop that calls it is the only I/O.
+
+The same sweep finds a stalled backend: one whose streams (one at least begun) have all stood
+still for ``stall_after`` seconds, as an engine that hangs with requests in flight while its
+``/health`` still answers does. Each of its streams is cut with ``stalled`` set (so the
+request path continues it elsewhere) and ``on_stall`` names the backend (the pool takes it
+out of rotation).
 """
 
 from __future__ import annotations
@@ -17,29 +23,41 @@ from collections.abc import Callable
 class IdleWatch:
     """One stream's activity counter; the relay does ``watch.activity += 1`` per read."""
 
-    __slots__ = ("_last_change", "_seen", "activity", "fired", "on_idle")
+    __slots__ = ("_last_change", "_seen", "activity", "backend", "fired", "on_idle", "stalled")
 
-    def __init__(self, on_idle: Callable[[], None], now: float) -> None:
+    def __init__(self, on_idle: Callable[[], None], now: float, backend: str | None = None) -> None:
         self.activity = 0
         self.fired = False
+        self.stalled = False  # cut because its whole backend stalled, not on its own
         self.on_idle = on_idle
+        self.backend = backend
         self._seen = 0
         self._last_change = now
 
 
 class IdleWatchdog:
-    def __init__(self, timeout: float, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        timeout: float,
+        *,
+        stall_after: float = 0.0,
+        on_stall: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.timeout = timeout
+        self.stall_after = stall_after  # 0: no stall detection
+        self.on_stall = on_stall
         # Granularity of the check: a stream is cut between timeout and timeout + interval.
-        self.interval = min(1.0, timeout / 4)
+        shortest = min(timeout, stall_after) if stall_after > 0 else timeout
+        self.interval = min(1.0, shortest / 4)
         self._clock = clock
         self._watches: set[IdleWatch] = set()
 
     def __len__(self) -> int:
         return len(self._watches)
 
-    def watch(self, on_idle: Callable[[], None]) -> IdleWatch:
-        w = IdleWatch(on_idle, self._clock())
+    def watch(self, on_idle: Callable[[], None], backend: str | None = None) -> IdleWatch:
+        w = IdleWatch(on_idle, self._clock(), backend)
         self._watches.add(w)
         return w
 
@@ -47,7 +65,8 @@ class IdleWatchdog:
         self._watches.discard(w)
 
     def sweep(self, now: float) -> list[IdleWatch]:
-        """Fire and forget every watch idle for ``timeout``; return those that fired."""
+        """Fire and forget every watch idle for ``timeout``, and every watch of a stalled
+        backend; return those that fired."""
         fired: list[IdleWatch] = []
         for w in self._watches:
             if w.activity != w._seen:
@@ -55,11 +74,34 @@ class IdleWatchdog:
                 w._last_change = now
             elif now - w._last_change >= self.timeout:
                 fired.append(w)
+        stalled = self.stalled(now) if self.stall_after > 0 else set()
+        if stalled:
+            for w in self._watches:
+                if w.backend in stalled and w not in fired:
+                    w.stalled = True
+                    fired.append(w)
         for w in fired:
             self._watches.discard(w)
             w.fired = True
             w.on_idle()
+        for backend in sorted(stalled):
+            if self.on_stall is not None:
+                self.on_stall(backend)
         return fired
+
+    def stalled(self, now: float) -> set[str]:
+        """Backends whose every watched stream has stood still for ``stall_after``, one of
+        them at least begun (a stream waiting for its first byte alone is a long prefill)."""
+        latest: dict[str, float] = {}
+        begun: set[str] = set()
+        for w in self._watches:
+            b = w.backend
+            if b is None:
+                continue
+            latest[b] = max(latest.get(b, w._last_change), w._last_change)
+            if w.activity:
+                begun.add(b)
+        return {b for b in begun if now - latest[b] >= self.stall_after}
 
     async def run(self) -> None:
         while True:

@@ -309,6 +309,19 @@ class BackendPool:
             self.changed()
         return before, after
 
+    def record_stall(self, backend_id: str, error: str) -> bool:
+        """Take a backend whose streams all stopped moving out of rotation, as failed probes
+        would (requests waiting on it are told); its probes bring it back. True if it was
+        not down already."""
+        b = self._backends.get(backend_id)
+        if b is None or b.health.state is Health.DOWN:
+            return False
+        b.health.mark_down(error)
+        for callback in list(b.down_watchers):
+            callback()
+        self.changed()
+        return True
+
     def record_load(
         self, backend_id: str, reading: LoadReading, *, began_at: float, sent_at_start: int
     ) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,6 +27,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.errors import (
     BackendDown,
+    BackendStalled,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
@@ -41,11 +42,22 @@ class MarkedDown(aiohttp.ClientConnectionError):
     """Set on a response body whose backend the probes marked down (``Interrupt``)."""
 
 
+class Stalled(aiohttp.ClientConnectionError):
+    """Set on a response body whose backend stalled: none of its streams moved."""
+
+
+# aiohttp's message for a body whose connection closed before its end (a dead backend), as
+# opposed to one that broke its framing.
+_CUT_SHORT = "Response payload is not completed"
+
+
 def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
     """Map an aiohttp/OS error from talking to ``backend`` onto the gateway's tree."""
     where = f"backend {backend.id}"
     if isinstance(exc, MarkedDown):
         return BackendDown(f"{where}: marked down by its health probes while the request waited")
+    if isinstance(exc, Stalled):
+        return BackendStalled(f"{where}: stalled, none of its streams moved for {exc}")
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
         return UpstreamUnreachable(f"{where}: connect timed out")
     if isinstance(exc, aiohttp.ServerTimeoutError | asyncio.TimeoutError | TimeoutError):
@@ -54,6 +66,8 @@ def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
         return UpstreamUnreachable(f"{where}: cannot connect ({exc.os_error.strerror or exc})")
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | OSError):
         return UpstreamUnreachable(f"{where}: connection lost")
+    if isinstance(exc, aiohttp.ClientPayloadError) and str(exc).startswith(_CUT_SHORT):
+        return UpstreamUnreachable(f"{where}: connection lost mid-answer")
     if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientResponseError | BadFraming):
         return UpstreamProtocolError(f"{where}: malformed response")
     return UpstreamUnreachable(f"{where}: {type(exc).__name__}")
@@ -174,6 +188,8 @@ class UpstreamClient:
         idle_timeout: float,
         max_connections: int = 0,
         keepalive_timeout: float = 4.0,
+        stall_after: float = 0.0,
+        on_stall: Callable[[str], None] | None = None,
         supervisor: Supervisor | None = None,
     ) -> None:
         self._connector = aiohttp.TCPConnector(
@@ -184,7 +200,7 @@ class UpstreamClient:
             keepalive_timeout=keepalive_timeout,
         )
         self._idle_timeout = idle_timeout
-        self.watchdog = IdleWatchdog(idle_timeout)
+        self.watchdog = IdleWatchdog(idle_timeout, stall_after=stall_after, on_stall=on_stall)
         # auto_decompress off: bytes pass through as the backend sent them.
         self._session = aiohttp.ClientSession(
             connector=self._connector,
@@ -220,15 +236,19 @@ class UpstreamClient:
             interrupt.watch(resp.content)
 
         def on_idle() -> None:
-            resp.content.set_exception(aiohttp.SocketTimeoutError("idle timeout"))
+            if watch.stalled:
+                resp.content.set_exception(Stalled(f"{self.watchdog.stall_after:g} s"))
+            else:
+                resp.content.set_exception(aiohttp.SocketTimeoutError("idle timeout"))
 
+        watch = self.watchdog.watch(on_idle, backend.id)
         return Upstream(
             backend,
             resp.status,
             resp.headers,
             resp.content_type,
             resp.content,
-            self.watchdog.watch(on_idle),
+            watch,
             interrupt,
             resp,
         )

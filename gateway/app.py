@@ -82,11 +82,21 @@ def _backends_ctx(resolver: Resolver | None, transport: Transport | None):  # ty
         s = app[SETTINGS]
         pool = app[POOL]
         supervisor = app[SUPERVISOR]
+        stall_after = s.health.stall_after
+
+        def stalled(backend_id: str) -> None:
+            error = f"stalled: none of its streams moved for {stall_after:g} s"
+            if pool.record_stall(backend_id, error):
+                app[METRICS].stalls.labels(backend_id).inc()
+                log.warning("backend_stalled", backend=backend_id, stall_after_s=stall_after)
+
         client = transport or UpstreamClient(
             connect_timeout=s.upstream.connect_timeout,
             idle_timeout=s.upstream.idle_timeout,
             max_connections=s.upstream.max_connections,
             keepalive_timeout=s.upstream.keepalive_timeout,
+            stall_after=stall_after,
+            on_stall=stalled,
             supervisor=supervisor,
         )
         app[UPSTREAM] = client

@@ -14,7 +14,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDict
@@ -31,6 +31,7 @@ from backends.pool import Lease
 from backends.upstream import Interrupt, Upstream
 from gateway.keys import LIFECYCLE, TRACER, UPSTREAM
 from gateway.record import RequestRecord
+from gateway.relay import StreamBroken
 from gateway.rollout import Choice
 from gateway.router import Step
 from gateway.tracing import attempt_span, inject
@@ -51,6 +52,13 @@ class Call:
     strip_usage: bool = False
     extra_headers: dict[str, str] | None = None  # added to the client's response
     choice: Choice | None = None  # the model pool chosen for an alias
+    # The request as parsed, when its stream may be continued on another backend if its own
+    # fails mid-way (``gateway.continuation``); None when it may not.
+    resumable: dict[str, Any] | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.path.endswith("/chat/completions")
 
 
 @dataclass(slots=True)
@@ -108,6 +116,8 @@ def error_kind(exc: BaseException) -> str:
         return "protocol"
     if isinstance(exc, UpstreamError):
         return "unreachable"
+    if isinstance(exc, StreamBroken):
+        return "stream"
     return "abandoned"
 
 

@@ -270,6 +270,22 @@ class GatewayMetrics:
             ["backend", "reason"],
             registry=r,
         )
+        self.continuations = Counter(
+            "llm_gateway_stream_continuations",
+            "Streams that broke after bytes reached the client, by what broke them "
+            "(unreachable, timeout, stalled, protocol, engine_error) and what followed "
+            "(continued: another backend finished it; broken: that one broke too; failed: no "
+            "backend could continue it; or why it was not continued: tool_call, reasoning, "
+            "token_prompt, limit...).",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.stalls = Counter(
+            "llm_gateway_backend_stalls",
+            "Backends taken out of rotation because none of their streams moved.",
+            ["backend"],
+            registry=r,
+        )
         self.queue_wait = Histogram(
             "llm_gateway_admission_wait_seconds",
             "Time requests spent in the admission queue.",

@@ -41,6 +41,7 @@ class RequestRecord:
     ended_at: float | None = None
     events: int = 0
     abort_reason: str | None = None
+    continuations: int = 0  # times the stream went on from another backend
 
     @property
     def backend(self) -> str:
@@ -86,6 +87,8 @@ class RequestRecord:
             "prompt_tokens": self.usage.prompt_tokens if self.usage else None,
             "completion_tokens": self.usage.completion_tokens if self.usage else None,
         }
+        if self.continuations:
+            fields["continuations"] = self.continuations
         if len(self.backends) > 1:
             fields["tried"] = self.backends
         if self.candidates:

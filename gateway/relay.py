@@ -25,11 +25,12 @@ from aiohttp.abc import AbstractStreamWriter
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
-from backends.errors import UpstreamError
+from backends.errors import EngineFailed, UpstreamError
 from backends.idle import IdleWatch
 from backends.state import BackendSpec
 from backends.tap import tap
 from backends.upstream import CLIENT_ERRORS, Transport, Upstream, translate
+from gateway.continuation import Keep, Progress, Stitch
 from gateway.limits.tokens import UsageFilter
 from gateway.sse import FirstTokenWatch
 
@@ -46,6 +47,24 @@ class RelayResult:
     first_token_at: float | None = None
     error: UpstreamError | None = None
     events: int = 0  # SSE "data:" events relayed
+
+
+class StreamBroken(Exception):
+    """A stream broke after bytes reached the client, and may be continued elsewhere.
+
+    Carries the client's response, still open, and what the client has received; raised
+    out of the attempt so that its lease is released and its backend judged as for any
+    failure, then caught where the stream is continued (``gateway.proxy``).
+    """
+
+    def __init__(
+        self, response: web.StreamResponse, error: UpstreamError, backend: str, progress: Progress
+    ) -> None:
+        super().__init__(error.message)
+        self.response = response
+        self.error = error
+        self.backend = backend
+        self.progress = progress
 
 
 def stream_error_event(err: UpstreamError) -> bytes:
@@ -84,12 +103,22 @@ def partial_tail(data: bytes, field: bytes) -> int:
 class Chunks:
     """What both stream paths do with each upstream read, in one place.
 
-    Counts it for the idle watchdog and the event tally, times the first token, drops a usage
-    chunk the client didn't ask for, and renames the model for an alias. ``take`` returns the
-    bytes to send (maybe none).
+    Counts it for the idle watchdog and the event tally, times the first token, keeps what
+    a continuation would need (``keep``: whole events only, stopping at an engine's error
+    event, which sets ``cut``), drops a usage chunk the client didn't ask for, and renames
+    the model for an alias. ``take`` returns the bytes to send (maybe none).
     """
 
-    __slots__ = ("_first_token", "_held", "_now", "_rename", "_result", "_usage", "_watch")
+    __slots__ = (
+        "_first_token",
+        "_held",
+        "_now",
+        "_rename",
+        "_result",
+        "_usage",
+        "_watch",
+        "keep",
+    )
 
     def __init__(
         self,
@@ -98,6 +127,8 @@ class Chunks:
         usage: UsageFilter,
         now: Callable[[], float],
         rename: Rename | None,
+        *,
+        keep: Keep | None = None,
     ) -> None:
         self._watch = watch
         self._result = result
@@ -106,6 +137,12 @@ class Chunks:
         self._now = now
         self._rename = rename
         self._held = b""  # the start of a model field a read ended in (renaming only)
+        self.keep = keep
+
+    @property
+    def cut(self) -> str | None:
+        """The engine's failure message, once an event reported one (nothing more is sent)."""
+        return None if self.keep is None else self.keep.cut
 
     def take(self, data: bytes) -> bytes:
         self._watch.activity += 1
@@ -113,6 +150,8 @@ class Chunks:
         result.events += data.count(b"data:")
         if not self._first_token.seen and self._first_token.feed(data):
             result.first_token_at = self._now()
+        if self.keep is not None:
+            data = self.keep.take(data)
         out = self._usage.feed(data)  # the same bytes, less a usage chunk the client didn't want
         if out and self._rename is not None:
             old, new = self._rename
@@ -171,15 +210,18 @@ class Splice:
     def on_data(self, data: bytes) -> bool:
         if self._over:
             return False
-        out = self._chunks.take(data)
-        if not out:
-            return False
-        client = self._client
-        if client.is_closing():
-            self._end(Ending.CLIENT_DISCONNECT)
+        chunks = self._chunks
+        out = chunks.take(data)
+        if out:
+            client = self._client
+            if client.is_closing():
+                self._end(Ending.CLIENT_DISCONNECT)
+                return True
+            client.write(b"%x\r\n%b\r\n" % (len(out), out))  # one HTTP chunk
+        if chunks.keep is not None and chunks.cut is not None:
+            self.on_error(EngineFailed(f"backend {self._backend.id}: {chunks.cut}"))
             return True
-        client.write(b"%x\r\n%b\r\n" % (len(out), out))  # one HTTP chunk
-        if self._client_flow.writing_paused:
+        if out and self._client_flow.writing_paused:
             self._paused = True
             self._wakeup()
             return True
@@ -190,7 +232,9 @@ class Splice:
 
     def on_error(self, exc: BaseException) -> None:
         if not self._over:
-            self._result.error = translate(exc, self._backend)
+            self._result.error = (
+                exc if isinstance(exc, UpstreamError) else translate(exc, self._backend)
+            )
             self._end(Ending.UPSTREAM_ERROR)
 
     # The handler task's side.
@@ -236,6 +280,7 @@ async def relay_stream(
     result: RelayResult,
     rename: Rename | None = None,
     fast: bool = True,
+    keep: Keep | None = None,
 ) -> web.StreamResponse:
     """Relay an event stream chunk by chunk, until either side ends it.
 
@@ -243,6 +288,8 @@ async def relay_stream(
     relayed even when the handler is cancelled mid-stream; ``result.ending`` says how it ended.
     Raises ``UpstreamError`` if the backend fails before its first chunk (nothing sent yet).
     ``fast`` False keeps to plain reads (when the tap's aiohttp internals are not as expected).
+    With ``keep`` (the stream may be continued elsewhere), a stream that breaks is left open:
+    the caller continues it or ends it (``end_stream``).
     """
     content = upstream.content
     try:
@@ -253,7 +300,7 @@ async def relay_stream(
         upstream.interrupt.disarm()  # from the first write on, the stream is the client's
     resp = web.StreamResponse(status=upstream.status, headers=headers)
     result.ending = Ending.COMPLETE
-    chunks = Chunks(upstream.watch, result, usage, now, rename)
+    chunks = Chunks(upstream.watch, result, usage, now, rename, keep=keep)
     fast_path_tried = not fast
     try:
         writer = await resp.prepare(request)
@@ -261,6 +308,10 @@ async def relay_stream(
             out = chunks.take(chunk)
             if out or not fast_path_tried:
                 await resp.write(out)  # the first write also sends the head
+            if chunks.cut is not None:
+                result.ending = Ending.UPSTREAM_ERROR
+                result.error = EngineFailed(f"backend {upstream.backend.id}: {chunks.cut}")
+                break
             if not fast_path_tried:
                 fast_path_tried = True
                 if await _spliced(request, writer, upstream, result, chunks):
@@ -271,17 +322,77 @@ async def relay_stream(
                 result.ending = Ending.UPSTREAM_ERROR
                 result.error = translate(exc, upstream.backend)
                 break
-        if result.ending is Ending.UPSTREAM_ERROR:
-            assert result.error is not None
-            await resp.write(chunks.rest() + stream_error_event(result.error))
-        if result.ending is not Ending.CLIENT_DISCONNECT:
-            await resp.write_eof(chunks.rest())
+        if result.ending is Ending.UPSTREAM_ERROR and keep is not None:
+            return resp  # the caller continues it elsewhere, or ends it
+        await _close(resp, chunks, result)
     except ConnectionResetError:  # the client went away between two writes
         result.ending = Ending.CLIENT_DISCONNECT
     except asyncio.CancelledError:  # the client went away (aiohttp cancels its handler)
         result.ending = Ending.CLIENT_DISCONNECT
         raise
     return resp
+
+
+async def _close(resp: web.StreamResponse, chunks: Chunks, result: RelayResult) -> None:
+    if result.ending is Ending.UPSTREAM_ERROR:
+        assert result.error is not None
+        await resp.write(chunks.rest() + stream_error_event(result.error))
+    if result.ending is not Ending.CLIENT_DISCONNECT:
+        await resp.write_eof(chunks.rest())
+
+
+async def end_stream(
+    resp: web.StreamResponse, error: UpstreamError | None, *, done: bool = False
+) -> None:
+    """End a broken stream that was not continued: vLLM's error event, then [DONE]; or,
+    with no ``error``, only the [DONE] it lacked (``done``: not even that)."""
+    try:
+        if error is not None:
+            await resp.write(stream_error_event(error))
+        elif not done:
+            await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:  # the client went away meanwhile
+        pass
+
+
+async def relay_resumed(
+    resp: web.StreamResponse,
+    upstream: Upstream,
+    stitch: Stitch,
+    chunks: Chunks,
+) -> UpstreamError | None:
+    """Relay a continuation into the client's open stream ``resp``, through ``stitch``.
+
+    Returns None once the stream has ended (and is closed), or the error that broke it after
+    some of this continuation reached the client. Raises ``UpstreamError`` if it broke before
+    (so another backend may be tried at no cost to the client).
+    """
+    content = upstream.content
+    wrote = False
+    while True:
+        try:
+            chunk = await content.readany()
+        except CLIENT_ERRORS as exc:
+            error = translate(exc, upstream.backend)
+            if not wrote:
+                raise error from exc
+            return error
+        if not chunk:
+            break
+        out = chunks.take(stitch.feed(chunk))
+        if out:
+            if not wrote and upstream.interrupt is not None:
+                upstream.interrupt.disarm()  # from now on this part is the client's too
+            await resp.write(out)
+            wrote = True
+        if stitch.cut is not None:
+            failed = EngineFailed(f"backend {upstream.backend.id}: {stitch.cut}")
+            if not wrote:
+                raise failed
+            return failed
+    await resp.write_eof(chunks.rest())
+    return None
 
 
 async def _spliced(

@@ -194,6 +194,13 @@ class HealthSettings(BaseModel):
     circuit_cooldown: float = Field(5.0, gt=0, description="first open period, seconds")
     circuit_growth: float = Field(2.0, ge=1, description="cooldown factor on each re-opening")
     circuit_max_cooldown: float = Field(120.0, gt=0)
+    stall_after: float = Field(
+        20.0,
+        ge=0,
+        description="seconds without progress on every stream of a backend (one at least "
+        "begun) before it is taken out of rotation and its streams continued elsewhere; 0: off."
+        " Keep it above the longest prefill step",
+    )
 
 
 class RetrySettings(BaseModel):
@@ -207,6 +214,30 @@ class RetrySettings(BaseModel):
     backoff_max: float = Field(2.0, ge=0)
     backoff_factor: float = Field(1.5, ge=1)
     jitter: float = Field(0.2, ge=0, le=1, description="+/- this fraction of each backoff")
+
+
+class ContinuationSettings(BaseModel):
+    """A stream whose backend fails mid-way goes on from another backend (README: "Streams
+    that survive a dying backend")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    max_continuations: int = Field(
+        3, ge=1, description="breaks one stream may survive; the next ends it with an error event"
+    )
+    max_attempts: int = Field(3, ge=1, description="backends tried for each continuation")
+    deadline: float = Field(
+        15.0, gt=0, description="seconds after a break within which a continuation must begin"
+    )
+    compact_bytes: int = Field(
+        256 * 1024,
+        ge=4096,
+        description="kept stream bytes past which they are parsed into text (memory per stream)",
+    )
+    tokenize_timeout: float = Field(
+        2.0, gt=0, description="seconds for the backend's /tokenize to count what was sent"
+    )
 
 
 class DiscoverySettings(BaseModel):
@@ -318,6 +349,7 @@ class Settings(BaseSettings):
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
+    continuation: ContinuationSettings = Field(default_factory=ContinuationSettings)
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)

@@ -7,6 +7,7 @@ one way to wait in ``tests.waiting``; both are re-exported here for the tests' c
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from aiohttp import web
 
 from gateway.admin import create_admin_app
 from gateway.app import create_app
-from gateway.keys import POOL
+from gateway.keys import METRICS, POOL
 from gateway.server import make_runner, ssl_context
 from gateway.settings import Settings
 from loadtest.fakebackend import (
@@ -158,3 +159,18 @@ async def running_gateway(
         if admin_runner is not None:
             await admin_runner.cleanup()
         await runner.cleanup()
+
+
+def sample(gw: RunningGateway, name: str, **labels: str) -> float:
+    """A metric's value in the gateway's registry (0 if the series does not exist)."""
+    return gw.app[METRICS].registry.get_sample_value(name, labels) or 0.0
+
+
+def events(raw: bytes) -> list[Any]:
+    """A stream's events: each ``data`` as JSON, or the string ``[DONE]``."""
+    out: list[Any] = []
+    for block in raw.decode().split("\n\n"):
+        if block.startswith("data: "):
+            data = block[6:]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

@@ -140,7 +140,9 @@ async def test_a_cut_stream_and_a_client_that_leaves_are_told_apart() -> None:
     fleet = Fleet({"a": cut, "b": held, "c": held})
     transport = MockTransport(fleet)
     policy = Recording()
-    async with running_gateway(BACKENDS, transport=transport) as gw:
+    # Not continued elsewhere (tests/gateway/test_continuation.py covers that): one outcome each.
+    off = {"enabled": False}
+    async with running_gateway(BACKENDS, transport=transport, continuation=off) as gw:
         gw.app[ROUTER].policy = policy
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as r:

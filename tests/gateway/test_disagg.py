@@ -20,8 +20,8 @@ from backends.pool import BackendPool
 from backends.sim import FAST, Faults, RunningSim, SimConfig, running_sim
 from backends.state import BackendSpec
 from gateway.disagg import PREFILL_KV_PARAMS, prefill_body
-from gateway.keys import METRICS, POOL
-from tests.helpers import RunningGateway, running_gateway, wait_for
+from gateway.keys import POOL
+from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
 
 MODEL = FAST.model_name
 PREFILL = FAST.replace(kv_role="kv_producer")
@@ -61,19 +61,6 @@ def chat(stream: bool, max_tokens: int = 8, prompt: str = "hello there") -> dict
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body
-
-
-def sample(gw: RunningGateway, name: str, **labels: str) -> float:
-    return gw.app[METRICS].registry.get_sample_value(name, labels) or 0.0
-
-
-def events(raw: bytes) -> list[Any]:
-    out: list[Any] = []
-    for block in raw.decode().split("\n\n"):
-        if block.startswith("data: "):
-            data = block[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
 
 
 def no_leaks(gw: RunningGateway, sims: Sequence[RunningSim]) -> bool:

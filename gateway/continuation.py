@@ -29,10 +29,13 @@ from gateway.sse import SSEParser
 
 _BOUNDARY: Final = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 _MAX_EVENT: Final = 1 << 20  # an unfinished event longer than this is not held back
-# Cheap first look for an engine's error event or a finish it did not choose: the bytes of a
-# healthy read rarely contain either, and a false alarm only costs a parse of that read.
-_ALARMS: Final = (b'"error', b'"abort"')
-_FAILED_FINISH: Final = frozenset({"error", "abort"})
+# Cheap first look for an engine's error event (vLLM's ``{"error": ...}`` once a stream has
+# begun; a finish_reason "error" is turned into one): a healthy read rarely contains it, and
+# a false alarm only costs a parse of that read. An "abort" finish is passed on as vLLM gave
+# it: the engine ended that request on purpose (an operator's abort, a pause).
+_ERROR: Final = b'"error'
+_ERROR_EVENT: Final = b'data: {"error"'
+_FAILED_FINISH: Final = frozenset({"error"})
 _STRUCTURED: Final = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
@@ -204,14 +207,17 @@ class Keep:
         self._held = b""
         self.cut: str | None = None
 
-    def take(self, data: bytes) -> bytes:
+    def take(self, data: bytes, events: int = -1) -> bytes:
+        """``events``: how many events ``data`` holds, if the caller counted (-1: unknown)."""
         if self._held:
             data, self._held = self._held + data, b""
+            events = -1
         if not data.endswith(b"\n\n"):  # the usual read is whole events: one check
             end = _last_boundary(data)
             if end < len(data) and len(data) - end <= _MAX_EVENT:
                 data, self._held = data[:end], data[end:]
-        if any(alarm in data for alarm in _ALARMS):
+        # The usual read is one event, and an error event's first bytes say what it is.
+        if data.startswith(_ERROR_EVENT) if events == 1 else _ERROR in data:
             data = self._until_failure(data)
         if data:
             self._reads.append(data)
@@ -253,8 +259,8 @@ def _last_boundary(data: bytes) -> int:
 
 def engine_failure(event: bytes) -> str | None:
     """The message of an event in which the engine reports a failure: an ``error`` object
-    (vLLM's way once a stream has begun) or a finish it did not choose (``error``,
-    ``abort``). None for any other event."""
+    (vLLM's way once a stream has begun) or an ``error`` finish. None for any other event
+    (an ``abort`` finish included: it is the engine's answer, passed on as it gave it)."""
     for payload in SSEParser().feed(event if event.endswith(b"\n\n") else event + b"\n\n"):
         try:
             doc = json.loads(payload)

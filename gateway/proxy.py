@@ -324,7 +324,7 @@ async def _resume(
         reason = _break_reason(broken.error)
         if progress.done or progress.finished is not None:  # only the stream's end was lost
             metrics.continuations.labels(reason, "complete").inc()
-            await end_stream(resp, None if progress.done else broken.error, done=progress.done)
+            await end_stream(resp, None, done=progress.done)
             record.ending = Ending.COMPLETE.value
             return resp
         why = can_resume(call.resumable, call.chat, progress)

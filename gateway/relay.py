@@ -147,11 +147,12 @@ class Chunks:
     def take(self, data: bytes) -> bytes:
         self._watch.activity += 1
         result = self._result
-        result.events += data.count(b"data:")
+        events = data.count(b"data:")
+        result.events += events
         if not self._first_token.seen and self._first_token.feed(data):
             result.first_token_at = self._now()
         if self.keep is not None:
-            data = self.keep.take(data)
+            data = self.keep.take(data, events)
         out = self._usage.feed(data)  # the same bytes, less a usage chunk the client didn't want
         if out and self._rename is not None:
             old, new = self._rename

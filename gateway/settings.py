@@ -231,9 +231,10 @@ class ContinuationSettings(BaseModel):
         15.0, gt=0, description="seconds after a break within which a continuation must begin"
     )
     compact_bytes: int = Field(
-        256 * 1024,
+        1024 * 1024,
         ge=4096,
-        description="kept stream bytes past which they are parsed into text (memory per stream)",
+        description="a stream's kept events past which they are parsed into text: memory per "
+        "stream, against CPU on streams longer than this (about 6,000 tokens)",
     )
     tokenize_timeout: float = Field(
         2.0, gt=0, description="seconds for the backend's /tokenize to count what was sent"

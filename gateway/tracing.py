@@ -77,5 +77,7 @@ def annotate(span: trace.Span, record: RequestRecord) -> None:
         span.set_attribute("llm_gateway.time_to_first_token_s", record.ttft)
     if record.events:
         span.set_attribute("llm_gateway.stream_events", record.events)
+    if record.continuations:
+        span.set_attribute("llm_gateway.continuations", record.continuations)
     if record.status >= 500 or record.status == 0:
         span.set_status(trace.Status(trace.StatusCode.ERROR, record.ending or "unknown"))

@@ -170,7 +170,7 @@ def excused(
     """Whether a failed request's outcome is one the faults on at the time explain."""
     if outcome in ALWAYS_FINE:
         return True
-    if outcome == "stream_cut":  # a killed backend cuts its streams; continuation is future work
+    if outcome == "stream_cut":  # a kill cut it, and no continuation could save it
         return any(w.kind == "kill" and w.overlaps(obs.start, obs.end, 1.0) for w in windows)
     if outcome in ("backend_refused", "backend_error"):  # every candidate answered "not now"
         return any(w.kind == "error_burst" and w.overlaps(obs.start, obs.end, 1.0) for w in windows)

@@ -35,6 +35,8 @@ def test_the_production_configuration_turns_every_feature_on() -> None:
     assert s.tracing.otlp_endpoint
     assert s.admin.port != s.port
     assert s.admin.token is None  # never in the file: GATEWAY_ADMIN__TOKEN
+    assert s.continuation.enabled
+    assert s.health.stall_after > 0
 
 
 def test_its_example_keys_are_the_ones_it_documents(monkeypatch: pytest.MonkeyPatch) -> None:

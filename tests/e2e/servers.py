@@ -98,6 +98,7 @@ class VllmServer:
     port: int
     log_path: Path
     proc: subprocess.Popen[bytes]
+    cpu: str = "0"
     started_at: float = field(default_factory=time.monotonic)
     ready_after: float | None = None
 
@@ -126,10 +127,17 @@ class VllmServer:
 
 
 def launch(
-    python: Path, model: Path, name: str, log_dir: Path, *, cpu: str, extra: Sequence[str] = ()
+    python: Path,
+    model: Path,
+    name: str,
+    log_dir: Path,
+    *,
+    cpu: str,
+    extra: Sequence[str] = (),
+    log_name: str | None = None,
 ) -> VllmServer:
     port = free_port()
-    log_path = log_dir / f"{name}.log"
+    log_path = log_dir / f"{log_name or name}.log"
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -173,7 +181,7 @@ def launch(
             cwd=ROOT,
             start_new_session=True,  # its own process group, so stop() reaches every child
         )
-    return VllmServer(name=name, port=port, log_path=log_path, proc=proc)
+    return VllmServer(name=name, port=port, log_path=log_path, proc=proc, cpu=cpu)
 
 
 def wait_healthy(
@@ -232,6 +240,36 @@ def running_vllm_servers(n: int, log_dir: Path) -> Iterator[list[VllmServer]]:
     finally:
         for server in servers:
             server.stop()
+
+
+def kill(server: VllmServer) -> None:
+    """SIGKILL the server's whole process group at once, as a dying machine would."""
+    with suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait(timeout=10)
+
+
+def restart(servers: list[VllmServer], server: VllmServer) -> VllmServer:
+    """Start ``server`` (stopped or killed) again, on a new port, in its place in ``servers``;
+    return once it is healthy. Its new log is beside the old one."""
+    server.stop()
+    python, n = vllm_python(), sum(1 for p in server.log_path.parent.glob(f"{server.name}*.log"))
+
+    def again(old: VllmServer) -> VllmServer:
+        old.stop()
+        return launch(
+            python,
+            MODEL_DIR,
+            old.name,
+            old.log_path.parent,
+            cpu=old.cpu,
+            log_name=f"{old.name}-{n}",
+        )
+
+    fresh = [again(server)]
+    wait_healthy(fresh, time.monotonic() + START_DEADLINE, again)
+    servers[servers.index(server)] = fresh[0]
+    return fresh[0]
 
 
 # Real servers on a shared 2-core machine can take a second to answer a probe or a scrape: the

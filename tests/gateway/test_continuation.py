@@ -14,10 +14,11 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import aiohttp
+from aiohttp import web
 
 from backends.health import Health
 from gateway.keys import POOL
-from loadtest.fakebackend import Behaviour, counting
+from loadtest.fakebackend import Behaviour, Seen, counting, sse
 from tests.helpers import (
     FakeBackend,
     RunningGateway,
@@ -252,3 +253,25 @@ async def test_a_client_that_leaves_during_a_continuation_leaves_nothing_behind(
             r.close()
         await wait_for(lambda: b.seen[-1].ending == "cancelled", what="b's generation aborted")
         await wait_for(lambda: no_leaks(gw), what="no lease left")
+
+
+async def test_a_stream_that_breaks_after_its_finish_is_ended_not_continued() -> None:
+    async def finished_then_dead(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(sse({"id": "x", "choices": [{"index": 0, "text": " w0"}]}))
+        last = {"index": 0, "text": " w1", "finish_reason": "length"}
+        await resp.write(sse({"id": "x", "choices": [last]}))
+        assert request.transport is not None
+        request.transport.abort()  # before the usage chunk and [DONE]
+        return resp
+
+    async with fleet(finished_then_dead, counting()) as (gw, (_, b)):
+        status, raw = await post(gw, "/v1/completions", {**COMPLETION, "max_tokens": 2})
+        assert status == 200
+        evs = events(raw)
+        assert text_of(evs) == " w0 w1"
+        assert evs[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in evs)
+        assert b.seen == []  # nothing was left to generate
+        assert sample(gw, CONTINUATIONS, reason="unreachable", outcome="complete") == 1

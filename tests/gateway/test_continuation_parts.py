@@ -72,11 +72,14 @@ def test_a_quoted_word_error_in_the_text_is_no_failure() -> None:
     assert keep.cut is None
 
 
-def test_an_aborted_finish_is_a_failure_a_length_finish_is_not() -> None:
+def test_an_error_finish_is_a_failure_an_abort_or_length_finish_is_passed_on() -> None:
+    for reason in ("length", "abort"):
+        keep = Keep(chat=False, compact_bytes=1 << 20)
+        chunk = text_chunk(" a", finish_reason=reason)
+        assert keep.take(chunk) == chunk
+        assert keep.cut is None
     keep = Keep(chat=False, compact_bytes=1 << 20)
-    assert keep.take(text_chunk(" a", finish_reason="length")) != b""
-    keep = Keep(chat=False, compact_bytes=1 << 20)
-    assert keep.take(text_chunk("", finish_reason="abort")) == b""
+    assert keep.take(text_chunk("", finish_reason="error")) == b""
     assert keep.cut is not None
 
 

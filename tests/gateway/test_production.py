@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
+from dataclasses import replace
+from typing import Any
+
 import aiohttp
+import redis
 from prometheus_client.parser import text_string_to_metric_families
 
+from gateway.keys import ADMISSION
 from gateway.metrics import QUEUE_DEPTH_METRIC
 from tests.gateway.production import ADMIN, ALIAS, auth, running_production
+from tests.helpers import events, sample, wait_for
 
 CHAT = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
@@ -14,8 +21,8 @@ CHAT = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_to
 def families(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((sample.labels, sample.value))
+        for point in family.samples:
+            out.setdefault(point.name, []).append((point.labels, point.value))
     return out
 
 
@@ -49,3 +56,61 @@ async def test_metrics_answer_with_the_admission_queue_and_every_other_feature_o
             labels["pool"] in ("stable", "canary")
             for labels, _ in got["llm_gateway_pool_requests_total"]
         )
+
+
+async def test_streams_cut_by_a_dying_backend_go_on_with_every_feature_on(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """Keys, Redis limits, admission, prefix affinity, an alias over pools and tracing, and a
+    backend of the stable pool that resets its streams after five tokens: every stream is
+    continued inside its pool, under the alias's name, its usage whole, and nothing is held
+    afterwards (issue 18 in the production configuration)."""
+    n, max_tokens = 12, 40
+    async with (
+        running_production(redis_url, redis_prefix) as prod,
+        aiohttp.ClientSession() as s,
+    ):
+        prod.sims[0].faults = replace(prod.sims[0].faults, break_after_tokens=5)
+
+        async def one(i: int) -> list[Any]:
+            body = {
+                "model": ALIAS,
+                "messages": [{"role": "user", "content": f"story number {i} " * 8}],
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            headers = {**auth("alice"), "x-session-id": f"s{i}"}
+            async with s.post(prod.url + "/v1/chat/completions", json=body, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                return events(await r.read())
+
+        streams = await asyncio.gather(*(one(i) for i in range(n)))
+        gw = prod.gateway
+        continued = sample(
+            gw, "llm_gateway_stream_continuations_total", reason="unreachable", outcome="continued"
+        )
+        admission = gw.app[ADMISSION]
+        assert admission is not None
+        await wait_for(lambda: admission.holding == 0, what="admission slots given back")
+    for evs in streams:
+        assert evs[-1] == "[DONE]"
+        assert not any(isinstance(e, dict) and "error" in e for e in evs)
+        chunks = [e for e in evs if isinstance(e, dict)]
+        assert {e["model"] for e in chunks} == {ALIAS}  # the alias's name, continued or not
+        assert len({e["id"] for e in chunks}) == 1
+        [usage] = [e["usage"] for e in chunks if e.get("usage")]
+        assert usage["completion_tokens"] == max_tokens
+    assert continued >= 1  # the stable pool's broken backend took some of them
+    assert set(gw.in_flight().values()) == {0}
+    server = [sp for sp in prod.spans.get_finished_spans() if sp.name.startswith("POST")]
+    assert sum(1 for sp in server if (sp.attributes or {}).get("llm_gateway.continuations")) == (
+        continued
+    )
+    client = redis.Redis.from_url(redis_url)
+    try:
+        slots = sum(client.zcard(k) for k in client.scan_iter(match=f"{redis_prefix}*:c"))
+    finally:
+        client.close()
+    assert slots == 0  # no concurrency slot left in Redis

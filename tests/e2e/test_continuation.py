@@ -1,0 +1,141 @@
+"""A stream whose vLLM server is SIGKILLed mid-way goes on from the other server (issue 18).
+
+The official ``openai`` client reads a long greedy stream through the gateway; once it has
+received part of it, the server producing it is killed (its whole process group, SIGKILL).
+The client must get every token by the usage chunk and no error; the answer is compared,
+token for token, with the same request run without a kill. Each test restarts the server it
+killed, so the session's two servers are there for the tests that follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import openai
+
+from gateway.keys import POOL
+from tests.e2e.servers import SERVED_MODEL, VllmServer, kill, restart
+from tests.helpers import RunningGateway, sample
+
+N_TOKENS = 2000
+KILL_AFTER = 20  # chunks received before the server producing them is killed
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": N_TOKENS}
+EXACT = {"ignore_eos": True, "return_token_ids": True}
+USAGE = {"include_usage": True}
+PROMPT = "The gateway keeps the stream alive:"
+MESSAGES: list[Any] = [{"role": "user", "content": PROMPT}]
+
+
+def extra(obj: Any, name: str) -> Any:
+    return (obj.model_extra or {}).get(name)
+
+
+def serving(gw: RunningGateway, servers: list[VllmServer]) -> VllmServer:
+    """The server the gateway has a request in flight to (there is one request)."""
+    busy = [b.spec.url for b in gw.app[POOL].all() if b.in_flight]
+    assert len(busy) == 1, busy
+    return next(s for s in servers if s.url == busy[0])
+
+
+def seam(reference: list[int], stitched: list[int]) -> int | None:
+    """The first token position where the two answers differ (None: identical)."""
+    for i, (x, y) in enumerate(zip(reference, stitched, strict=False)):
+        if x != y:
+            return i
+    return None if len(reference) == len(stitched) else min(len(reference), len(stitched))
+
+
+async def killed_mid_stream(
+    gw: RunningGateway, servers: list[VllmServer], chunks: Any, ids: list[int]
+) -> tuple[Any, VllmServer]:
+    """Read ``chunks`` (an openai stream), killing the server after ``KILL_AFTER``; return
+    the usage and the server killed. ``ids`` receives every token id."""
+    usage, victim, n = None, None, 0
+    async for chunk in chunks:
+        n += 1
+        if n == KILL_AFTER:
+            victim = serving(gw, servers)
+            await asyncio.to_thread(kill, victim)
+        for choice in chunk.choices:
+            ids.extend(extra(choice, "token_ids") or [])
+        usage = chunk.usage or usage
+    assert victim is not None, f"the stream ended after {n} chunks, before the kill"
+    return usage, victim
+
+
+async def test_a_completion_stream_survives_its_server_being_killed(
+    client: openai.AsyncOpenAI, gateway: RunningGateway, servers: list[VllmServer]
+) -> None:
+    whole = await client.completions.create(
+        model=SERVED_MODEL, prompt=PROMPT, **GREEDY, extra_body=EXACT
+    )
+    reference = extra(whole.choices[0], "token_ids")
+    assert len(reference) == N_TOKENS
+    stream = await client.completions.create(
+        model=SERVED_MODEL,
+        prompt=PROMPT,
+        stream=True,
+        stream_options=USAGE,
+        **GREEDY,
+        extra_body=EXACT,
+    )
+    ids: list[int] = []
+    victim = None
+    try:
+        usage, victim = await killed_mid_stream(gateway, servers, stream, ids)
+        # No error reached the client (the SDK raises on an error event), and every token did.
+        assert usage is not None
+        assert usage.completion_tokens == N_TOKENS
+        assert len(ids) == N_TOKENS
+        assert usage.prompt_tokens == whole.usage.prompt_tokens  # the original prompt's figure
+        assert (
+            sample(
+                gateway,
+                "llm_gateway_stream_continuations_total",
+                reason="unreachable",
+                outcome="continued",
+            )
+            == 1
+        )
+        # Token ids were sent back as the prompt: the continuation is the same greedy answer.
+        at = seam(reference, ids)
+        print(
+            f"completion: {N_TOKENS} tokens, first difference from the uninterrupted answer at {at}"
+        )
+        assert at is None
+    finally:
+        if victim is not None:
+            await asyncio.to_thread(restart, servers, victim)
+
+
+async def test_a_chat_stream_survives_its_server_being_killed(
+    client: openai.AsyncOpenAI, gateway: RunningGateway, servers: list[VllmServer]
+) -> None:
+    whole = await client.chat.completions.create(
+        model=SERVED_MODEL, messages=MESSAGES, **GREEDY, extra_body=EXACT
+    )
+    reference = extra(whole.choices[0], "token_ids")
+    stream = await client.chat.completions.create(
+        model=SERVED_MODEL,
+        messages=MESSAGES,
+        stream=True,
+        stream_options=USAGE,
+        **GREEDY,
+        extra_body=EXACT,
+    )
+    ids: list[int] = []
+    victim = None
+    try:
+        usage, victim = await killed_mid_stream(gateway, servers, stream, ids)
+        assert usage is not None
+        assert usage.completion_tokens == N_TOKENS
+        assert len(ids) == N_TOKENS
+        # The partial message was sent back as text (chat takes no token ids): the tokenizer
+        # may split that text differently from how it was generated, and the greedy answer may
+        # then go another way from there. Said, not asserted.
+        at = seam(reference, ids)
+        print(f"chat: {N_TOKENS} tokens, first difference from the uninterrupted answer at {at}")
+    finally:
+        if victim is not None:
+            await asyncio.to_thread(restart, servers, victim)

@@ -4,6 +4,7 @@
     open --(cooldown elapsed)--> half-open: exactly one trial request is let through
     half-open --trial succeeds--> closed (cooldown back to its base)
     half-open --trial fails--> open again, cooldown x ``growth`` (up to ``max_cooldown``)
+    any --``trip`` (the backend stalled)--> open, the cooldown grown unless it had closed
 
 A failure is a connect error, a reset or a 5xx; a 4xx is the client's fault and counts as
 success. A trial request that ends without a verdict (the client left) gives the trial back.
@@ -71,6 +72,13 @@ class CircuitBreaker:
             self._open(now, grow=True)
         elif self.state is Circuit.CLOSED and self.failures >= self.policy.threshold:
             self._open(now, grow=False)
+        self.trial_in_flight = False
+
+    def trip(self, now: float) -> None:
+        """Open at once, whatever the count (a stall seen on the request path). The cooldown
+        grows if no good trial has closed the circuit since it last opened, so a backend that
+        keeps stalling is tried less and less often."""
+        self._open(now, grow=True)
         self.trial_in_flight = False
 
     def on_abandoned(self) -> None:

@@ -311,12 +311,14 @@ class BackendPool:
 
     def record_stall(self, backend_id: str, error: str) -> bool:
         """Take a backend whose streams all stopped moving out of rotation, as failed probes
-        would (requests waiting on it are told); its probes bring it back. True if it was
-        not down already."""
+        would (requests waiting on it are told), and open its circuit: its probes bring it
+        back, and then one trial request after the circuit's cooldown (growing while it keeps
+        stalling: a hung engine's ``/health`` may well answer). True if it was not down."""
         b = self._backends.get(backend_id)
         if b is None or b.health.state is Health.DOWN:
             return False
         b.health.mark_down(error)
+        b.circuit.trip(self._clock())
         for callback in list(b.down_watchers):
             callback()
         self.changed()

@@ -109,7 +109,9 @@ def gateway_line(runs: Sequence[LabeledRun]) -> list[str]:
             f"{n('llm_gateway_requests_total')} requests, "
             f"{n('llm_gateway_retries_total')} retries, "
             f"{n('llm_gateway_failovers_total')} failovers, "
-            f"{n('llm_gateway_upstream_aborts_total')} upstream aborts"
+            f"{n('llm_gateway_upstream_aborts_total')} upstream aborts, "
+            f"{n('llm_gateway_stream_continuations_total')} mid-stream breaks "
+            f"(continued or not), {n('llm_gateway_backend_stalls_total')} backend stalls"
         )
     return ["Gateway (its `/metrics` and `/proc`): " + "; ".join(parts) + ".", ""]
 

@@ -27,6 +27,8 @@ GATEWAY_FAMILIES: Final = (
     "llm_gateway_retries_total",
     "llm_gateway_failovers_total",
     "llm_gateway_upstream_aborts_total",
+    "llm_gateway_stream_continuations_total",
+    "llm_gateway_backend_stalls_total",
     "llm_gateway_disagg_prefill_seconds_sum",
     "llm_gateway_disagg_prefill_seconds_count",
     "llm_gateway_disagg_decode_first_token_seconds_sum",

@@ -7,7 +7,10 @@ path is a plain 404, as if it did not exist; with one, a request must carry
 - ``GET /sim/faults``: the current faults.
 - ``PUT /sim/faults``: a JSON object of faults to change (the others stay), plus an
   optional ``"revert_after": seconds`` to put the previous faults back later.
-  ``{"reset": true}`` clears every fault first.
+  ``{"reset": true}`` clears every fault first. The fields are ``Faults``' (``faults.py``),
+  e.g. ``{"break_after_tokens": 20}`` resets every stream's connection after its 20th
+  token, ``{"error_after_tokens": 20}`` ends it with vLLM's error event instead, and
+  ``{"hang_after_tokens": 20}`` stalls it; a stream already past 20 is hit at its next.
 - ``GET /sim/state``: running/waiting counts, KV usage, clock lag, faults.
 """
 

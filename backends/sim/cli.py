@@ -103,6 +103,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flt.add_argument("--error-status", type=int, default=500)
     flt.add_argument("--hang-before-first-byte", action="store_true")
     flt.add_argument("--hang-after-tokens", type=int, default=None, help="streams stall after N")
+    flt.add_argument(
+        "--break-after-tokens",
+        type=int,
+        default=None,
+        help="streams' connections are reset after N tokens (a killed server)",
+    )
+    flt.add_argument(
+        "--error-after-tokens",
+        type=int,
+        default=None,
+        help="streams end after N tokens with vLLM's error event, then [DONE] (a failed engine)",
+    )
     flt.add_argument("--refuse-connections", action="store_true")
     flt.add_argument("--unhealthy", action="store_true", help="/health answers 503")
 
@@ -156,6 +168,8 @@ def faults_from_args(args: argparse.Namespace) -> Faults:
         error_status=args.error_status,
         hang_before_first_byte=args.hang_before_first_byte,
         hang_after_tokens=args.hang_after_tokens,
+        break_after_tokens=args.break_after_tokens,
+        error_after_tokens=args.error_after_tokens,
         refuse_connections=args.refuse_connections,
         unhealthy=args.unhealthy,
     )

@@ -3,6 +3,16 @@
 ``Faults.updated(patch)`` validates a JSON patch (the admin endpoint's body) and
 returns the new value; unknown keys and wrong types are rejected, so a typo in a
 load-test script fails loudly instead of silently doing nothing.
+
+Three faults stop a stream mid-way, each after its stream has sent N tokens (checked
+before every token, so one set at run time hits the streams already past N at their
+next token): ``hang_after_tokens`` (the stream stands still, its connection open, as a
+hung engine looks from outside), ``break_after_tokens`` (the connection is reset, as when
+the server is killed) and ``error_after_tokens`` (vLLM's mid-stream error event, then
+``[DONE]``, as when the engine fails). ``stream_stop`` says which one applies; the first
+threshold reached wins, and on a tie break before error before hang. A break or an error
+aborts the generation at once, freeing its engine slot; a hung stream's is freed when its
+client gives up. Non-streaming requests are left alone.
 """
 
 from __future__ import annotations
@@ -10,7 +20,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+StreamStop = Literal["break", "error", "hang"]
 
 
 class FaultsError(ValueError):
@@ -26,6 +38,8 @@ class Faults:
     error_status: int = 500
     hang_before_first_byte: bool = False  # generate requests get no answer at all
     hang_after_tokens: int | None = None  # streams stall after this many tokens
+    break_after_tokens: int | None = None  # streams' connections reset after this many
+    error_after_tokens: int | None = None  # streams end with an error event after this many
     refuse_connections: bool = False  # the listening socket is closed
     unhealthy: bool = False  # /health and /ping answer 503
 
@@ -36,8 +50,23 @@ class Faults:
             raise FaultsError("error_rate must be between 0 and 1")
         if not 400 <= self.error_status <= 599:
             raise FaultsError("error_status must be an HTTP error status (400-599)")
-        if self.hang_after_tokens is not None and self.hang_after_tokens < 0:
-            raise FaultsError("hang_after_tokens must not be negative")
+        for name, after in self._stream_stops():
+            if after is not None and after < 0:
+                raise FaultsError(f"{name}_after_tokens must not be negative")
+
+    def _stream_stops(self) -> tuple[tuple[StreamStop, int | None], ...]:
+        return (
+            ("break", self.break_after_tokens),
+            ("error", self.error_after_tokens),
+            ("hang", self.hang_after_tokens),
+        )
+
+    def stream_stop(self, sent: int) -> StreamStop | None:
+        """The fault that stops a stream which has sent ``sent`` tokens, before its next."""
+        for stop, after in self._stream_stops():
+            if after is not None and sent >= after:
+                return stop
+        return None
 
     def updated(self, patch: Mapping[str, Any]) -> Faults:
         """This value with the fields in ``patch`` changed, each type-checked."""
@@ -59,6 +88,8 @@ _FIELD_KINDS: dict[str, str] = {
     "error_status": "int",
     "hang_before_first_byte": "bool",
     "hang_after_tokens": "int|None",
+    "break_after_tokens": "int|None",
+    "error_after_tokens": "int|None",
     "refuse_connections": "bool",
     "unhealthy": "bool",
 }

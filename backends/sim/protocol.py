@@ -1,8 +1,11 @@
 """OpenAI request bodies, as vLLM 0.32 reads them: validation in, plain values out.
 
-Pure: a parsed JSON body goes in, a ``GenerateParams`` (or an ``ApiError`` carrying
-vLLM's status, type and message) comes out. Sampling parameters the simulator does
-not model (temperature, top_p, stop, ...) are accepted and ignored.
+Pure: a parsed JSON body goes in, a ``GenerateParams`` (or a ``TokenizeParams`` for
+``/tokenize``, or an ``ApiError`` carrying vLLM's status, type and message) comes out.
+Sampling parameters the simulator does not model (temperature, top_p, stop, ...) are
+accepted and ignored. A chat's ``add_generation_prompt`` and ``continue_final_message``
+shape its prompt as vLLM's do (both true is a 400), so a partial assistant message is
+continued from where it stops.
 """
 
 from __future__ import annotations
@@ -92,6 +95,35 @@ class GenerateParams:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class TokenizeParams:
+    """What ``/tokenize`` needs: the text to tokenise (a chat already rendered)."""
+
+    model: str | None
+    text: str
+    return_token_strs: bool
+
+
+def parse_tokenize(body: Any) -> TokenizeParams:
+    """Validate a ``/tokenize`` body, vLLM's completion form (``prompt``) or chat form
+    (``messages``), raising ``ApiError(400)``. The simulator's tokenizer has no special
+    tokens, so ``add_special_tokens`` is checked but changes nothing."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "The request body must be a JSON object.")
+    model = _opt(body, "model", str)
+    _opt(body, "add_special_tokens", bool)
+    strs = bool(_opt(body, "return_token_strs", bool))
+    if body.get("prompt") is not None or "messages" not in body:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            problem = "Field required" if prompt is None else "Input should be a valid string"
+            raise ApiError(400, f"1 validation error: prompt: {problem}", "prompt")
+        return TokenizeParams(model, prompt, strs)
+    messages = _chat_messages(body)
+    text = render_chat(messages, add_generation_prompt=_generation_prompt(body))
+    return TokenizeParams(model, text, strs)
+
+
 def parse_generate(body: Any, *, chat: bool) -> GenerateParams:
     """Validate a request body the way vLLM does, raising ``ApiError(400)``."""
     if not isinstance(body, dict):
@@ -171,6 +203,25 @@ def _completion_prompt(body: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str
 
 
 def _chat_prompt(body: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    messages = _chat_messages(body)
+    text = render_chat(messages, add_generation_prompt=_generation_prompt(body))
+    return tuple(tokenize(text)), tuple(message_text(messages[-1]).split())
+
+
+def _generation_prompt(body: dict[str, Any]) -> bool:
+    """Whether the chat's prompt ends with the generation prompt (vLLM's default)."""
+    add = _opt(body, "add_generation_prompt", bool)
+    if _opt(body, "continue_final_message", bool):
+        if add:
+            raise ApiError(
+                400,
+                "Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+            )
+        return False
+    return add is not False
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(
@@ -188,8 +239,7 @@ def _chat_prompt(body: dict[str, Any]) -> tuple[tuple[int, ...], tuple[str, ...]
                 "1 validation error: messages: content must be a string or a list of parts",
                 "messages",
             )
-    ids = tuple(tokenize(render_chat(messages)))
-    return ids, tuple(message_text(messages[-1]).split())
+    return messages
 
 
 def plan_output(params: GenerateParams, config: SimConfig) -> tuple[int, str, OutputText]:

@@ -18,6 +18,12 @@ def sse(payload: dict[str, Any]) -> bytes:
     return b"data: " + dumps(payload).encode() + b"\n\n"
 
 
+def error_event(envelope: dict[str, Any]) -> bytes:
+    """vLLM's mid-stream error event: the error envelope, serialised with ``json.dumps``'
+    default separators (vLLM builds it apart from its other events)."""
+    return b"data: " + json.dumps(envelope).encode() + b"\n\n"
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,

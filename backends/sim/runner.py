@@ -4,6 +4,7 @@
 client disconnect aborts the request) and the TCP site. The ``refuse_connections``
 fault closes the listening socket, so connecting fails at once with "connection
 refused" as it does when a server is down; clearing it binds the same port again.
+``kill`` crashes the server instead: every open connection reset, then stopped.
 """
 
 from __future__ import annotations
@@ -85,6 +86,20 @@ class SimServer:
             task.cancel()
         await asyncio.gather(*self._pending, return_exceptions=True)
         await self._runner.cleanup()
+
+    async def kill(self) -> None:
+        """Crash, as a killed process does: stop listening, reset every open connection
+        (idle keep-alive ones too) at once, then stop. Each request cut short frees its
+        engine slot, as on any disconnect."""
+        async with self._lock:
+            site, self._site = self._site, None
+            if site is not None:
+                await site.stop()
+        server = self._runner.server
+        for conn in server.connections if server is not None else ():
+            if conn.transport is not None:
+                conn.transport.abort()
+        await self.stop()
 
     def _on_faults(self, faults: Faults) -> None:
         task = asyncio.get_running_loop().create_task(self._sync_listener())

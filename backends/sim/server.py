@@ -2,7 +2,12 @@
 
 Run it with ``handler_cancellation=True`` (``runner.py`` and ``testing.py`` do): a
 client that goes away then cancels its handler, whose ``finally`` aborts the request
-in the engine, queued or running, as vLLM does.
+in the engine, queued or running, as vLLM does. The mid-stream faults (``faults.py``)
+end their streams through the same ``finally``: a hung stream when the client gives up,
+a reset or an error event at once.
+
+``POST /tokenize`` answers with the simulator's own tokenizer (``tokens.py``), the
+count a gateway reads to know how many tokens a broken stream had delivered.
 """
 
 from __future__ import annotations
@@ -19,17 +24,25 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from backends.sim import admin
 from backends.sim.config import SimConfig
 from backends.sim.driver import RequestHandle
-from backends.sim.faults import Faults
+from backends.sim.faults import Faults, StreamStop
 from backends.sim.metrics import ServerCounters, SimCollector, make_registry, render
-from backends.sim.protocol import ApiError, GenerateParams, error_envelope, parse_generate
+from backends.sim.protocol import (
+    ApiError,
+    GenerateParams,
+    error_envelope,
+    parse_generate,
+    parse_tokenize,
+)
 from backends.sim.protocol import plan_output as plan
-from backends.sim.responses import DONE, ResponseFormat, dumps
+from backends.sim.responses import DONE, ResponseFormat, dumps, error_event
 from backends.sim.state import SimState
-from backends.sim.tokens import OutputText
+from backends.sim.tokens import OutputText, tokenize
 
 VLLM_VERSION: Final = "0.32.0"
 STATE: Final = web.AppKey("sim_state", SimState)
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream; charset=utf-8"}
+# What vLLM sends when the engine fails a request mid-stream (its GenerationError).
+_ENGINE_ERROR: Final = error_event(error_envelope(500, "Internal server error"))
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -64,6 +77,7 @@ def create_app(
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", tokenize_text)
     admin.add_routes(app, state)
     return app
 
@@ -155,6 +169,40 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await _generate(request, chat=True)
 
 
+async def tokenize_text(request: web.Request) -> web.Response:
+    config = request.app[STATE].config
+    try:
+        doc = await _json_body(request)
+        params = parse_tokenize(doc)
+        _check_model(params.model, config)
+    except ApiError as exc:
+        return _json(exc.envelope(), status=exc.status)
+    ids = tokenize(params.text)
+    return _json(
+        {
+            "count": len(ids),
+            "max_model_len": config.max_model_len,
+            "tokens": ids,
+            "token_strs": params.text.split() if params.return_token_strs else None,
+        }
+    )
+
+
+async def _json_body(request: web.Request) -> Any:
+    """The request's JSON, or the 400 vLLM answers for anything else."""
+    if request.content_type != "application/json":
+        raise ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
+    try:
+        return await request.json()
+    except ValueError as exc:
+        raise ApiError(400, f"JSON decode error: {exc}") from None
+
+
+def _check_model(model: str | None, config: SimConfig) -> None:
+    if model is not None and model != config.model_name:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model")
+
+
 def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response(data, status=status, headers=headers, dumps=dumps)
 
@@ -171,16 +219,10 @@ async def _hang() -> None:
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
-    if request.content_type != "application/json":
-        return _error(400, "Unsupported Media Type: Only 'application/json' is allowed")
     try:
-        body = await request.json()
-    except ValueError as exc:
-        return _error(400, f"JSON decode error: {exc}")
-    try:
+        body = await _json_body(request)
         params = parse_generate(body, chat=chat)
-        if params.model is not None and params.model != config.model_name:
-            raise ApiError(404, f"The model `{params.model}` does not exist.", "model")
+        _check_model(params.model, config)
         output_len, reason, output = plan(params, config)
     except ApiError as exc:
         return _json(exc.envelope(), status=exc.status)
@@ -277,17 +319,16 @@ async def _stream(
     await resp.prepare(request)
     continuous = params.continuous_usage_stats
     sent = 0
-    hung = False
+    stop: StreamStop | None = None  # the mid-stream fault that stopped the stream
     try:
-        while not hung:
+        while stop is None:
             events = await handle.tokens()
             parts: list[bytes] = []
             if fmt.chat and sent == 0:
                 parts.append(fmt.role_chunk())
             for ev in events:
-                stall_at = state.faults.hang_after_tokens
-                if stall_at is not None and sent >= stall_at:
-                    hung = True
+                stop = state.faults.stream_stop(sent)
+                if stop is not None:
                     break
                 parts.append(
                     fmt.token_chunk(
@@ -297,16 +338,22 @@ async def _stream(
                     )
                 )
                 sent += 1
-            finished = handle.finished and not hung and sent == handle.num_tokens
+            finished = stop is None and handle.finished and sent == handle.num_tokens
             if finished:
                 if params.include_usage:
                     parts.append(fmt.usage_chunk(sent))
                 parts.append(DONE)
+            elif stop == "error":
+                parts += (_ENGINE_ERROR, DONE)
             if parts:
                 await resp.write(b"".join(parts))
-            if finished:
+            if finished or stop == "error":
                 await resp.write_eof()
                 return resp
+        if stop == "break":
+            if request.transport is not None:
+                request.transport.abort()  # a reset, as the client of a killed server sees
+            return resp
         await _hang()
     except ConnectionError:
         pass  # the client went away mid-write; the caller's finally aborts the request

@@ -37,14 +37,18 @@ def tokenize(text: str) -> list[int]:
     return [word_id(w) for w in text.split()]
 
 
-def render_chat(messages: Sequence[dict[str, Any]]) -> str:
+def render_chat(messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
     """One prompt string for a chat, the same for the same messages.
 
-    Each message becomes ``<|role|> content`` on its own line, then the generation
-    prompt ``<|assistant|>``; content given as parts keeps its text parts.
+    Each message becomes ``<|role|> content`` on its own line, then (unless
+    ``add_generation_prompt`` is false, as with ``continue_final_message``) the generation
+    prompt ``<|assistant|>``; content given as parts keeps its text parts. The template
+    closes no message, so a final assistant message is left open to be continued: its
+    tokens are the generation prompt's followed by the content's, as if generated.
     """
     lines = [f"<|{m['role']}|> {message_text(m)}" for m in messages]
-    lines.append("<|assistant|>")
+    if add_generation_prompt:
+        lines.append("<|assistant|>")
     return "\n".join(lines)
 
 

@@ -9,6 +9,8 @@ import pytest
 from backends.circuit import Circuit, CircuitBreaker, CircuitPolicy
 from backends.discovery import backend_for, diff
 from backends.health import Health, HealthPolicy, HealthTracker
+from backends.pool import BackendPool
+from backends.state import BackendSpec
 from gateway.retry import RetryPolicy
 
 
@@ -117,6 +119,48 @@ def test_failed_trial_reopens_with_a_growing_cooldown_capped() -> None:
     c.on_failure(now + 1)  # opening again afresh starts from the base cooldown
     assert c.current_cooldown == 10.0
     assert c.times_opened == 5
+
+
+def test_a_stall_trips_the_circuit_at_once_and_repeated_stalls_grow_its_cooldown() -> None:
+    c = breaker(threshold=5, cooldown=10.0, growth=2.0, max_cooldown=35.0)
+    c.trip(0.0)  # no failures counted: a stall opens it by itself
+    assert c.state is Circuit.OPEN
+    assert c.current_cooldown == 10.0
+    assert not c.allows(9.9)
+    c.on_send(10.0)  # the trial stalls too
+    c.trip(12.0)
+    assert c.current_cooldown == 20.0
+    c.on_send(32.0)
+    c.on_success()  # a good trial: closed, and the next stall starts afresh
+    c.trip(40.0)
+    assert c.current_cooldown == 10.0
+
+
+def test_a_stall_takes_a_backend_down_until_its_probes_and_its_circuit_let_it_back() -> None:
+    clock = [0.0]
+    pool = BackendPool(
+        [BackendSpec(id="a", url="http://a")],
+        stale_after=1.0,
+        health=HealthPolicy(fall=3, rise=2),
+        circuit=CircuitPolicy(cooldown=10.0),
+        clock=lambda: clock[0],
+    )
+    pool.record_models("a", ["m"])
+    pool.record_probe("a", ok=True)
+    told: list[str] = []
+    b = pool.get("a")
+    assert b is not None
+    b.down_watchers.add(lambda: told.append("down"))
+    assert pool.record_stall("a", "stalled: none of its streams moved for 20 s")
+    assert not pool.record_stall("a", "again")  # down already: once
+    assert told == ["down"]  # a request waiting on it moves on
+    assert b.health.state is Health.DOWN
+    pool.record_probe("a", ok=True)
+    pool.record_probe("a", ok=True)  # its /health answers: up again...
+    assert b.health.state is Health.UP
+    assert not pool.routable(b, clock[0])  # ...but not before its circuit's cooldown
+    clock[0] = 10.0
+    assert pool.routable(b, clock[0])
 
 
 def test_abandoned_trial_gives_the_trial_back() -> None:

@@ -36,6 +36,14 @@ def sse_events(raw: bytes) -> list[Any]:
     return events
 
 
+def assert_clean(sim: RunningSim) -> None:
+    """Nothing left in the engine, and nothing counted as a success (every request aborted)."""
+    assert not sim.engine.running
+    assert not sim.engine.waiting
+    assert sim.engine.pool.usage == 0.0
+    assert sum(sim.engine.stats.request_success.values()) == 0
+
+
 def chat_body(text: str = "hello there", **extra: Any) -> dict[str, Any]:
     return {"model": FAST.model_name, "messages": [{"role": "user", "content": text}], **extra}
 

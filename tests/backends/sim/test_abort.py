@@ -4,23 +4,18 @@ and is counted by phase, never in vllm:request_success."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from typing import Any
 
 import aiohttp
+import pytest
 
-from backends.sim import FAST, RunningSim, running_sim
+from backends.sim import FAST, Faults, RunningSim, running_sim
 from tests.waiting import wait_for
 
-from .conftest import chat_body, completion_body
+from .conftest import assert_clean, chat_body, completion_body
 
 LONG: dict[str, Any] = {"max_tokens": 4000, "ignore_eos": True}
-
-
-def assert_clean(sim: RunningSim) -> None:
-    assert not sim.engine.running
-    assert not sim.engine.waiting
-    assert sim.engine.pool.usage == 0.0
-    assert sum(sim.engine.stats.request_success.values()) == 0
 
 
 async def test_disconnect_while_queued(client: aiohttp.ClientSession) -> None:
@@ -98,3 +93,49 @@ async def test_slot_freed_by_an_abort_admits_the_next_request(
         hog.close()
         async with await waiter as resp:
             assert (await resp.json())["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("fault", ["break_after_tokens", "error_after_tokens"])
+async def test_a_stream_cut_by_a_fault_frees_its_slot_for_the_next_request(
+    client: aiohttp.ClientSession, fault: str
+) -> None:
+    async with running_sim(FAST.replace(max_num_seqs=1)) as sim:
+        url = f"{sim.url}/v1/completions"
+        async with client.post(url, json=completion_body(stream=True, **LONG)) as hog:
+            await hog.content.readuntil(b"\n\n")  # decoding
+            waiter = asyncio.create_task(client.post(url, json=completion_body(max_tokens=3)))
+            await wait_for(lambda: len(sim.engine.waiting) == 1, within=10, what="queued")
+            sim.faults = Faults(**{fault: 3})  # the hog is past 3 tokens: cut at its next
+            with contextlib.suppress(aiohttp.ClientError):
+                await hog.read()
+        async with await waiter as resp:  # a non-stream request: the fault leaves it alone
+            assert (await resp.json())["usage"]["completion_tokens"] == 3
+        assert sim.engine.stats.aborted["decode"] == 1
+        assert sum(sim.engine.stats.request_success.values()) == 1
+        await wait_for(lambda: sim.state.in_flight == 0, within=10, what="handlers done")
+        assert not sim.engine.running
+        assert sim.engine.pool.usage == 0.0
+
+
+async def test_kill_resets_every_open_stream_and_stops_listening(
+    client: aiohttp.ClientSession,
+) -> None:
+    sim = RunningSim(FAST)
+    await sim.start()
+    try:
+        url = f"{sim.url}/v1/completions"
+        streams = [await client.post(url, json=completion_body(stream=True, **LONG)) for _ in "ab"]
+        for r in streams:
+            await r.content.readuntil(b"\n\n")  # both decoding
+        await sim.kill()
+        for r in streams:
+            with pytest.raises(aiohttp.ClientError):
+                await r.read()
+        await wait_for(lambda: sim.state.in_flight == 0, within=10, what="handlers done")
+        assert sim.engine.stats.aborted["decode"] == 2
+        assert_clean(sim)
+        async with aiohttp.ClientSession() as fresh:
+            with pytest.raises(aiohttp.ClientConnectorError):
+                await fresh.get(f"{sim.url}/health")
+    finally:
+        await sim.stop()

@@ -48,6 +48,20 @@ def test_vllm_named_options() -> None:
     assert (faults.slowdown, faults.hang_after_tokens, faults.unhealthy) == (2.0, 4, True)
 
 
+def test_mid_stream_fault_options() -> None:
+    faults = faults_from_args(parse("--break-after-tokens", "12", "--error-after-tokens", "0"))
+    assert (faults.break_after_tokens, faults.error_after_tokens) == (12, 0)
+    assert faults_from_args(parse()).break_after_tokens is None
+    assert faults_from_args(parse()).error_after_tokens is None
+
+
+def test_negative_fault_options_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(parse("--break-after-tokens", "-1")) == 2
+    assert "break_after_tokens must not be negative" in capsys.readouterr().err
+    assert run(parse("--error-after-tokens", "-3")) == 2
+    assert "error_after_tokens must not be negative" in capsys.readouterr().err
+
+
 def test_bad_options_exit_with_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(parse("--max-model-len", "100000")) == 2
     assert "KV cache" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from backends.sim import FAST, Faults, RunningSim, running_sim
 from backends.sim.faults import FaultsError
 from tests.waiting import wait_for
 
-from .conftest import completion_body, sse_events
+from .conftest import assert_clean, chat_body, completion_body, sse_events
 
 QUICK = aiohttp.ClientTimeout(total=0.3)
 
@@ -91,6 +91,101 @@ async def test_hang_mid_stream_after_n_tokens(
     events = sse_events(received)
     assert len(events) == 3
     assert "[DONE]" not in events
+    # The client gave up: nothing is left of the request (here the engine had finished it).
+    await wait_for(lambda: sim.state.in_flight == 0, within=10, what="handler gone")
+    assert not sim.engine.running
+
+
+async def read_until_reset(resp: aiohttp.ClientResponse) -> bytes:
+    """What a response body delivers before its connection is reset (it must be)."""
+    received = bytearray()
+
+    async def read() -> None:
+        async with asyncio.timeout(10):
+            async for chunk in resp.content.iter_any():
+                received.extend(chunk)
+
+    with pytest.raises(aiohttp.ClientError):
+        await read()
+    return bytes(received)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_break_mid_stream_resets_the_connection_after_n_tokens(
+    sim: RunningSim, client: aiohttp.ClientSession, path: str
+) -> None:
+    sim.faults = Faults(break_after_tokens=3)
+    chat = path.endswith("chat/completions")
+    body = (chat_body if chat else completion_body)(stream=True, max_tokens=20, ignore_eos=True)
+    async with client.post(f"{sim.url}{path}", json=body) as resp:
+        assert resp.status == 200
+        received = await read_until_reset(resp)
+    events = sse_events(received)
+    assert len(events) == 3 + chat  # a chat's role chunk, then three tokens; no [DONE]
+    assert "[DONE]" not in events
+    await wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, within=10, what="abort")
+    assert_clean(sim)
+    assert sim.state.in_flight == 0
+
+
+async def test_error_mid_stream_sends_vllms_error_event_then_done(
+    sim: RunningSim, client: aiohttp.ClientSession
+) -> None:
+    sim.faults = Faults(error_after_tokens=2)
+    body = chat_body(stream=True, max_tokens=20, ignore_eos=True)
+    body["stream_options"] = {"include_usage": True}
+    async with client.post(f"{sim.url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        raw = await resp.read()
+    assert raw.endswith(
+        b'data: {"error": {"message": "Internal server error", "type": "InternalServerError", '
+        b'"param": null, "code": 500}}\n\ndata: [DONE]\n\n'
+    )
+    role, *tokens, error, done = sse_events(raw)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert [t["choices"][0]["finish_reason"] for t in tokens] == [None, None]  # and no usage
+    assert error["error"]["code"] == 500
+    assert done == "[DONE]"
+    await wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, within=10, what="abort")
+    assert_clean(sim)
+    assert sim.state.in_flight == 0
+
+
+async def test_a_stream_fault_set_at_run_time_hits_streams_already_past_it(
+    sim: RunningSim, client: aiohttp.ClientSession
+) -> None:
+    body = completion_body(stream=True, max_tokens=4000, ignore_eos=True)
+    async with client.post(f"{sim.url}/v1/completions", json=body) as resp:
+        received = b""
+        while received.count(b"\n\n") < 5:
+            received += await resp.content.readuntil(b"\n\n")
+        sim.faults = Faults(break_after_tokens=2)
+        received += await read_until_reset(resp)
+    events = sse_events(received)
+    assert 5 <= len(events) < 4000
+    assert "[DONE]" not in events
+    await wait_for(lambda: sim.engine.stats.aborted["decode"] == 1, within=10, what="abort")
+    assert_clean(sim)
+
+
+async def test_stream_faults_leave_short_streams_and_non_streams_alone(
+    sim: RunningSim, client: aiohttp.ClientSession
+) -> None:
+    sim.faults = Faults(break_after_tokens=3, error_after_tokens=3)
+    body = completion_body(stream=True, max_tokens=3, ignore_eos=True)
+    async with client.post(f"{sim.url}/v1/completions", json=body) as resp:
+        events = sse_events(await resp.read())
+    assert len(events) == 3 + 1  # every token, then [DONE]: the fault would hit a fourth
+    body = completion_body(max_tokens=10, ignore_eos=True)
+    async with client.post(f"{sim.url}/v1/completions", json=body) as resp:
+        assert (await resp.json())["usage"]["completion_tokens"] == 10
+
+
+def test_the_first_stream_fault_reached_stops_the_stream() -> None:
+    faults = Faults(hang_after_tokens=2, error_after_tokens=5, break_after_tokens=5)
+    assert [faults.stream_stop(n) for n in (0, 1, 2, 5)] == [None, None, "hang", "break"]
+    assert Faults(error_after_tokens=0).stream_stop(0) == "error"
+    assert Faults().stream_stop(10**6) is None
 
 
 async def test_refuse_connections_then_accept_again_on_the_same_port(
@@ -149,7 +244,19 @@ async def test_faults_given_at_start(client: aiohttp.ClientSession) -> None:
 
 def test_faults_patches_are_validated() -> None:
     assert Faults().updated({"slowdown": 3, "hang_after_tokens": None}).slowdown == 3.0
-    for bad in ({"slowdown": 0}, {"nope": 1}, {"unhealthy": 1}, {"error_status": 200}):
+    patched = Faults().updated({"break_after_tokens": 4, "error_after_tokens": 0})
+    assert (patched.break_after_tokens, patched.error_after_tokens) == (4, 0)
+    for bad in (
+        {"slowdown": 0},
+        {"nope": 1},
+        {"unhealthy": 1},
+        {"error_status": 200},
+        {"hang_after_tokens": -1},
+        {"break_after_tokens": -1},
+        {"error_after_tokens": -1},
+        {"break_after_tokens": 2.0},
+        {"error_after_tokens": True},
+    ):
         with pytest.raises(FaultsError):
             Faults().updated(bad)
 
@@ -186,6 +293,14 @@ async def test_admin_endpoint_changes_faults_with_the_token(
             assert (await resp.json())["unhealthy"] is True
         async with client.put(url, json={"bogus": 1}, headers=auth) as resp:
             assert resp.status == 400
+        mid_stream = {"break_after_tokens": 7, "error_after_tokens": 9}
+        async with client.put(url, json=mid_stream, headers=auth) as resp:
+            assert resp.status == 200
+            assert (await resp.json())["break_after_tokens"] == 7
+        assert (sim.faults.break_after_tokens, sim.faults.error_after_tokens) == (7, 9)
+        async with client.put(url, json={"error_after_tokens": -2}, headers=auth) as resp:
+            assert resp.status == 400
+            assert "must not be negative" in (await resp.json())["error"]["message"]
         async with client.put(url, json={"reset": True}, headers=auth) as resp:
             assert resp.status == 200
         assert sim.faults == Faults()

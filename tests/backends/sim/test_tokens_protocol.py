@@ -38,6 +38,9 @@ def test_chat_rendering_is_stable_and_keeps_text_parts() -> None:
         {"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": "image_url"}]},
     ]
     assert render_chat(messages) == "<|system|> be brief\n<|user|> hi\n<|assistant|>"
+    partial = [*messages, {"role": "assistant", "content": "so"}]
+    open_ended = render_chat(partial, add_generation_prompt=False)
+    assert open_ended == "<|system|> be brief\n<|user|> hi\n<|assistant|> so"
 
 
 def test_completions_default_to_16_tokens_and_chat_to_the_room_left() -> None:

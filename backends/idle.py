@@ -6,11 +6,11 @@ counter when data arrives, and one sweep per interval finds the streams whose co
 moved for ``timeout`` seconds. The decision is pure (``sweep`` takes the time as an argument);
 the loop that calls it is the only I/O.
 
-The same sweep finds a stalled backend: one whose streams (one at least begun) have all stood
-still for ``stall_after`` seconds, as an engine that hangs with requests in flight while its
-``/health`` still answers does. Each of its streams is cut with ``stalled`` set (so the
-request path continues it elsewhere) and ``on_stall`` names the backend (the pool takes it
-out of rotation).
+The same sweep finds a stalled backend: one whose begun streams have all stood still for
+``stall_after`` seconds, as an engine that hangs with requests in flight while its ``/health``
+still answers does (new requests it takes get their head and nothing more). Each of its
+streams is cut with ``stalled`` set (so the request path continues it elsewhere) and
+``on_stall`` names the backend (the pool takes it out of rotation).
 """
 
 from __future__ import annotations
@@ -52,6 +52,7 @@ class IdleWatchdog:
         self.interval = min(1.0, shortest / 4)
         self._clock = clock
         self._watches: set[IdleWatch] = set()
+        self._suspect: set[str] = set()  # stalled, and no byte from them since
 
     def __len__(self) -> int:
         return len(self._watches)
@@ -72,9 +73,12 @@ class IdleWatchdog:
             if w.activity != w._seen:
                 w._seen = w.activity
                 w._last_change = now
+                if w.backend is not None:
+                    self._suspect.discard(w.backend)
             elif now - w._last_change >= self.timeout:
                 fired.append(w)
         stalled = self.stalled(now) if self.stall_after > 0 else set()
+        self._suspect |= stalled
         if stalled:
             for w in self._watches:
                 if w.backend in stalled and w not in fired:
@@ -90,18 +94,19 @@ class IdleWatchdog:
         return fired
 
     def stalled(self, now: float) -> set[str]:
-        """Backends whose every watched stream has stood still for ``stall_after``, one of
-        them at least begun (a stream waiting for its first byte alone is a long prefill)."""
+        """Backends with streams begun, every one of which has stood still for
+        ``stall_after``. Streams still waiting for their first byte do not count either way:
+        alone they may be a long prefill, and beside stalled ones they are what a hung
+        engine does to new requests (they are cut too, and retried elsewhere). On a backend
+        that stalled and has sent no byte since, they count: its first request back (the
+        circuit's trial) waiting that long for its first byte is a stall again."""
         latest: dict[str, float] = {}
-        begun: set[str] = set()
+        suspect = self._suspect
         for w in self._watches:
             b = w.backend
-            if b is None:
-                continue
-            latest[b] = max(latest.get(b, w._last_change), w._last_change)
-            if w.activity:
-                begun.add(b)
-        return {b for b in begun if now - latest[b] >= self.stall_after}
+            if b is not None and (w.activity or b in suspect):
+                latest[b] = max(latest.get(b, w._last_change), w._last_change)
+        return {b for b, t in latest.items() if now - t >= self.stall_after}
 
     async def run(self) -> None:
         while True:

@@ -303,7 +303,11 @@ async def _answered(call: Call, step: Step, span: Span | None) -> web.StreamResp
     try:
         return await _attempts(call, step, span, _answer)
     except StreamBroken as broken:
-        return await _resume(call, step, span, broken)
+        try:
+            return await _resume(call, step, span, broken)
+        except asyncio.CancelledError:  # the client left (or the gateway stops) meanwhile
+            call.record.ending = cancel_reason(call.request.app)
+            raise
 
 
 async def _resume(

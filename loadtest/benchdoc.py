@@ -20,7 +20,14 @@ from typing import Any, Final
 
 from loadtest.report import LabeledRun
 
-SCENARIOS: Final = ("slow-backend", "homogeneous", "burst", "backend-dies", "shared-prefix")
+SCENARIOS: Final = (
+    "slow-backend",
+    "homogeneous",
+    "burst",
+    "backend-dies",
+    "backend-stalls",
+    "shared-prefix",
+)
 TARGET_RATIO: Final = 0.7  # issue 8: least_load p99 TTFT <= 0.7 x round_robin's in slow-backend
 
 

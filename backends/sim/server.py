@@ -324,8 +324,7 @@ async def _stream(
         while stop is None:
             events = await handle.tokens()
             parts: list[bytes] = []
-            if fmt.chat and sent == 0:
-                parts.append(fmt.role_chunk())
+            before = sent
             for ev in events:
                 stop = state.faults.stream_stop(sent)
                 if stop is not None:
@@ -338,6 +337,10 @@ async def _stream(
                     )
                 )
                 sent += 1
+            if fmt.chat and before == 0 and sent > 0:
+                # With the first token, as vLLM sends it: an engine that hangs (or fails)
+                # before its first token sends no role chunk either.
+                parts.insert(0, fmt.role_chunk())
             finished = stop is None and handle.finished and sent == handle.num_tokens
             if finished:
                 if params.include_usage:

@@ -44,6 +44,21 @@ def test_a_backend_whose_every_stream_stands_still_is_stalled() -> None:
     assert not b1.fired
 
 
+def test_new_requests_without_a_byte_do_not_hide_a_stall_and_are_cut_with_it() -> None:
+    """A hung engine still takes requests (their heads arrive) and answers none: they must
+    not count as progress, and they are cut with the stalled streams (nothing reached their
+    clients, so they are retried elsewhere)."""
+    stalled: list[str] = []
+    dog = IdleWatchdog(100.0, stall_after=5.0, on_stall=stalled.append, clock=lambda: 0.0)
+    old = dog.watch(lambda: None, backend="a")
+    old.activity = 4
+    dog.sweep(1.0)  # old stands still from t=1
+    new = [dog.watch(lambda: None, backend="a") for _ in range(3)]  # heads at t=0 (clock)
+    fired = dog.sweep(6.5)
+    assert stalled == ["a"]
+    assert {id(w) for w in fired} == {id(old)} | {id(w) for w in new}
+
+
 def test_streams_that_have_not_begun_alone_are_no_stall() -> None:
     """A backend still prefilling every request it has (no byte yet) is not stalled: a long
     prompt takes time. Its streams fall to the idle timeout only."""
@@ -63,3 +78,32 @@ def test_stall_detection_is_off_at_zero() -> None:
     dog.sweep(60.0)
     assert stalled == []
     assert dog.interval == 1.0
+
+
+def test_a_stalled_backends_next_request_that_gets_no_byte_is_a_stall_again() -> None:
+    """The circuit's trial after a stall gets its head and nothing more: that is a stall
+    (without it, the trial would wait for the idle timeout). One byte clears the suspicion."""
+    stalled: list[str] = []
+    dog = IdleWatchdog(100.0, stall_after=5.0, on_stall=stalled.append, clock=lambda: 0.0)
+    w = dog.watch(lambda: None, backend="a")
+    w.activity = 1
+    dog.sweep(0.0)
+    dog.sweep(5.0)
+    assert stalled == ["a"]
+    clock = [20.0]
+    dog._clock = lambda: clock[0]
+    trial = dog.watch(lambda: None, backend="a")  # no byte ever
+    dog.sweep(24.0)
+    assert stalled == ["a"]
+    assert dog.sweep(25.0) == [trial]
+    assert stalled == ["a", "a"]
+    clock[0] = 40.0
+    healthy = dog.watch(lambda: None, backend="a")
+    healthy.activity = 1
+    dog.sweep(41.0)  # a byte: a is no longer suspect
+    slow_prefill = dog.watch(lambda: None, backend="a")
+    healthy.activity = 2
+    dog.sweep(44.0)
+    healthy.activity = 3
+    dog.sweep(47.0)
+    assert slow_prefill.fired is False  # waiting for a first byte is fine again

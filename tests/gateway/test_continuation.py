@@ -253,6 +253,8 @@ async def test_a_client_that_leaves_during_a_continuation_leaves_nothing_behind(
             r.close()
         await wait_for(lambda: b.seen[-1].ending == "cancelled", what="b's generation aborted")
         await wait_for(lambda: no_leaks(gw), what="no lease left")
+        ends = "llm_gateway_upstream_aborts_total"
+        assert sample(gw, ends, backend=b.url[7:], reason="client_disconnect") == 1
 
 
 async def test_a_stream_that_breaks_after_its_finish_is_ended_not_continued() -> None:

@@ -209,6 +209,26 @@ async def test_failed_decode_before_first_byte_is_retried_on_another_decode_back
         await wait_for(lambda: no_leaks(gw, ps + ds), what="nothing in flight")
 
 
+async def test_a_decode_that_dies_mid_stream_is_continued_on_another_decode_backend() -> None:
+    """Its KV came from the prefill; the continuation is prefilled where it runs (the decode
+    backend falls back to a local prefill without kv_transfer_params), and the client sees
+    one stream with every token."""
+    async with fleet(disagg={"decode": ROUND_ROBIN}) as (ps, ds, gw):
+        ds[0].faults = Faults(break_after_tokens=3)
+        body = {**chat(True, max_tokens=12), "stream_options": {"include_usage": True}}
+        async with aiohttp.ClientSession() as client:
+            async with client.post(f"{gw.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+                got = events(await resp.read())
+        assert not any(isinstance(e, dict) and "error" in e for e in got)
+        assert got[-1] == "[DONE]"
+        assert got[-2]["usage"]["completion_tokens"] == 12
+        assert sum(p.state.prefills_handed_off for p in ps) == 1  # the continuation is not
+        name = "llm_gateway_stream_continuations_total"
+        assert sample(gw, name, reason="unreachable", outcome="continued") == 1
+        await wait_for(lambda: no_leaks(gw, ps + ds), what="nothing in flight")
+
+
 async def closed_within(sim: RunningSim, since: float) -> float:
     """Seconds from ``since`` until ``sim`` holds no request (the gateway closed it)."""
     ended = await wait_for(lambda: sim.state.in_flight == 0, within=2.0, what="upstream closed")

@@ -170,8 +170,10 @@ def excused(
     """Whether a failed request's outcome is one the faults on at the time explain."""
     if outcome in ALWAYS_FINE:
         return True
-    if outcome == "stream_cut":  # a kill cut it, and no continuation could save it
-        return any(w.kind == "kill" and w.overlaps(obs.start, obs.end, 1.0) for w in windows)
+    if outcome == "stream_cut":  # cut by a kill, with no other backend to continue it on
+        return any(
+            w.kind == "kill" and w.overlaps(obs.start, obs.end, 1.0) for w in windows
+        ) and _no_healthy_during(windows, backends, obs.start, obs.end)
     if outcome in ("backend_refused", "backend_error"):  # every candidate answered "not now"
         return any(w.kind == "error_burst" and w.overlaps(obs.start, obs.end, 1.0) for w in windows)
     if outcome in ("no_backend_available", "gateway_error", "connection_error"):
@@ -206,7 +208,7 @@ def check_no_request_lost(
         return Verdict("no_request_lost", False, f"{len(lost)} lost: {kinds}", figures)
     why = (
         f"{len(judged)} requests, {counts.get('ok', 0)} ok; "
-        f"{counts.get('stream_cut', 0)} streams cut by a killed backend (allowed)"
+        f"{counts.get('stream_cut', 0)} streams cut by a kill with no backend left to continue"
     )
     return Verdict("no_request_lost", True, why, figures)
 

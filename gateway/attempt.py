@@ -5,17 +5,20 @@ step, whether another backend may still be tried, its span, and the ``Tally`` it
 policy's ``Outcome`` is made from it). ``open_upstream`` is how every kind of attempt (a whole
 answer, a prefill step) sends its request: with the trace context, an ``Interrupt`` that ends
 the wait if the backend is marked down, and the upstream abort counted if the client leaves
-while the backend has not answered yet.
+while the backend has not answered yet. ``attempts`` is the loop every step runs: pick a
+backend, attempt, judge, release, back off, pick again among those not yet tried.
 """
 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import structlog
 from aiohttp import web
 from multidict import CIMultiDict
 from opentelemetry.trace import Span, set_span_in_context
@@ -23,21 +26,25 @@ from opentelemetry.trace import Span, set_span_in_context
 from backends.errors import (
     BackendDown,
     BackendRefused,
+    NoBackendAvailable,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
 from backends.pool import Lease
 from backends.upstream import Interrupt, Upstream
-from gateway.keys import LIFECYCLE, TRACER, UPSTREAM
+from gateway.keys import LIFECYCLE, METRICS, RETRY, ROUTER, TRACER, UPSTREAM
 from gateway.record import RequestRecord
 from gateway.relay import StreamBroken
+from gateway.retry import RetryPolicy
 from gateway.rollout import Choice
 from gateway.router import Step
-from gateway.tracing import attempt_span, inject
+from gateway.tracing import attempt_span, end_attempt, inject
 from policies import Outcome
 
 T = TypeVar("T")
+log = structlog.get_logger("gateway.request")
+_rng = random.Random()
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,3 +185,77 @@ async def open_upstream(t: Try, body: bytes) -> Upstream:
     record.sent = True
     t.tally.status = upstream.status
     return upstream
+
+
+async def attempts(
+    call: Call,
+    step: Step,
+    parent: Span | None,
+    attempt: Attempt[T],
+    *,
+    retry: RetryPolicy | None = None,
+    since: float | None = None,
+    exclude: Sequence[str] = (),
+) -> T:
+    """Pick, attempt, classify, back off, pick again: the one loop every step runs.
+
+    The lease is released, and the policy told the outcome, before any backoff. When no
+    backend is left (or the retry policy says stop), the last failure is the answer: a
+    backend's own "not now" as it gave it, or the gateway's error. ``retry`` and ``since``
+    (default: the gateway's retry policy, from the request's arrival) bound the attempts;
+    ``exclude``: backends not to try.
+    """
+    app, record = call.request.app, call.record
+    router, metrics = app[ROUTER], app[METRICS]
+    retry = retry or app[RETRY]
+    since = record.started if since is None else since
+    tried: list[str] = list(exclude)
+    last: UpstreamError | None = None
+    while True:
+        try:
+            lease, candidates = router.pick(step, exclude=tried)
+        except NoBackendAvailable:
+            if last is not None:  # every candidate failed: say how the last did
+                raise last from None
+            raise
+        backend = lease.backend.id
+        tried.append(backend)
+        if step.name != "prefill":
+            record.backends.append(backend)
+            record.candidates = record.candidates or candidates
+        n = len(tried) - len(exclude)
+        elapsed = time.monotonic() - since
+        may_retry = len(candidates) > 1 and retry.allows(n, elapsed)
+        t = Try(call, step, lease, n, may_retry, parent)
+        error: BaseException | None = None
+        try:
+            return await attempt(t)
+        except UpstreamError as exc:  # nothing reached the client
+            error = last = exc
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            if error is not None:
+                t.tally.failed(error)
+            outcome = t.tally.outcome()
+            t.tally.judge(lease, outcome)
+            lease.release()
+            step.policy.on_result(step.facts, backend, outcome)
+            cancelled = isinstance(error, asyncio.CancelledError)
+            end_attempt(t.span, t.tally.status, None if cancelled else error or t.stream_error)
+        reason = type(last).__name__
+        if step.role is not None:
+            metrics.disagg_failures.labels(step.name, backend, reason).inc()
+        wait = retry.next_wait(n, time.monotonic() - since, _rng)
+        if not may_retry or wait is None:
+            raise last
+        metrics.retries.labels(backend, reason).inc()
+        log.info(
+            "upstream_retry",
+            step=step.name,
+            backend=backend,
+            error=last.message,
+            wait_ms=round(wait * 1e3, 1),
+        )
+        await asyncio.sleep(wait)

@@ -4,12 +4,13 @@
 limits, then the admission queue while the fleet is saturated), and decides its route once
 (``Router.route``): one step for a model served whole, by any of its backends or by the model
 pool an alias chose; two for a model served by prefill and decode pools, the prefill's KV
-handed to the decode (``gateway.disagg``). Every step runs the same attempt loop,
-``_attempts``: pick a backend, attempt, classify, release the lease, back off, pick again among
-the backends not yet tried, for as long as the retry policy allows. Only an attempt that has
-sent nothing to the client is retried; a backend that answers "not now" (429, 503...) is passed
-over while another is left, and its answer is the client's when none is. The policy hears how
-each attempt ended (``Policy.on_result``).
+handed to the decode (``gateway.disagg``). Every step runs the same attempt loop
+(``gateway.attempt.attempts``): pick a backend, attempt, classify, release the lease, back
+off, pick again among the backends not yet tried, for as long as the retry policy allows.
+Only an attempt that has sent nothing to the client is retried; a backend that answers "not
+now" (429, 503...) is passed over while another is left, and its answer is the client's when
+none is. The policy hears how each attempt ended (``Policy.on_result``). A stream that breaks
+after bytes reached the client goes on from another backend (``gateway.resume``).
 
 Every attempt holds one lease on a backend, released in one ``finally`` on every way out:
 success, error, timeout and client disconnect (aiohttp cancels the handler when the client goes
@@ -21,31 +22,22 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import time
-from collections.abc import Sequence
 from dataclasses import replace
-from functools import partial
 from typing import Any, Final
 
-import structlog
 from aiohttp import web
 from opentelemetry.trace import Span, SpanKind
 
 from backends.errors import (
     BackendRefused,
-    BackendStalled,
-    EngineFailed,
     GatewayError,
-    NoBackendAvailable,
-    UpstreamError,
-    UpstreamProtocolError,
     UpstreamTimeout,
 )
-from backends.upstream import Upstream, json_or_none
-from gateway.attempt import Attempt, Call, T, Try, cancel_reason, open_upstream
+from backends.upstream import Upstream
+from gateway.attempt import Call, Try, attempts, cancel_reason, open_upstream
 from gateway.body import read_json_body, request_model
-from gateway.continuation import Keep, Progress, Stitch, can_resume, refusal, resume_body
+from gateway.continuation import Keep, refusal
 from gateway.disagg import decode_body, prefill_attempt, prefill_body
 from gateway.headers import downstream_headers, upstream_headers
 from gateway.keys import (
@@ -55,7 +47,6 @@ from gateway.keys import (
     METRICS,
     RELAY_FAST,
     REQUEST_ID_KEY,
-    RETRY,
     ROUTER,
     SETTINGS,
     TRACER,
@@ -67,25 +58,20 @@ from gateway.limits.limiter import Grant
 from gateway.limits.tokens import UsageFilter, usage_from_body, usage_plan, with_include_usage
 from gateway.record import RequestRecord, finish
 from gateway.relay import (
-    Chunks,
+    EVENT_STREAM,
     Ending,
     RelayResult,
     StreamBroken,
-    end_stream,
     relay_body,
-    relay_resumed,
     relay_stream,
 )
-from gateway.retry import RETRYABLE_STATUS, RetryPolicy
+from gateway.resume import resume
+from gateway.retry import RETRYABLE_STATUS
 from gateway.rollout import ROLLOUT
 from gateway.router import Route, Step
-from gateway.tracing import annotate, end_attempt, parent_context
+from gateway.tracing import annotate, parent_context
 
-log = structlog.get_logger("gateway.request")
-
-_EVENT_STREAM: Final = "text/event-stream"
 _BUSY: Final = frozenset({429, 503})  # answers that tell the client when to come back
-_rng = random.Random()
 
 
 async def forward(request: web.Request, path: str) -> web.StreamResponse:
@@ -207,7 +193,7 @@ async def _serve(
     metrics = app[METRICS]
     app[ROUTER].check(route.serve)  # no decode backend: fail before any prefill
     body = prefill_body(doc)
-    prefilled = await _attempts(call, route.prefill, span, lambda t: prefill_attempt(t, body))
+    prefilled = await attempts(call, route.prefill, span, lambda t: prefill_attempt(t, body))
     if isinstance(prefilled, web.StreamResponse):  # the prefill refused the request (a 4xx)
         return prefilled
     answered = time.monotonic()
@@ -223,250 +209,17 @@ async def _serve(
             )
 
 
-async def _attempts(
-    call: Call,
-    step: Step,
-    parent: Span | None,
-    attempt: Attempt[T],
-    *,
-    retry: RetryPolicy | None = None,
-    since: float | None = None,
-    exclude: Sequence[str] = (),
-) -> T:
-    """Pick, attempt, classify, back off, pick again: the one loop every step runs.
-
-    The lease is released, and the policy told the outcome, before any backoff. When no
-    backend is left (or the retry policy says stop), the last failure is the answer: a
-    backend's own "not now" as it gave it, or the gateway's error. ``retry`` and ``since``
-    (default: the gateway's retry policy, from the request's arrival) bound the attempts;
-    ``exclude``: backends not to try.
-    """
-    app, record = call.request.app, call.record
-    router, metrics = app[ROUTER], app[METRICS]
-    retry = retry or app[RETRY]
-    since = record.started if since is None else since
-    tried: list[str] = list(exclude)
-    last: UpstreamError | None = None
-    while True:
-        try:
-            lease, candidates = router.pick(step, exclude=tried)
-        except NoBackendAvailable:
-            if last is not None:  # every candidate failed: say how the last did
-                raise last from None
-            raise
-        backend = lease.backend.id
-        tried.append(backend)
-        if step.name != "prefill":
-            record.backends.append(backend)
-            record.candidates = record.candidates or candidates
-        n = len(tried) - len(exclude)
-        elapsed = time.monotonic() - since
-        may_retry = len(candidates) > 1 and retry.allows(n, elapsed)
-        t = Try(call, step, lease, n, may_retry, parent)
-        error: BaseException | None = None
-        try:
-            return await attempt(t)
-        except UpstreamError as exc:  # nothing reached the client
-            error = last = exc
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            if error is not None:
-                t.tally.failed(error)
-            outcome = t.tally.outcome()
-            t.tally.judge(lease, outcome)
-            lease.release()
-            step.policy.on_result(step.facts, backend, outcome)
-            cancelled = isinstance(error, asyncio.CancelledError)
-            end_attempt(t.span, t.tally.status, None if cancelled else error or t.stream_error)
-        reason = type(last).__name__
-        if step.role is not None:
-            metrics.disagg_failures.labels(step.name, backend, reason).inc()
-        wait = retry.next_wait(n, time.monotonic() - since, _rng)
-        if not may_retry or wait is None:
-            raise last
-        metrics.retries.labels(backend, reason).inc()
-        log.info(
-            "upstream_retry",
-            step=step.name,
-            backend=backend,
-            error=last.message,
-            wait_ms=round(wait * 1e3, 1),
-        )
-        await asyncio.sleep(wait)
-
-
 async def _answered(call: Call, step: Step, span: Span | None) -> web.StreamResponse:
     """The client's answer from ``step``'s backends; a stream that breaks on the way goes on
     from another backend when it can (``_resume``)."""
     try:
-        return await _attempts(call, step, span, _answer)
+        return await attempts(call, step, span, _answer)
     except StreamBroken as broken:
         try:
-            return await _resume(call, step, span, broken)
+            return await resume(call, step, span, broken)
         except asyncio.CancelledError:  # the client left (or the gateway stops) meanwhile
             call.record.ending = cancel_reason(call.request.app)
             raise
-
-
-async def _resume(
-    call: Call, step: Step, span: Span | None, broken: StreamBroken
-) -> web.StreamResponse:
-    """Continue a broken stream on other backends, as many times as the settings allow.
-
-    What cannot be continued faithfully (or finds no backend in time) ends as it did before
-    continuations existed: vLLM's error event, then [DONE].
-    """
-    app, record = call.request.app, call.record
-    settings, metrics = app[SETTINGS].continuation, app[METRICS]
-    assert call.resumable is not None
-    resp, progress = broken.response, broken.progress
-    failed_on = [broken.backend]
-    retry = replace(app[RETRY], max_attempts=settings.max_attempts, deadline=settings.deadline)
-    while True:
-        reason = _break_reason(broken.error)
-        if progress.done or progress.finished is not None:  # only the stream's end was lost
-            metrics.continuations.labels(reason, "complete").inc()
-            await end_stream(resp, None, done=progress.done)
-            record.ending = Ending.COMPLETE.value
-            return resp
-        why = can_resume(call.resumable, call.chat, progress)
-        if why is None and record.continuations >= settings.max_continuations:
-            why = "limit"
-        if why is not None:
-            metrics.continuations.labels(reason, why).inc()
-            log.warning(
-                "stream_not_continued", backend=broken.backend, error=broken.error.message, why=why
-            )
-            await end_stream(resp, broken.error)
-            return resp
-        record.continuations += 1
-        log.info(
-            "stream_continuing",
-            backend=broken.backend,
-            error=broken.error.message,
-            sent_events=progress.events,
-            continuation=record.continuations,
-        )
-        attempt = partial(_resume_attempt, resp=resp, progress=progress)
-        try:
-            done = await _attempts(
-                call, step, span, attempt, retry=retry, since=time.monotonic(), exclude=failed_on
-            )
-        except StreamBroken as again:
-            metrics.continuations.labels(reason, "broken").inc()
-            broken = again
-            failed_on.append(again.backend)
-            continue
-        except GatewayError as exc:  # no backend could take it
-            metrics.continuations.labels(reason, "failed").inc()
-            log.warning(
-                "stream_not_continued", backend=broken.backend, error=exc.message, why="failed"
-            )
-            await end_stream(resp, broken.error)
-            record.ending = Ending.UPSTREAM_ERROR.value
-            return resp
-        metrics.continuations.labels(reason, "continued").inc()
-        return done
-
-
-def _break_reason(error: UpstreamError) -> str:
-    """The ``reason`` label of a broken stream."""
-    if isinstance(error, BackendStalled):
-        return "stalled"
-    if isinstance(error, EngineFailed):
-        return "engine_error"
-    if isinstance(error, UpstreamTimeout):
-        return "timeout"
-    if isinstance(error, UpstreamProtocolError):
-        return "protocol"
-    return "unreachable"
-
-
-async def _sent_tokens(t: Try, progress: Progress) -> int:
-    """How many tokens the client has received: the stream's own token ids when it carries
-    them, else the continuing backend's count of the text (its ``/tokenize``), else the
-    events (one token each, a lower bound with speculative decoding or a stream interval)."""
-    ids = progress.exact_ids
-    if ids is not None and (ids or not progress.events):
-        return len(ids)
-    text = progress.generated
-    if not text:
-        return progress.events
-    call = t.call
-    app = call.request.app
-    client = app[UPSTREAM]
-    body = {"model": call.resumable and call.resumable.get("model"), "prompt": text}
-    body["add_special_tokens"] = False
-    raw = json.dumps(body).encode()
-    try:
-        async with asyncio.timeout(app[SETTINGS].continuation.tokenize_timeout):
-            upstream = await client.open(t.lease.backend.spec, "/tokenize", raw, call.headers)
-            try:
-                answer = await client.read_body(upstream)
-            finally:
-                client.finish(upstream, complete=True)
-    except (UpstreamError, TimeoutError):
-        return progress.events
-    count = json_or_none(answer) if upstream.status == 200 else None
-    if isinstance(count, dict) and isinstance(count.get("count"), int):
-        return int(count["count"])
-    return progress.events
-
-
-async def _resume_attempt(
-    t: Try, *, resp: web.StreamResponse, progress: Progress
-) -> web.StreamResponse:
-    """One backend's try at the rest of a broken stream, into the client's open ``resp``."""
-    call = t.call
-    app, record = call.request.app, call.record
-    client = app[UPSTREAM]
-    assert call.resumable is not None
-    sent = await _sent_tokens(t, progress)
-    body = resume_body(call.resumable, call.chat, progress, sent)
-    upstream = await open_upstream(t, json.dumps(body, separators=(",", ":")).encode())
-    complete = False
-    try:
-        if upstream.status != 200 or upstream.content_type != _EVENT_STREAM:
-            answer = await client.read_body(upstream)
-            complete = True
-            backend = t.lease.backend.id
-            if upstream.status in RETRYABLE_STATUS:
-                retry_after = upstream.headers.get("Retry-After")
-                raise BackendRefused(backend, upstream.status, answer, retry_after=retry_after)
-            raise UpstreamProtocolError(
-                f"backend {backend} answered the continuation with {upstream.status}: "
-                f"{answer[:200].decode(errors='replace')}"
-            )
-        stitch = Stitch(progress, sent)
-        usage = UsageFilter(strip=call.strip_usage)
-        result = RelayResult(ending=Ending.COMPLETE)
-        rename = call.choice.rename if call.choice is not None else None
-        chunks = Chunks(upstream.watch, result, usage, time.monotonic, rename)
-        try:
-            error = await relay_resumed(resp, upstream, stitch, chunks)
-        finally:
-            if usage.usage is not None:
-                record.usage = usage.usage
-            record.events += result.events
-            t.tally.first_token_at = result.first_token_at
-        if error is not None:
-            t.tally.error = "stream"
-            t.stream_error = error
-            raise StreamBroken(resp, error, t.lease.backend.id, progress)
-        complete = True
-        t.tally.answered = True
-        if usage.usage is not None:
-            t.tally.tokens = usage.usage.completion_tokens - sent
-        record.ending = Ending.COMPLETE.value
-        record.ended_at = time.monotonic()
-        return resp
-    except asyncio.CancelledError:  # the client left: closing the upstream aborts it
-        record.abort_reason = cancel_reason(app)
-        raise
-    finally:
-        client.finish(upstream, complete=complete)
 
 
 async def _answer(t: Try) -> web.StreamResponse:
@@ -507,7 +260,7 @@ async def _relay(t: Try, upstream: Upstream) -> tuple[web.StreamResponse, bool]:
     if call.extra_headers:
         headers.update(call.extra_headers)
     rename = call.choice.rename if call.choice is not None else None
-    if upstream.content_type != _EVENT_STREAM:
+    if upstream.content_type != EVENT_STREAM:
         whole = await relay_body(upstream, headers, app[UPSTREAM], rename)
         record.ending = Ending.COMPLETE.value
         if isinstance(whole.body, bytes):

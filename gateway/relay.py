@@ -18,7 +18,7 @@ import enum
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -33,6 +33,8 @@ from backends.upstream import CLIENT_ERRORS, Transport, Upstream, translate
 from gateway.continuation import Keep, Progress, Stitch
 from gateway.limits.tokens import UsageFilter
 from gateway.sse import FirstTokenWatch
+
+EVENT_STREAM: Final = "text/event-stream"  # the content type of a stream to relay
 
 
 class Ending(enum.Enum):

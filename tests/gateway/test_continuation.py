@@ -18,7 +18,8 @@ from aiohttp import web
 
 from backends.health import Health
 from gateway.keys import POOL
-from loadtest.fakebackend import Behaviour, Seen, counting, sse
+from loadtest.counting import counting
+from loadtest.fakebackend import Behaviour, Seen, sse
 from tests.helpers import (
     FakeBackend,
     RunningGateway,

@@ -12,7 +12,7 @@ from aiohttp import web
 from backends.circuit import Circuit
 from backends.health import Health
 from gateway.keys import POOL
-from loadtest.fakebackend import counting
+from loadtest.counting import counting
 from tests.helpers import (
     FakeBackend,
     Seen,

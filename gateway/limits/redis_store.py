@@ -219,6 +219,12 @@ class RedisLimitStore:
             res = await self._script(_ADMIT, self.redis_keys(key), args)
         except _FAILURES as exc:
             return self._unavailable(ticket, exc)
+        except asyncio.CancelledError:
+            # The client went away while the script was on its way: Redis may run it all the
+            # same, and then holds a slot that nobody would give back before its TTL.
+            if limits.max_concurrent is not None:
+                self._owe(ticket).release = ticket
+            raise
         reason_code, r_left, t_left, retry_ms, r_reset, t_reset = (int(x) for x in res)
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
         requests = None if rpm is None else Window(rpm, max(0, r_left), r_reset / 1000)

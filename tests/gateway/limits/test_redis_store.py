@@ -343,6 +343,35 @@ async def test_an_admission_whose_answer_came_too_late_gives_its_slot_back(
         await c.aclose()
 
 
+async def test_an_admission_cancelled_while_in_redis_gives_its_slot_back(
+    make_store: StoreFactory, own_redis: RedisServer
+) -> None:
+    """Found by the soak (CI): a client that left 1-40 ms after sending (its handler cancelled
+    while the admission script was on its way to Redis) left a slot held for the slot TTL."""
+    store = make_store(url=own_redis.url, timeout=1.0, retry_interval=0.05)
+    limits = Limits(max_concurrent=4)
+    warm = await store.admit("k", limits, 0)  # loads the script
+    assert warm.ticket is not None
+    await store.release(warm.ticket)
+    c = Redis.from_url(own_redis.url)
+    try:
+        busy = asyncio.create_task(c.execute_command("DEBUG", "SLEEP", "0.2"))
+        await asyncio.sleep(0.01)  # sleep-ok: let DEBUG SLEEP reach Redis first
+        admitting = asyncio.create_task(store.admit("k", limits, 0))
+        await asyncio.sleep(0.05)  # sleep-ok: the script is queued behind DEBUG SLEEP now
+        admitting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await admitting
+        await busy  # Redis runs the queued script once it wakes
+        deadline = time.monotonic() + 5
+        while await c.zcard(store.redis_keys("k")[1]):
+            assert time.monotonic() < deadline, "the cancelled admission's slot was never released"
+            await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+        assert store.available  # a cancelled call is not an outage
+    finally:
+        await c.aclose()
+
+
 async def test_after_a_redis_restart_stale_connections_fail_once_not_once_each(
     make_store: StoreFactory, own_redis: RedisServer
 ) -> None:

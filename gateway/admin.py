@@ -14,7 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.errors import GatewayError, InvalidRequest, NotFound, error_envelope
 from backends.state import BackendState
-from gateway.keys import GATEWAY, METRICS, POOL, ROUTER
+from gateway.keys import GATEWAY, KV_FEEDS, KV_INDEX, METRICS, POOL, ROUTER
 from gateway.reload import change_policy, describe_policy, reload_settings
 from gateway.rollout import ROLLOUT
 from policies import score
@@ -152,6 +152,39 @@ def _drain_pool(drained: bool) -> Handler:
     return handler
 
 
+async def kv_events(request: web.Request) -> web.Response:
+    """Each backend's KV-event feed and what the index holds of its cache."""
+    gateway = request.app[GATEWAY]
+    feeds, index = gateway[KV_FEEDS], gateway[KV_INDEX]
+    stats = index.stats()
+    out: dict[str, object] = {}
+    for b in gateway[POOL].all():
+        st = feeds.status.get(b.id) if feeds is not None else None
+        cache = stats.get(b.id)
+        out[b.id] = {
+            "state": "not followed" if feeds is None else (st.state if st else "discovering"),
+            "why": st.why if st else "",
+            "exact": index.exact(b.id),
+            "sources": [
+                {"rank": s.rank, "endpoint": s.endpoint, "replay": s.replay, "topic": s.topic}
+                for s in (st.sources if st else ())
+            ],
+            "wire_form": st.form if st else None,
+            "batches": st.batches if st else 0,
+            "events": dict(st.events) if st else {},
+            "gaps": dict(st.gaps) if st else {},
+            "problems": dict(st.problems) if st else {},
+            "lag_s": None if st is None or st.lag_s is None else round(st.lag_s, 4),
+            "blocks": cache.blocks if cache else 0,
+            "block_size": cache.block_size if cache else None,
+            "orphans": cache.orphans if cache else 0,
+            "evicted": cache.evicted if cache else 0,
+        }
+    return web.json_response(
+        {"following": feeds is not None, "capacity": index.capacity, "backends": out}
+    )
+
+
 async def admin_metrics(request: web.Request) -> web.Response:
     body = generate_latest(request.app[GATEWAY][METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -165,6 +198,7 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_put("/admin/policy", put_policy)
     app.router.add_post("/admin/reload", post_reload)
     app.router.add_get("/admin/metrics", admin_metrics)
+    app.router.add_get("/admin/kv-events", kv_events)
     app.router.add_post("/admin/backends/{backend_id}/drain", _set_draining(True))
     app.router.add_post("/admin/backends/{backend_id}/undrain", _set_draining(False))
     app.router.add_get("/admin/aliases", list_aliases)

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backends.circuit import CircuitPolicy
 from backends.discovery import DnsDiscovery, Resolver
 from backends.health import HealthPolicy
+from backends.kv_feed import FeedSettings, KvFeeds
 from backends.monitor import BackendMonitor, MonitorSettings
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
@@ -23,6 +24,8 @@ from gateway import proxy
 from gateway.disagg import role_policies
 from gateway.keys import (
     ADMISSION,
+    KV_FEEDS,
+    KV_INDEX,
     LIFECYCLE,
     LIMITER,
     METRICS,
@@ -33,10 +36,12 @@ from gateway.keys import (
     ROUTER,
     SETTINGS,
     SUPERVISOR,
+    TOKENIZERS,
     TRACER,
     UPSTREAM,
     Lifecycle,
 )
+from gateway.kv_metrics import KvEventsCollector
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.fairqueue import SaturationThresholds, fleet_saturated
 from gateway.limits.limiter import open_limiter
@@ -47,8 +52,9 @@ from gateway.retry import RetryPolicy
 from gateway.rollout import ROLLOUT, Rollout
 from gateway.router import Router
 from gateway.settings import Settings
+from gateway.tokenizer import Tokenizers
 from gateway.tracing import provider_from_settings, tracer_from
-from policies import Weights, make_policy
+from policies import KvIndex, Weights, make_policy
 
 log = structlog.get_logger("gateway.app")
 
@@ -134,9 +140,14 @@ def _backends_ctx(resolver: Resolver | None, transport: Transport | None):  # ty
                 "discovery", "discovery", lambda: discovery.run(d.interval)
             )
         await monitor.start(first_round_timeout=max(s.health.timeout, s.scrape.timeout))
+        feeds = app[KV_FEEDS] = _kv_feeds(s, pool, app[KV_INDEX], client, supervisor)
+        if feeds is not None:
+            await feeds.start()
         try:
             yield
         finally:
+            if feeds is not None:
+                await feeds.stop()
             if discovery_task is not None:
                 discovery_task.cancel()
                 await asyncio.gather(discovery_task, return_exceptions=True)
@@ -144,6 +155,32 @@ def _backends_ctx(resolver: Resolver | None, transport: Transport | None):  # ty
             await client.close()
 
     return ctx
+
+
+async def _close_tokenizers(tokenizers: Tokenizers) -> None:
+    tokenizers.close()
+
+
+def _kv_feeds(
+    s: Settings, pool: BackendPool, index: KvIndex, client: Transport, supervisor: Supervisor
+) -> KvFeeds | None:
+    if not s.follows_kv_events:
+        return None
+    k = s.kv_events
+    return KvFeeds(
+        pool,
+        index,
+        client,
+        FeedSettings(
+            discover=k.discover,
+            endpoint=k.endpoint,
+            replay_endpoint=k.replay_endpoint,
+            topic=k.topic,
+            replay_timeout=k.replay_timeout,
+            rediscover_interval=k.rediscover_interval,
+        ),
+        supervisor=supervisor,
+    )
 
 
 def _admission(settings: Settings, pool: BackendPool) -> AdmissionQueue | None:
@@ -209,13 +246,23 @@ def create_app(
     pool = _pool(settings)
     app[POOL] = pool
     w = settings.weights
-    prefill, decode = role_policies(settings)  # the prefill and decode pools' own
+    kv_index = app[KV_INDEX] = KvIndex(settings.kv_events.capacity)
+    tokenizers = app[TOKENIZERS] = Tokenizers.load(
+        settings.tokenizers,
+        inline_chars=settings.kv_events.inline_chars,
+        threads=settings.kv_events.tokenize_threads,
+        max_pending=4 * settings.kv_events.tokenize_threads,
+    )
+    app.on_cleanup.append(lambda _: _close_tokenizers(tokenizers))
+    prefill, decode = role_policies(settings, kv_index)  # the prefill and decode pools' own
     app[ROUTER] = Router(
         pool,
         make_policy(
             settings.policy,
             Weights(active=w.active, queue=w.queue, kv=w.kv),
             affinity=affinity_config(settings.affinity),
+            kv_index=kv_index,
+            kv_max_blocks=settings.kv_events.max_blocks,
         ),
         prefill=prefill,
         decode=decode,
@@ -238,6 +285,13 @@ def create_app(
     metrics = GatewayMetrics()
     metrics.watch_backends(
         pool, lambda: app[ROUTER].policy, lambda: admission.waiting if admission else 0
+    )
+    metrics.registry.register(
+        KvEventsCollector(
+            kv_index,
+            lambda: feeds.status if (feeds := app.get(KV_FEEDS)) is not None else None,
+            lambda: app[ROUTER].policy,
+        )
     )
     metrics.watch_limits(lambda: app[LIMITER].rejections, admission)
     metrics.watch_supervisor(supervisor)

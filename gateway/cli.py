@@ -63,6 +63,14 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    from gateway.tokenizer import load_tokenizer
+
+    for model, spec in settings.tokenizers.items():  # loaded again by the app: fail here first
+        try:
+            load_tokenizer(spec)
+        except ValueError as exc:
+            print(f"llm-gateway: bad configuration: tokenizers.{model}: {exc}", file=sys.stderr)
+            return 2
     serve(settings, loader=lambda: load_settings(args.config, **overrides))
     return 0
 
@@ -150,6 +158,20 @@ def _setup_top(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=top.run)
 
 
+def _setup_kv_events(p: argparse.ArgumentParser) -> None:
+    from gateway import kv_check
+
+    p.description = (
+        "Tools for vLLM's KV-cache events (what the precise_prefix policy routes on). "
+        "`check URL`: connect to a backend's publisher, send a probe prompt, and report block "
+        "size, token agreement, sequence health and lag."
+    )
+    sub = p.add_subparsers(dest="kv_command", metavar="ACTION", required=True)
+    c = sub.add_parser("check", help="check one backend's KV-event publisher")
+    kv_check.add_arguments(c)
+    c.set_defaults(func=kv_check.run)
+
+
 # What a subcommand needs beyond the gateway itself: the extra to install, and its modules.
 EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "top": ("tools", ("rich",)),
@@ -183,6 +205,7 @@ COMMANDS: dict[str, tuple[str, Setup]] = {
     ),
     "plan": ("size GPUs, KV cache and vLLM engine arguments for a model", _setup_plan),
     "keys": ("API key helpers", _setup_keys),
+    "kv-events": ("check a backend's KV-cache event publisher", _setup_kv_events),
 }
 
 

@@ -39,7 +39,7 @@ from gateway.headers import downstream_headers
 from gateway.keys import METRICS, UPSTREAM
 from gateway.retry import RETRYABLE_STATUS
 from gateway.settings import RolePoolSettings, Settings
-from policies import AffinityConfig, Policy, Weights, make_policy
+from policies import AffinityConfig, KvIndex, Policy, Weights, make_policy
 
 log = structlog.get_logger("gateway.disagg")
 
@@ -54,14 +54,18 @@ PREFILL_KV_PARAMS: Final[Mapping[str, Any]] = {
 }
 
 
-def role_policies(settings: Settings) -> tuple[Policy, Policy]:
+def role_policies(settings: Settings, kv_index: KvIndex) -> tuple[Policy, Policy]:
     """The prefill pool's policy and the decode pool's, from ``[disagg]``."""
     affinity = AffinityConfig(**settings.affinity.model_dump())
 
     def policy(s: RolePoolSettings) -> Policy:
         w = s.weights
         return make_policy(
-            s.policy, Weights(active=w.active, queue=w.queue, kv=w.kv), affinity=affinity
+            s.policy,
+            Weights(active=w.active, queue=w.queue, kv=w.kv),
+            affinity=affinity,
+            kv_index=kv_index,
+            kv_max_blocks=settings.kv_events.max_blocks,
         )
 
     return policy(settings.disagg.prefill), policy(settings.disagg.decode)

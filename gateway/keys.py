@@ -8,6 +8,7 @@ from typing import Final
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
+from backends.kv_feed import KvFeeds
 from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
@@ -18,6 +19,8 @@ from gateway.metrics import GatewayMetrics
 from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
+from gateway.tokenizer import Tokenizers
+from policies.kv_index import KvIndex
 
 
 @dataclass(slots=True)
@@ -42,5 +45,8 @@ TRACER: Final = web.AppKey[Tracer | None]("tracer")
 GATEWAY: Final = web.AppKey("gateway", web.Application)
 # False when the tap's aiohttp internals are not as expected: streams use plain reads.
 RELAY_FAST: Final = web.AppKey("relay_fast", bool)  # on the admin app: the main app
+KV_INDEX: Final = web.AppKey("kv_index", KvIndex)  # what each engine caches (its KV events)
+KV_FEEDS: Final = web.AppKey[KvFeeds | None]("kv_feeds")  # None: events not followed
+TOKENIZERS: Final = web.AppKey("tokenizers", Tokenizers)  # per model, for precise_prefix
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -20,7 +20,7 @@ from backends.health import Health
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
 from gateway.limits.admission import AdmissionQueue
-from policies import Policy, PrefixAffinity, Weights, score
+from policies import Policy, PrecisePrefix, PrefixAffinity, Weights, score
 from policies.prefix_affinity import REASONS
 
 # From a few milliseconds (a cached prefix on an idle server) to minutes (long generations).
@@ -121,6 +121,8 @@ class AffinityCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         policy = self._policy()
+        if isinstance(policy, PrecisePrefix):
+            policy = policy.approximate  # its fallback: what it routes on without events
         if not isinstance(policy, PrefixAffinity):
             return
         index = policy.index

@@ -49,6 +49,7 @@ from gateway.keys import (
     REQUEST_ID_KEY,
     ROUTER,
     SETTINGS,
+    TOKENIZERS,
     TRACER,
     UPSTREAM,
 )
@@ -97,10 +98,16 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
             if choice.rename is not None:  # opt-in, so serialising the body again is fine
                 doc = {**doc, "model": model}
                 raw = json.dumps(doc, separators=(",", ":")).encode()
-        route = app[ROUTER].route(model, doc, request.headers, choice)
+        chat = path.endswith("/chat/completions")
+        router = app[ROUTER]
+        tokens = None
+        # precise_prefix: the prompt's blocks as the engine keys them. A salted request's
+        # blocks are hashed with its salt: no other request's blocks are its prefix.
+        if router.wants_tokens and "cache_salt" not in doc:
+            tokens = await app[TOKENIZERS].tokens(model, "chat" if chat else "completions", doc)
+        route = router.route(model, doc, request.headers, choice, tokens)
         grant = await limiter.admit(principal, doc)
         plan = usage_plan(doc)
-        chat = path.endswith("/chat/completions")
         resumable = settings.continuation.enabled and refusal(doc, chat) is None
         call = Call(
             request,

@@ -16,10 +16,18 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backends.errors import InvalidRequest
 from backends.state import BackendSpec
-from gateway.keys import METRICS, MONITOR, POOL, ROUTER
+from gateway.keys import KV_FEEDS, KV_INDEX, METRICS, MONITOR, POOL, ROUTER
 from gateway.rollout import ROLLOUT
 from gateway.settings import AffinitySettings, Settings, WeightSettings
-from policies import AffinityConfig, Policy, PolicyName, PrefixAffinity, Weights, make_policy
+from policies import (
+    AffinityConfig,
+    Policy,
+    PolicyName,
+    PrecisePrefix,
+    PrefixAffinity,
+    Weights,
+    make_policy,
+)
 
 log = structlog.get_logger("gateway.reload")
 
@@ -60,7 +68,7 @@ def describe_policy(app: web.Application) -> dict[str, Any]:
         "policy": policy.name,
         "weights": None if w is None else {"active": w.active, "queue": w.queue, "kv": w.kv},
     }
-    if isinstance(policy, PrefixAffinity):
+    if isinstance(policy, PrefixAffinity | PrecisePrefix):
         doc["affinity"] = asdict(policy.config)
     return doc
 
@@ -69,7 +77,7 @@ def _affinity(
     app: web.Application, current: Policy, patch: dict[str, Any] | None
 ) -> AffinityConfig:
     """The running affinity settings (the policy's, else the configuration's), patched."""
-    if isinstance(current, PrefixAffinity):
+    if isinstance(current, PrefixAffinity | PrecisePrefix):
         base = asdict(current.config)
     else:
         base = app[CONFIG].current.affinity.model_dump()
@@ -94,7 +102,19 @@ def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
     else:
         weights = current.weights or Weights()
     affinity = _affinity(app, current, change.affinity)
-    app[ROUTER].policy = make_policy(name, weights, affinity=affinity, previous=current)
+    if name == "precise_prefix" and app.get(KV_FEEDS) is None:
+        raise InvalidRequest(
+            "Invalid policy change: precise_prefix routes on the backends' KV events, which "
+            "this gateway does not follow: set [kv_events] enabled = true and restart."
+        )
+    app[ROUTER].policy = make_policy(
+        name,
+        weights,
+        affinity=affinity,
+        previous=current,
+        kv_index=app[KV_INDEX],
+        kv_max_blocks=app[CONFIG].current.kv_events.max_blocks,
+    )
     new = describe_policy(app)
     app[METRICS].policy_changes.inc()
     log.info("policy_changed", old=old, new=new)
@@ -127,6 +147,8 @@ def reload_settings(app: web.Application) -> ReloadResult:
             Weights(active=w.active, queue=w.queue, kv=w.kv),
             affinity=affinity_config(new.affinity),
             previous=app[ROUTER].policy,
+            kv_index=app[KV_INDEX],
+            kv_max_blocks=old.kv_events.max_blocks,
         )
     if "backends" in result.applied:
         _apply_backends(app, new)

@@ -10,7 +10,7 @@ same attempt loop (``gateway.proxy``).
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -63,17 +63,31 @@ class Router:
         roles = self.pool.roles(model)
         return "prefill" in roles and "decode" in roles
 
+    @property
+    def wants_tokens(self) -> bool:
+        """Whether a policy in use routes on the prompt's token ids (``Needs.tokens``)."""
+        return (
+            self.policy.needs.tokens
+            or self.prefill_policy.needs.tokens
+            or self.decode_policy.needs.tokens
+        )
+
     def route(
         self,
         model: str,
         doc: Mapping[str, Any],
         headers: Mapping[str, str],
         choice: Choice | None = None,
+        tokens: Sequence[int] | None = None,
     ) -> Route:
-        """The route of a request for ``model`` (the served name; ``choice``: an alias's pool)."""
+        """The route of a request for ``model`` (the served name; ``choice``: an alias's pool).
+
+        ``tokens``: the prompt's token ids, for a policy that asked for them (``wants_tokens``).
+        """
 
         def step(name: StepName, policy: Policy, **where: Any) -> Step:
-            return Step(name, policy, route_facts(policy.needs, model, doc, headers), **where)
+            facts = route_facts(policy.needs, model, doc, headers, tokens)
+            return Step(name, policy, facts, **where)
 
         if choice is not None:
             return Route(step("serve", self.policy, only=choice.pool.backends))

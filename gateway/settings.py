@@ -241,6 +241,46 @@ class ContinuationSettings(BaseModel):
     )
 
 
+class KvEventsSettings(BaseModel):
+    """Following vLLM's KV-cache events, for ``precise_prefix`` (README: "Routing on what each
+    engine really caches")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool | None = Field(
+        None, description="follow the backends' KV events; unset: when the policy is precise_prefix"
+    )
+    discover: bool = Field(True, description="ask each backend's GET /kv_event_sources")
+    endpoint: str | None = Field(
+        None,
+        description="else subscribe here: a template with {host}, the backend's host, e.g. "
+        "tcp://{host}:5557",
+    )
+    replay_endpoint: str | None = Field(None, description="e.g. tcp://{host}:5558")
+    topic: str = ""
+    replay_timeout: float = Field(2.0, gt=0, description="seconds a replay request may take")
+    rediscover_interval: float = Field(
+        5.0, gt=0, description="seconds between looks at a backend that publishes no events"
+    )
+    capacity: int = Field(
+        262_144,
+        ge=1024,
+        description="blocks remembered per backend (at least its engine's KV blocks)",
+    )
+    max_blocks: int = Field(1024, ge=1, description="leading blocks of a prompt that are keyed")
+    inline_chars: int = Field(
+        4000, ge=0, description="longer prompts are tokenized off the event loop"
+    )
+    tokenize_threads: int = Field(2, ge=1, le=16)
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("tcp://", "ipc://")):
+            raise ValueError("must be a ZMQ endpoint: tcp://HOST:PORT (HOST may be {host})")
+        return v
+
+
 class DiscoverySettings(BaseModel):
     """Backends found by re-resolving DNS names: every A/AAAA record is a backend."""
 
@@ -351,6 +391,12 @@ class Settings(BaseSettings):
     health: HealthSettings = Field(default_factory=HealthSettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
     continuation: ContinuationSettings = Field(default_factory=ContinuationSettings)
+    kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
+    tokenizers: dict[str, str] = Field(
+        default_factory=dict,
+        description="served model name -> its tokenizer: a model directory (tokenizer.json, "
+        "tokenizer_config.json, chat template), a tokenizer.json, or `sim` for the simulator",
+    )
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
@@ -389,6 +435,12 @@ class Settings(BaseSettings):
                 raise ValueError(f"backend {b.id!r} is listed twice")
             seen.add(b.id)
         return v
+
+    @property
+    def follows_kv_events(self) -> bool:
+        if self.kv_events.enabled is not None:
+            return self.kv_events.enabled
+        return self.policy == "precise_prefix"
 
     @model_validator(mode="after")
     def _pools_and_aliases(self) -> Settings:

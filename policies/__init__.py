@@ -3,22 +3,28 @@
 from __future__ import annotations
 
 import random
+from collections import Counter
 from typing import Final, Literal
 
+from policies.kv_index import KvIndex
 from policies.least_load import LeastLoad
+from policies.precise_prefix import PrecisePrefix
 from policies.prefix import PrefixHasher, PrefixIndex
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity
 from policies.scoring import Weights, score
 from policies.simple import PowerOfTwo, RandomChoice, RoundRobin
 from policies.types import NO_NEEDS, BackendSnapshot, Needs, Outcome, Policy, Rng, RouteFacts
 
-PolicyName = Literal["least_load", "round_robin", "random", "power_of_two", "prefix_affinity"]
+PolicyName = Literal[
+    "least_load", "round_robin", "random", "power_of_two", "prefix_affinity", "precise_prefix"
+]
 POLICY_NAMES: Final[tuple[PolicyName, ...]] = (
     "least_load",
     "round_robin",
     "random",
     "power_of_two",
     "prefix_affinity",
+    "precise_prefix",
 )
 
 
@@ -29,6 +35,8 @@ def make_policy(
     *,
     affinity: AffinityConfig | None = None,
     previous: Policy | None = None,
+    kv_index: KvIndex | None = None,
+    kv_max_blocks: int = 1024,
 ) -> Policy:
     """Build a policy by name; ``weights`` applies to the load-scoring ones.
 
@@ -42,9 +50,28 @@ def make_policy(
         return LeastLoad(weights=w, rng=r)
     if name == "prefix_affinity":
         config = affinity or AffinityConfig()
+        if isinstance(previous, PrecisePrefix):
+            previous = previous.approximate
         if isinstance(previous, PrefixAffinity) and previous.prefix_hasher == config.hasher:
             return PrefixAffinity(w, r, config, previous.index, previous.decisions, previous.heat)
         return PrefixAffinity(weights=w, rng=r, config=config)
+    if name == "precise_prefix":
+        config = affinity or AffinityConfig()
+        if kv_index is None:
+            raise ValueError("precise_prefix needs the KV-event index")
+        old = previous.approximate if isinstance(previous, PrecisePrefix) else previous
+        fallback = make_policy("prefix_affinity", w, r, affinity=config, previous=old)
+        assert isinstance(fallback, PrefixAffinity)
+        decisions = previous.decisions if isinstance(previous, PrecisePrefix) else None
+        return PrecisePrefix(
+            kv_index,
+            w,
+            r,
+            config,
+            max_blocks=kv_max_blocks,
+            fallback=fallback,
+            decisions=decisions or Counter(),
+        )
     if name == "round_robin":
         return RoundRobin()
     if name == "random":
@@ -59,12 +86,14 @@ __all__ = [
     "POLICY_NAMES",
     "AffinityConfig",
     "BackendSnapshot",
+    "KvIndex",
     "LeastLoad",
     "Needs",
     "Outcome",
     "Policy",
     "PolicyName",
     "PowerOfTwo",
+    "PrecisePrefix",
     "PrefixAffinity",
     "PrefixHasher",
     "PrefixIndex",

@@ -94,6 +94,34 @@ class AffinityConfig:
         )
 
 
+def not_overloaded(
+    cfg: AffinityConfig, weights: Weights, candidates: list[BackendSnapshot]
+) -> list[BackendSnapshot]:
+    """The candidates the balance guard lets affinity choose (never empty if any are given)."""
+    if cfg.balance_on == "in_flight":
+        loads = [float(s.in_flight) for s in candidates]
+        step = 1.0
+    else:
+        loads = [score(s, weights) for s in candidates]
+        step = weights.active
+    floor = min(loads)
+    return [
+        s
+        for s, load in zip(candidates, loads, strict=True)
+        if not cfg.overloaded(load, floor, step)
+    ]
+
+
+def session_target(
+    facts: RouteFacts, cfg: AffinityConfig, candidates: list[BackendSnapshot]
+) -> BackendSnapshot | None:
+    """The session's backend (rendezvous winner among ``candidates``), if the request has one."""
+    if facts.session_key is None or cfg.session_header is None:
+        return None
+    key = facts.session_key
+    return max(candidates, key=lambda s: rendezvous(key, s.id))
+
+
 def rendezvous(key: str, backend_id: str) -> int:
     """Highest-random-weight hash: stable across processes, so every replica agrees."""
     digest = hashlib.blake2b(f"{key}\x00{backend_id}".encode(), digest_size=8).digest()
@@ -146,13 +174,18 @@ class PrefixAffinity:
             return None
         choice, reason = self._decide(facts, candidates)
         self.decisions[reason] += 1
+        self.remember(facts, choice.id)
+        return choice
+
+    def remember(self, facts: RouteFacts, backend: str) -> None:
+        """Record ``backend`` as holding the prompt, tentatively until ``on_result`` (also
+        for another policy's choice: ``precise_prefix`` keeps this index warm this way)."""
         if facts.prefix_hashes:
-            added = self.index.record(choice.id, facts.prefix_hashes)
+            added = self.index.record(backend, facts.prefix_hashes)
             tentative = self._tentative
-            tentative[(id(facts), choice.id)] = (facts, added)
+            tentative[(id(facts), backend)] = (facts, added)
             if len(tentative) > _TENTATIVE_MAX:
                 tentative.popitem(last=False)
-        return choice
 
     def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
         """Settle the tentative record of this attempt: withdraw it, or confirm it."""
@@ -168,22 +201,10 @@ class PrefixAffinity:
         self, facts: RouteFacts, candidates: list[BackendSnapshot]
     ) -> tuple[BackendSnapshot, str]:
         cfg = self.config
-        if cfg.balance_on == "in_flight":
-            loads = [float(s.in_flight) for s in candidates]
-            step = 1.0
-        else:
-            loads = [score(s, self.weights) for s in candidates]
-            step = self.weights.active
-        floor = min(loads)
-        eligible = [
-            s
-            for s, load in zip(candidates, loads, strict=True)
-            if not cfg.overloaded(load, floor, step)
-        ]
+        eligible = not_overloaded(cfg, self.weights, candidates)
         overflow = False
-        if facts.session_key is not None and cfg.session_header is not None:
-            key = facts.session_key
-            target = max(candidates, key=lambda s: rendezvous(key, s.id))
+        target = session_target(facts, cfg, candidates)
+        if target is not None:
             if any(s is target for s in eligible):
                 return target, "session"
             overflow = True

@@ -59,6 +59,7 @@ class Needs:
     prefix: PrefixHasher | None = None  # cut the prompt into block hashes this way
     prefix_key: bool = False  # also the prompt's replica-stable key (needs ``prefix``)
     session_header: str | None = None  # the value of this request header
+    tokens: bool = False  # the prompt's token ids, as the model's tokenizer gives them
 
 
 NO_NEEDS = Needs()
@@ -72,6 +73,9 @@ class RouteFacts:
     session_key: str | None = None
     prefix_hashes: tuple[int, ...] = field(default=())
     prefix_key: int | None = None  # the same in every gateway replica (``prefix.stable_key``)
+    # The prompt's token ids (``Needs.tokens``); None when the model has no tokenizer or the
+    # request cannot be tokenized faithfully (several prompts, images, ...).
+    prompt_tokens: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

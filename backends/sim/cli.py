@@ -12,6 +12,7 @@ from typing import Final
 
 from backends.sim.config import KV_ROLES, KvRole, SimConfig
 from backends.sim.faults import Faults, FaultsError
+from backends.sim.kvevents import KvEventsConfig
 from backends.sim.runner import SimServer
 
 DESCRIPTION: Final = (
@@ -58,6 +59,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=_D.enable_prefix_caching,
     )
     eng.add_argument("--seed", type=int, default=_D.seed)
+    eng.add_argument(
+        "--kv-events-config",
+        default=None,
+        help='vLLM\'s JSON form, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'; tcp://*:0 binds '
+        '127.0.0.1 on a free port. Simulator only: "wire": "positional" (events as arrays, '
+        'vLLM < 0.11), "hashes": "bytes" (32-byte hashes)',
+    )
 
     kv = parser.add_argument_group("disaggregated prefill (vLLM's KV connector)")
     kv.add_argument(
@@ -144,7 +153,13 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         startup_delay_s=args.startup_delay,
         kv_role=_kv_role(args),
         kv_transfer_us_per_token=args.sim_kv_transfer_us_per_token,
+        kv_events=_kv_events(args),
     )
+
+
+def _kv_events(args: argparse.Namespace) -> KvEventsConfig | None:
+    text: str | None = args.kv_events_config
+    return None if text is None else KvEventsConfig.from_json(text)
 
 
 def _kv_role(args: argparse.Namespace) -> KvRole | None:
@@ -200,6 +215,14 @@ async def _serve(config: SimConfig, faults: Faults, host: str, port: int) -> Non
         file=sys.stderr,
         flush=True,
     )
+    if server.kv_events.endpoint is not None:
+        replay = server.kv_events.replay_endpoint
+        print(
+            f"llm-gateway sim: KV events on {server.kv_events.endpoint}"
+            + (f", replay on {replay}" if replay else ""),
+            file=sys.stderr,
+            flush=True,
+        )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

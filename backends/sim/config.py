@@ -19,6 +19,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from backends.sim.kvevents import KvEventsConfig
+
 OutputMode = Literal["random", "echo"]
 # vLLM's --kv-transfer-config kv_role: the producer answers prefill-only requests with
 # kv_transfer_params, the consumer takes them and skips the prefill; kv_both does either.
@@ -61,6 +63,9 @@ class SimConfig:
     # kv_transfer_params); the transfer cost is the simulator's own
     kv_role: KvRole | None = None
     kv_transfer_us_per_token: float = 20.0
+
+    # -- KV-cache events, as vLLM's --kv-events-config (None: off)
+    kv_events: KvEventsConfig | None = None
 
     # -- output text
     output: OutputMode = "random"
@@ -124,6 +129,11 @@ class SimConfig:
     def kv_consumer(self) -> bool:
         """Takes ``do_remote_prefill`` requests' KV instead of computing the prompt."""
         return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """KV-cache events are recorded and published (``kvevents.py``)."""
+        return self.kv_events is not None and self.kv_events.active
 
     @property
     def model_name(self) -> str:

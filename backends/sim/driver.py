@@ -5,6 +5,10 @@ simulated clock and the wall clock stay together unless the process cannot keep 
 how far it falls behind is measured (``lag``, ``busy_wall`` vs ``busy_sim``). Tokens
 are handed to waiting HTTP handlers through one ``RequestHandle`` each: a list and a
 future, no task or queue per token.
+
+With KV-cache events on, what a step changed in the prefix cache goes to
+``kv_event_sink`` as one batch when the step's tokens are delivered (vLLM publishes a
+step's events after its forward pass); a step that changed nothing sends nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +18,9 @@ import time
 from collections.abc import Callable
 
 from backends.sim.engine import Engine, Request, TokenEvent, TokenSource
+from backends.sim.kvcache import CacheEvent
+
+KvEventSink = Callable[[list[CacheEvent]], object]
 
 
 class RequestHandle:
@@ -82,6 +89,8 @@ class EngineDriver:
         self.busy_sim = 0.0  # simulated seconds of steps
         self.busy_wall = 0.0  # wall seconds those steps took
         self.steps = 0
+        # Receives each step's KV-cache events (the publisher's ``publish``); None: off.
+        self.kv_event_sink: KvEventSink | None = None
 
     def now(self) -> float:
         """The simulated time of an event happening now."""
@@ -144,6 +153,7 @@ class EngineDriver:
                 ready_at = engine.next_ready_at()
                 if ready_at is not None:
                     # Nothing can run until a KV transfer completes (or a request arrives).
+                    self.flush_kv_events()  # a transfer's allocation may have evicted blocks
                     self.lag = 0.0
                     mark = None
                     self._wake.clear()
@@ -163,12 +173,34 @@ class EngineDriver:
             else:
                 await asyncio.sleep(0)
             self._deliver(result.tokens)
+            if self.kv_event_sink is not None:
+                self.flush_kv_events()
             ended = clock()
             self.busy_sim += result.duration
             self.busy_wall += ended - mark
             mark = ended
             self.lag = max(0.0, ended - engine.clock)
             self.max_lag = max(self.max_lag, self.lag)
+
+    def flush_kv_events(self) -> None:
+        """Hand what the cache recorded since the last flush to the sink, as one batch."""
+        sink = self.kv_event_sink
+        if sink is None:
+            return
+        events = self.engine.pool.take_events()
+        if events:
+            sink(events)
+
+    def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
+        """``POST /reset_prefix_cache``: see ``Engine.reset_prefix_cache``. Its
+        ``AllBlocksCleared`` is published at once (after anything the step in progress
+        recorded, which goes out with it), not with the next step as vLLM does: an idle
+        engine would never send it."""
+        ok = self.engine.reset_prefix_cache(reset_running_requests=reset_running_requests)
+        self.flush_kv_events()
+        if reset_running_requests:
+            self._wake.set()
+        return ok
 
     def _deliver(self, events: list[TokenEvent]) -> None:
         handles = self._handles

@@ -141,7 +141,11 @@ class Engine:
         self.config = config
         self.clock = start
         self.stats = EngineStats()
-        self.pool = BlockPool(config.num_gpu_blocks_override, config.block_size)
+        self.pool = BlockPool(
+            config.num_gpu_blocks_override,
+            config.block_size,
+            record_events=config.publishes_kv_events,
+        )
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self._seqs: dict[int, _Seq] = {}
@@ -188,6 +192,15 @@ class Engine:
         """The earliest time a queued request's KV transfer completes, if one is pending."""
         times = [s.ready_at for s in self.waiting if s.ready_at is not None]
         return min(times) if times else None
+
+    def reset_prefix_cache(self, *, reset_running_requests: bool = False) -> bool:
+        """vLLM's ``reset_prefix_cache``: drop every cached hash, refused (False) while any
+        request holds blocks. ``reset_running_requests`` first preempts the running ones
+        (they are recomputed later), so only a queued request receiving its KV can refuse."""
+        if reset_running_requests:
+            while self.running:  # last admitted first: they go back to the queue in order
+                self._preempt(self.running.pop())
+        return self.pool.clear()
 
     def phase_of(self, request_id: int) -> str | None:
         seq = self._seqs.get(request_id)
@@ -365,9 +378,25 @@ class Engine:
         if not self.config.enable_prefix_caching:
             return
         full = seq.num_computed // self._bs
+        pool = self.pool
+        if pool.events is not None:
+            self._register_recorded(seq, full)
+            return
         while seq.num_registered < full:
             j = seq.num_registered
-            self.pool.register(seq.blocks[j], seq.hashes[j])
+            pool.register(seq.blocks[j], seq.hashes[j])
+            seq.num_registered = j + 1
+
+    def _register_recorded(self, seq: _Seq, full: int) -> None:
+        """As ``_register_blocks``, handing the pool what its events report: each block's
+        parent (the previous block's chain hash) and tokens."""
+        bs = self._bs
+        hashes = seq.hashes
+        tokens = seq.token_ids
+        while seq.num_registered < full:
+            j = seq.num_registered
+            parent = hashes[j - 1] if j else None
+            self.pool.register(seq.blocks[j], hashes[j], parent, tokens[j * bs : (j + 1) * bs])
             seq.num_registered = j + 1
 
     def _extend_hashes(self, seq: _Seq) -> None:

@@ -17,7 +17,8 @@ from backends.sim.config import SimConfig
 from backends.sim.driver import EngineDriver
 from backends.sim.engine import Engine
 from backends.sim.faults import Faults
-from backends.sim.server import STATE, create_app
+from backends.sim.kvevents import KvEvents
+from backends.sim.server import KV_EVENTS, STATE, create_app
 from backends.sim.state import SimState
 
 
@@ -60,6 +61,11 @@ class SimServer:
     @property
     def driver(self) -> EngineDriver:
         return self.state.driver
+
+    @property
+    def kv_events(self) -> KvEvents:
+        """KV-cache event publishing: ``endpoint``/``replay_endpoint`` as bound, ``publisher``."""
+        return self.app[KV_EVENTS]
 
     @property
     def faults(self) -> Faults:

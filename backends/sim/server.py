@@ -8,6 +8,10 @@ a reset or an error event at once.
 
 ``POST /tokenize`` answers with the simulator's own tokenizer (``tokens.py``), the
 count a gateway reads to know how many tokens a broken stream had delivered.
+
+With ``--kv-events-config`` the app publishes its KV-cache events (``kvevents.py``) from
+start-up to clean-up; ``GET /kv_event_sources`` tells where, and ``POST
+/reset_prefix_cache`` empties the prefix cache (vLLM serves it in dev mode only).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from backends.sim import admin
 from backends.sim.config import SimConfig
 from backends.sim.driver import RequestHandle
 from backends.sim.faults import Faults, StreamStop
+from backends.sim.kvevents import KvEvents
 from backends.sim.metrics import ServerCounters, SimCollector, make_registry, render
 from backends.sim.protocol import (
     ApiError,
@@ -40,6 +45,7 @@ from backends.sim.tokens import OutputText, tokenize
 
 VLLM_VERSION: Final = "0.32.0"
 STATE: Final = web.AppKey("sim_state", SimState)
+KV_EVENTS: Final = web.AppKey("sim_kv_events", KvEvents)
 _SSE_HEADERS: Final = {"Content-Type": "text/event-stream; charset=utf-8"}
 # What vLLM sends when the engine fails a request mid-stream (its GenerationError).
 _ENGINE_ERROR: Final = error_event(error_envelope(500, "Internal server error"))
@@ -56,6 +62,7 @@ def create_app(
     app = web.Application(middlewares=[_gate], client_max_size=64 * 1024 * 1024)
     state = SimState(config, faults, clock)
     app[STATE] = state
+    app[KV_EVENTS] = KvEvents(config.kv_events, config.block_size)
     registry = make_registry(
         SimCollector(
             config.model_name,
@@ -63,6 +70,7 @@ def create_app(
             lambda: ServerCounters(state.injected_errors, state.in_flight),
         )
     )
+    app.cleanup_ctx.append(_kv_events)  # before the engine loop starts, after it stops
     app.cleanup_ctx.append(_engine_loop)
 
     async def metrics(request: web.Request) -> web.Response:
@@ -78,6 +86,8 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", tokenize_text)
+    app.router.add_get("/kv_event_sources", kv_event_sources)
+    app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
     admin.add_routes(app, state)
     return app
 
@@ -96,6 +106,25 @@ async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
         timer.cancel()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+
+
+async def _kv_events(app: web.Application) -> AsyncIterator[None]:
+    """Publish KV-cache events while the app runs; nothing at all when they are off.
+
+    A restart (the app started again) publishes from seq 0 with an empty prefix cache, as
+    a new vLLM process does, so that its events describe the whole cache.
+    """
+    events = app[KV_EVENTS]
+    driver = app[STATE].driver
+    publisher = events.start()
+    if publisher is not None:
+        if events.starts > 1:
+            driver.engine.reset_prefix_cache()
+        driver.engine.pool.take_events()  # the last run's leftovers: not this process's
+        driver.kv_event_sink = publisher.publish
+    yield
+    driver.kv_event_sink = None
+    await events.close()
 
 
 @web.middleware
@@ -186,6 +215,36 @@ async def tokenize_text(request: web.Request) -> web.Response:
             "token_strs": params.text.split() if params.return_token_strs else None,
         }
     )
+
+
+async def kv_event_sources(request: web.Request) -> web.Response:
+    return _json(request.app[KV_EVENTS].sources())
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's: ``{"success": false}`` while requests hold blocks, unless
+    ``reset_running_requests=true`` preempts them. ``reset_external`` is accepted; there
+    is no connector cache to reset."""
+    try:
+        running = _query_bool(request, "reset_running_requests")
+        _query_bool(request, "reset_external")
+    except ApiError as exc:
+        return _json(exc.envelope(), status=exc.status)
+    ok = request.app[STATE].driver.reset_prefix_cache(reset_running_requests=running)
+    return _json({"success": ok})
+
+
+def _query_bool(request: web.Request, name: str) -> bool:
+    """A boolean query parameter, read as FastAPI reads one."""
+    raw = request.query.get(name)
+    if raw is None:
+        return False
+    value = raw.lower()
+    if value in ("1", "true", "yes", "on", "t", "y"):
+        return True
+    if value in ("0", "false", "no", "off", "f", "n"):
+        return False
+    raise ApiError(400, f"{name} must be a boolean, got {raw!r}", name)
 
 
 async def _json_body(request: web.Request) -> Any:

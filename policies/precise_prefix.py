@@ -1,0 +1,250 @@
+"""``precise_prefix``: send a prompt to the backend whose engine really holds its longest prefix.
+
+Where ``prefix_affinity`` guesses what each backend caches from what this gateway sent it,
+this policy reads it from the engines' own KV-cache events (``policies.kv_index``, fed by
+``backends.kv_feed``): evictions, preemptions, restarts and what other gateway replicas sent
+are all in it. Each decision, in order:
+
+1. **Exact or not.** The prompt's token ids (the model's own tokenizer, ``Needs.tokens``) are
+   cut into blocks of each candidate's block size and keyed as the engines' events are. If
+   the prompt has no tokens (no tokenizer for the model, a request that cannot be tokenized
+   faithfully) or a candidate's events are not live, the decision is ``prefix_affinity``'s
+   (``fallback``, whose approximate index is kept warm on every decision), counted in
+   ``decisions`` as ``fallback_no_tokens`` or ``fallback_not_live``.
+2. **Balance guard and sessions**, exactly as ``prefix_affinity``'s: an overloaded backend is
+   never chosen for its cache, a session stays on its rendezvous backend.
+3. **Longest cached prefix** among the guarded candidates, in tokens an engine can serve from
+   cache (vLLM always computes the prompt's last token); ties by the ``least_load`` score.
+   ``balance`` when the guard passed over a longer match.
+4. **Placement.** A prompt nobody holds goes to the least-loaded candidate, then to the one
+   whose cache holds the fewest blocks (the most room for a new prefix); under ``placement =
+   "hash"`` to the rendezvous winner of its stable key, so replicas agree at once.
+
+Between the choice and the engine's first ``BlockStored`` for it (the prompt's prefill), a
+burst of the same new prefix would see no holder: the chosen backend is therefore credited
+with the prompt's blocks, *tentatively*, until the attempt's ``Outcome`` arrives (bounded by
+``_TENTATIVE_MAX`` attempts). State: the shared ``KvIndex`` (owned by the app, kept across
+policy changes), the tentative credits, the fallback and the decision counts.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Final
+
+from policies.kv_index import KvIndex, cacheable_blocks, chain_keys
+from policies.least_load import LeastLoad
+from policies.prefix_affinity import (
+    AffinityConfig,
+    PrefixAffinity,
+    not_overloaded,
+    rendezvous,
+    session_target,
+)
+from policies.scoring import Weights, score
+from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
+
+REASONS: Final = (
+    "prefix",
+    "balance",
+    "load",
+    "session",
+    "session_overflow",
+    "fallback_no_tokens",
+    "fallback_not_live",
+)
+_TENTATIVE_MAX: Final = 65_536
+
+
+@dataclass(slots=True)
+class PrecisePrefix:
+    index: KvIndex
+    weights: Weights = field(default_factory=Weights)
+    rng: Rng = field(default_factory=random.Random)
+    config: AffinityConfig = field(default_factory=AffinityConfig)
+    max_blocks: int = 1024  # leading blocks of a prompt that are keyed (16k tokens at 16)
+    # The block size assumed for a backend that has not reported one yet (no event so far),
+    # so that tentative credit works on a fresh fleet too. vLLM's default is 16.
+    default_block_size: int = 16
+    fallback: PrefixAffinity | None = None
+    decisions: Counter[str] = field(default_factory=Counter)
+    name: str = "precise_prefix"
+    _load: LeastLoad = field(init=False, repr=False)
+    _needs: Needs = field(init=False, repr=False)
+    # (id of the facts, backend) -> (the facts, kept alive so the id stays theirs; its keys)
+    _tentative: OrderedDict[tuple[int, str], tuple[RouteFacts, list[int]]] = field(
+        init=False, repr=False
+    )
+    _credit: dict[str, Counter[int]] = field(init=False, repr=False)  # backend -> key -> n
+
+    def __post_init__(self) -> None:
+        if self.max_blocks < 1 or self.default_block_size < 1:
+            raise ValueError("max_blocks and default_block_size must be at least 1")
+        self._load = LeastLoad(weights=self.weights, rng=self.rng)
+        if self.fallback is None:
+            self.fallback = PrefixAffinity(weights=self.weights, rng=self.rng, config=self.config)
+        cfg = self.config
+        self._needs = Needs(
+            prefix=cfg.hasher,
+            prefix_key=cfg.placement == "hash",
+            session_header=cfg.session_header,
+            tokens=True,
+        )
+        self._tentative = OrderedDict()
+        self._credit = {}
+
+    @property
+    def needs(self) -> Needs:
+        return self._needs
+
+    @property
+    def approximate(self) -> PrefixAffinity:
+        assert self.fallback is not None
+        return self.fallback
+
+    def choose(
+        self, facts: RouteFacts, candidates: list[BackendSnapshot]
+    ) -> BackendSnapshot | None:
+        if not candidates:
+            return None
+        tokens = facts.prompt_tokens
+        why = None
+        if tokens is None:
+            why = "fallback_no_tokens"
+        elif not all(self.index.exact(c.id) for c in candidates):
+            why = "fallback_not_live"
+        if why is not None or tokens is None:
+            self.decisions[why or "fallback_no_tokens"] += 1
+            return self.approximate.choose(facts, candidates)
+        choice, reason, keys = self._decide(facts, tokens, candidates)
+        self.decisions[reason] += 1
+        self._credit_tentatively(facts, choice.id, keys)
+        self.approximate.remember(facts, choice.id)  # its guesses kept warm, as if it chose
+        return choice
+
+    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
+        entry = self._tentative.pop((id(facts), backend), None)
+        if entry is not None:
+            self._uncredit(backend, entry[1])
+        self.approximate.on_result(facts, backend, outcome)
+
+    def predicted(self, tokens: list[int] | tuple[int, ...], backend: str) -> int:
+        """How many of ``tokens`` ``backend``'s engine should serve from its cache now."""
+        bs = self.index.block_size(backend)
+        if bs is None:
+            return 0
+        keys = chain_keys(tokens, bs, self.max_blocks)
+        held = self.index.match(keys, [backend])[backend]
+        return min(held, cacheable_blocks(len(tokens), bs)) * bs
+
+    # -- the exact decision ----------------------------------------------------------------
+
+    def _decide(
+        self, facts: RouteFacts, tokens: tuple[int, ...], candidates: list[BackendSnapshot]
+    ) -> tuple[BackendSnapshot, str, list[int]]:
+        cached, keys_of = self._cached_tokens(tokens, candidates)
+        eligible = not_overloaded(self.config, self.weights, candidates)
+        target = session_target(facts, self.config, candidates)
+        overflow = False
+        if target is not None:
+            if any(s is target for s in eligible):
+                return target, "session", keys_of(target.id)
+            overflow = True
+        best = max(cached[s.id] for s in eligible)
+        if best > 0:
+            top = [s for s in eligible if cached[s.id] == best]
+            choice = self._pick(facts, top)
+            deepest = max(cached.values())
+            reason = "balance" if deepest > best else "prefix"
+        else:
+            choice = self._place(facts, eligible)
+            reason = "balance" if max(cached.values()) > 0 else "load"
+        return choice, "session_overflow" if overflow else reason, keys_of(choice.id)
+
+    def _cached_tokens(
+        self, tokens: tuple[int, ...], candidates: list[BackendSnapshot]
+    ) -> tuple[dict[str, int], Callable[[str], list[int]]]:
+        """Per candidate, the prompt's tokens its engine holds (exact, plus tentative credit)."""
+        by_size: dict[int, list[str]] = {}
+        for c in candidates:
+            bs = self._block_size(c.id)
+            by_size.setdefault(bs, []).append(c.id)
+        keys: dict[int, list[int]] = {}
+        cached: dict[str, int] = {}
+        size_of: dict[str, int] = {}
+        for bs, ids in by_size.items():
+            ks = keys[bs] = chain_keys(tokens, bs, self.max_blocks)
+            limit = cacheable_blocks(len(tokens), bs)
+            for b, held in self.index.match(ks, ids).items():
+                cached[b] = min(max(held, self._credited(b, ks)), limit) * bs
+                size_of[b] = bs
+
+        def keys_of(backend: str) -> list[int]:
+            bs = size_of.get(backend) or self._block_size(backend)
+            if bs not in keys:
+                keys[bs] = chain_keys(tokens, bs, self.max_blocks)
+            return keys[bs]
+
+        return cached, keys_of
+
+    def _block_size(self, backend: str) -> int:
+        return self.index.block_size(backend) or self.default_block_size
+
+    def _place(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
+        key = facts.prefix_key
+        if self.config.placement == "hash" and key is not None:
+            # Replicas agree on where a new prefix goes before any engine has reported it.
+            return max(pool, key=lambda s: rendezvous(str(key), s.id))
+        scores = [score(s, self.weights) for s in pool]
+        floor = min(scores)
+        lightest = [s for s, sc in zip(pool, scores, strict=True) if sc == floor]
+        if len(lightest) > 1:
+            rooms = [self.index.blocks(s.id) for s in lightest]
+            least = min(rooms)
+            lightest = [s for s, r in zip(lightest, rooms, strict=True) if r == least]
+        return self._pick(facts, lightest)
+
+    def _pick(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
+        choice = self._load.choose(facts, pool)
+        assert choice is not None
+        return choice
+
+    # -- tentative credit ------------------------------------------------------------------
+
+    def _credit_tentatively(self, facts: RouteFacts, backend: str, keys: list[int]) -> None:
+        if not keys:
+            return
+        old = self._tentative.pop((id(facts), backend), None)
+        if old is not None:
+            self._uncredit(backend, old[1])
+        credit = self._credit.setdefault(backend, Counter())
+        credit.update(keys)
+        self._tentative[(id(facts), backend)] = (facts, keys)
+        if len(self._tentative) > _TENTATIVE_MAX:
+            (_fid, old_backend), (_f, old_keys) = self._tentative.popitem(last=False)
+            self._uncredit(old_backend, old_keys)
+
+    def _uncredit(self, backend: str, keys: list[int]) -> None:
+        credit = self._credit.get(backend)
+        if credit is None:
+            return
+        credit.subtract(keys)
+        for k in keys:
+            if credit.get(k, 0) <= 0:
+                credit.pop(k, None)
+        if not credit:
+            del self._credit[backend]
+
+    def _credited(self, backend: str, keys: list[int]) -> int:
+        credit = self._credit.get(backend)
+        if not credit:
+            return 0
+        n = 0
+        for k in keys:
+            if k not in credit:
+                break
+            n += 1
+        return n

@@ -79,7 +79,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--tokenizer", help="also compare with the gateway's tokenizer: a model dir or `sim`"
     )
     p.add_argument("--api-key", help="bearer token for the backend")
-    p.add_argument("--words", type=int, default=120, help="probe prompt length in words")
+    p.add_argument(
+        "--tokens", type=int, default=400, help="probe prompt length in tokens (a few blocks)"
+    )
     p.add_argument("--timeout", type=float, default=20.0, help="seconds to wait for events")
 
 
@@ -111,8 +113,8 @@ async def check(args: argparse.Namespace) -> Report:
         if model is None:
             report.add("FAIL", f"{url}/v1/models names no model: pass --model")
             return report
-        prompt = " ".join(random.choice(_WORDS) for _ in range(args.words))
-        probe = Probe(url, model, prompt, await _tokenize(http, url, model, prompt), args)
+        prompt, expected = await _probe_prompt(http, url, model, args.tokens)
+        probe = Probe(url, model, prompt, expected, args)
         ctx = zmq.asyncio.Context()
         try:
             await _listen(ctx, http, probe, sources[0], report)
@@ -157,6 +159,23 @@ async def _first_model(http: aiohttp.ClientSession, url: str) -> str | None:
     return None
 
 
+async def _probe_prompt(
+    http: aiohttp.ClientSession, url: str, model: str, target: int
+) -> tuple[str, list[int] | None]:
+    """Fresh random words, about ``target`` tokens long (by the backend's /tokenize): enough
+    for a few full blocks whatever the block size (vLLM's CPU backend uses 128)."""
+    words = max(8, target // 2)
+    for _ in range(6):
+        prompt = " ".join(random.choice(_WORDS) for _ in range(words))
+        tokens = await _tokenize(http, url, model, prompt)
+        if tokens is None:
+            return prompt, None
+        if len(tokens) >= target:
+            return prompt, tokens
+        words = words * target // max(1, len(tokens)) + 1
+    return prompt, tokens
+
+
 async def _tokenize(
     http: aiohttp.ClientSession, url: str, model: str, prompt: str
 ) -> list[int] | None:
@@ -183,7 +202,8 @@ async def _listen(
     body = {"model": probe.model, "prompt": probe.prompt, "max_tokens": 1}
     async with http.post(f"{probe.url}/v1/completions", json=body) as resp:
         if resp.status != 200:
-            report.add("FAIL", f"the probe completion answered {resp.status}")
+            detail = (await resp.text())[:300]
+            report.add("FAIL", f"the probe completion answered {resp.status}: {detail}")
             return
         await resp.read()
     deadline = time.monotonic() + probe.args.timeout

@@ -220,21 +220,30 @@ def wait_healthy(
 
 
 @contextmanager
-def running_vllm_servers(n: int, log_dir: Path) -> Iterator[list[VllmServer]]:
-    """Start ``n`` vLLM servers on the tiny model at once; stop them all on exit."""
+def running_vllm_servers(
+    n: int, log_dir: Path, extra: Callable[[str], Sequence[str]] | None = None
+) -> Iterator[list[VllmServer]]:
+    """Start ``n`` vLLM servers on the tiny model at once; stop them all on exit.
+
+    ``extra(name)``: more engine arguments for the server of that name (asked again when it
+    is started again, so ports it names can be fresh).
+    """
     python = vllm_python()
     model = build_model(python)
     cores = sorted(os.sched_getaffinity(0))
     cpus = {f"vllm{i}": str(cores[i % len(cores)]) for i in range(n)}
 
+    def args(name: str) -> Sequence[str]:
+        return extra(name) if extra is not None else ()
+
     def relaunch(old: VllmServer) -> VllmServer:
         old.stop()
-        return launch(python, model, old.name, log_dir, cpu=cpus[old.name])
+        return launch(python, model, old.name, log_dir, cpu=cpus[old.name], extra=args(old.name))
 
     servers: list[VllmServer] = []
     try:
         for name, cpu in cpus.items():
-            servers.append(launch(python, model, name, log_dir, cpu=cpu))
+            servers.append(launch(python, model, name, log_dir, cpu=cpu, extra=args(name)))
         wait_healthy(servers, time.monotonic() + START_DEADLINE, relaunch)
         yield servers
     finally:

@@ -1,4 +1,4 @@
-"""What computing a request's prompt token ids costs the gateway (gateway/tokenizer.py).
+"""What computing a request's prompt token ids costs the gateway (gateway/tokenizer/).
 
 For completions (encoding the prompt) and chats (parsing the messages, rendering the chat
 template, encoding the text), with a short prompt (~200 tokens) and a long one (~8k tokens),

@@ -1,4 +1,4 @@
-"""The gateway's prompt tokens (gateway/tokenizer.py) are vLLM's, token for token.
+"""The gateway's prompt tokens (gateway/tokenizer/) are vLLM's, token for token.
 
 Against the real servers on the tiny model: every chat body's ids equal what ``POST /tokenize``
 answers (its chat form, ``messages``) and what ``/v1/chat/completions`` really feeds the

@@ -1,4 +1,4 @@
-"""gateway/tokenizer.py: prompt token ids as the backend computes them, or None.
+"""gateway/tokenizer/: prompt token ids as the backend computes them, or None.
 
 Everything here runs without transformers or vLLM: the tokenizer is trained in the test, the
 way scripts/build_tiny_model.py trains the tiny model's (its constants are imported; its

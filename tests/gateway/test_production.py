@@ -10,8 +10,11 @@ import aiohttp
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.keys import ADMISSION
+from backends.sim import FAST
+from backends.sim.kvevents import KvEventsConfig
+from gateway.keys import ADMISSION, KV_INDEX, POOL, ROUTER
 from gateway.metrics import QUEUE_DEPTH_METRIC
+from policies import PrecisePrefix
 from tests.gateway.production import ADMIN, ALIAS, auth, running_production
 from tests.helpers import events, sample, wait_for
 
@@ -114,3 +117,64 @@ async def test_streams_cut_by_a_dying_backend_go_on_with_every_feature_on(
     finally:
         client.close()
     assert slots == 0  # no concurrency slot left in Redis
+
+
+async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix: str) -> None:
+    """The production configuration with precise_prefix: the simulators publish KV events,
+    requests arrive under the alias (its pools narrow the candidates), with keys, Redis limits,
+    admission and sessions. Long shared contexts go where the engine caches them, inside their
+    pool, nothing falls back, and a killed backend's entries are dropped (issue 19)."""
+    events_on = KvEventsConfig(
+        enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"
+    )
+    async with (
+        running_production(
+            redis_url,
+            redis_prefix,
+            sim_config=FAST.replace(kv_events=events_on),
+            policy="precise_prefix",
+            tokenizers={"sim-model": "sim"},
+        ) as prod,
+        aiohttp.ClientSession() as s,
+    ):
+        gw = prod.gateway
+        index = gw.app[KV_INDEX]
+        await wait_for(
+            lambda: all(index.exact(b.id) for b in gw.app[POOL].all()),
+            within=10.0,
+            what="every publisher followed",
+        )
+        contexts = [" ".join(f"ctx{g}w{i}" for i in range(200)) for g in range(3)]
+        for turn in range(3):
+            for ctx in contexts:
+                body = {
+                    "model": ALIAS,
+                    "max_tokens": 2,
+                    "messages": [
+                        {"role": "system", "content": ctx},
+                        {"role": "user", "content": f"turn {turn}"},
+                    ],
+                }
+                async with s.post(
+                    prod.url + "/v1/chat/completions", json=body, headers=auth("alice")
+                ) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+                await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="idle")
+        policy = gw.app[ROUTER].policy
+        assert isinstance(policy, PrecisePrefix)
+        assert policy.decisions["prefix"] >= 4  # repeats found their context (most of 6)
+        assert policy.decisions["fallback_not_live"] == 0
+        assert policy.decisions["fallback_no_tokens"] == 0
+        hits = sum(sim.engine.stats.prefix_cache_hits for sim in prod.sims)
+        assert hits >= 4 * 12 * 16  # each found repeat reused the context's 12 full blocks
+        async with s.get(prod.admin_url + "/admin/kv-events", headers=ADMIN) as r:
+            assert r.status == 200
+            view = await r.json()
+        assert all(b["state"] == "live" for b in view["backends"].values())
+        assert sum(b["blocks"] for b in view["backends"].values()) > 0
+        victim = next(b for b in gw.app[POOL].all() if index.blocks(b.id))
+        sim = next(x for x in prod.sims if x.url == victim.spec.url)
+        await sim.kill()
+        await wait_for(lambda: index.blocks(victim.id) == 0, within=10.0, what="entries dropped")
+        assert not index.exact(victim.id)

@@ -55,6 +55,7 @@ STATES: Final = ("discovering", "off", "connecting", "live", "disconnected", "un
 _WILDCARDS: Final = ("*", "0.0.0.0", "::", "[::]", "")
 _CONNECTED: Final = zmq.EVENT_HANDSHAKE_SUCCEEDED
 _LOST: Final = zmq.EVENT_DISCONNECTED
+_MAX_MESSAGE: Final = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,6 +322,7 @@ class KvFeeds:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.MAXMSGSIZE, _MAX_MESSAGE)  # a batch is KiBs; this bounds memory
         sub.setsockopt(zmq.SUBSCRIBE, src.topic.encode())
         mon = sub.get_monitor_socket(_CONNECTED | _LOST)
         sub.connect(src.endpoint)

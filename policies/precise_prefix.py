@@ -41,10 +41,10 @@ from policies.prefix_affinity import (
     AffinityConfig,
     PrefixAffinity,
     not_overloaded,
-    rendezvous,
+    placement,
     session_target,
 )
-from policies.scoring import Weights, score
+from policies.scoring import Weights
 from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
 
 REASONS: Final = (
@@ -194,18 +194,10 @@ class PrecisePrefix:
         return self.index.block_size(backend) or self.default_block_size
 
     def _place(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
-        key = facts.prefix_key
-        if self.config.placement == "hash" and key is not None:
-            # Replicas agree on where a new prefix goes before any engine has reported it.
-            return max(pool, key=lambda s: rendezvous(str(key), s.id))
-        scores = [score(s, self.weights) for s in pool]
-        floor = min(scores)
-        lightest = [s for s, sc in zip(pool, scores, strict=True) if sc == floor]
-        if len(lightest) > 1:
-            rooms = [self.index.blocks(s.id) for s in lightest]
-            least = min(rooms)
-            lightest = [s for s, r in zip(lightest, rooms, strict=True) if r == least]
-        return self._pick(facts, lightest)
+        # Room is the blocks the engine reports holding; under hash placement replicas
+        # agree where a new prefix goes before any engine has reported it.
+        where = placement(facts, pool, self.config, self.weights, self.index.blocks)
+        return self._pick(facts, where)
 
     def _pick(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
         choice = self._load.choose(facts, pool)

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import random
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
@@ -120,6 +121,33 @@ def session_target(
         return None
     key = facts.session_key
     return max(candidates, key=lambda s: rendezvous(key, s.id))
+
+
+def placement(
+    facts: RouteFacts,
+    pool: list[BackendSnapshot],
+    cfg: AffinityConfig,
+    weights: Weights,
+    footprint: Callable[[str], int],
+) -> list[BackendSnapshot]:
+    """Where a prompt nobody holds may go (the caller picks one of them by load).
+
+    ``room``: the least loaded, then the ones with the most cache room (the smallest
+    ``footprint``), so a burst of new prefixes spreads over the caches evenly. ``hash``: the
+    rendezvous winner for the prompt's stable key among the candidates the guard allows, so
+    every gateway replica places a new prefix on the same backend.
+    """
+    key = facts.prefix_key
+    if cfg.placement == "hash" and key is not None:
+        return [max(pool, key=lambda s: rendezvous(str(key), s.id))]
+    scores = [score(s, weights) for s in pool]
+    floor = min(scores)
+    lightest = [s for s, sc in zip(pool, scores, strict=True) if sc == floor]
+    if len(lightest) > 1:
+        rooms = [footprint(s.id) for s in lightest]
+        least = min(rooms)
+        lightest = [s for s, r in zip(lightest, rooms, strict=True) if r == least]
+    return lightest
 
 
 def rendezvous(key: str, backend_id: str) -> int:
@@ -250,24 +278,9 @@ class PrefixAffinity:
         return top[0]
 
     def _place(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
-        """A prompt nobody holds.
-
-        ``room``: the least loaded, then the one with the most cache room (the smallest
-        footprint in the index), so a burst of new prefixes spreads over the caches evenly.
-        ``hash``: the rendezvous winner for the prompt's stable key among the candidates the
-        guard allows, so every gateway replica places a new prefix on the same backend.
-        """
-        key = facts.prefix_key
-        if self.config.placement == "hash" and key is not None:
-            return max(pool, key=lambda s: rendezvous(str(key), s.id))
-        scores = [score(s, self.weights) for s in pool]
-        floor = min(scores)
-        lightest = [s for s, sc in zip(pool, scores, strict=True) if sc == floor]
-        if len(lightest) > 1:
-            rooms = [self.index.footprint(s.id) for s in lightest]
-            least = min(rooms)
-            lightest = [s for s, r in zip(lightest, rooms, strict=True) if r == least]
-        return self._pick(facts, lightest)
+        return self._pick(
+            facts, placement(facts, pool, self.config, self.weights, self.index.footprint)
+        )
 
     def _pick(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
         choice = self._load.choose(facts, pool)

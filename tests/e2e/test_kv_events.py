@@ -13,9 +13,9 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -122,6 +122,21 @@ async def through(
     return by_url, hits(servers[by_url]) - before[by_url]
 
 
+@asynccontextmanager
+async def following(servers: list[VllmServer]) -> AsyncIterator[RunningGateway]:
+    """The gateway under precise_prefix with the tiny model's tokenizer, once it follows
+    every server's KV events."""
+    settings = {"policy": "precise_prefix", "tokenizers": {SERVED_MODEL: str(MODEL_DIR)}}
+    async with gateway_for(servers, **settings) as gw:
+        index = gw.app[KV_INDEX]
+        await wait_for(
+            lambda: all(index.exact(b.id) for b in gw.app[POOL].all()),
+            within=30.0,
+            what="every publisher followed",
+        )
+        yield gw
+
+
 def backend_of(gw: RunningGateway, server: VllmServer) -> str:
     return next(b.id for b in gw.app[POOL].all() if b.spec.url == server.url)
 
@@ -131,17 +146,8 @@ async def test_the_predicted_prefix_is_what_vllm_reuses_before_and_after_evictio
 ) -> None:
     servers = kv_vllm_servers
     rng = random.Random(19)
-    settings: dict[str, Any] = {
-        "policy": "precise_prefix",
-        "tokenizers": {SERVED_MODEL: str(MODEL_DIR)},
-    }
-    async with gateway_for(servers, **settings) as gw, httpx.AsyncClient() as client:
+    async with following(servers) as gw, httpx.AsyncClient() as client:
         index = gw.app[KV_INDEX]
-        await wait_for(
-            lambda: all(index.exact(b.id) for b in gw.app[POOL].all()),
-            within=30.0,
-            what="both publishers followed",
-        )
         contexts = [text(rng, 100) for _ in range(3)]  # ~430 tokens: three 128-token blocks
         for ctx in contexts:
             await complete(client, gw.url, ctx + " " + text(rng, 20))
@@ -189,17 +195,7 @@ async def test_chat_prompts_are_keyed_as_vllm_keys_them(
     """The chat template rendered by the gateway gives the blocks vLLM caches for a chat."""
     servers = kv_vllm_servers
     rng = random.Random(23)
-    settings: dict[str, Any] = {
-        "policy": "precise_prefix",
-        "tokenizers": {SERVED_MODEL: str(MODEL_DIR)},
-    }
-    async with gateway_for(servers, **settings) as gw, httpx.AsyncClient() as client:
-        index = gw.app[KV_INDEX]
-        await wait_for(
-            lambda: all(index.exact(b.id) for b in gw.app[POOL].all()),
-            within=30.0,
-            what="both publishers followed",
-        )
+    async with following(servers) as gw, httpx.AsyncClient() as client:
         system = text(rng, 100)
         body = {
             "model": SERVED_MODEL,

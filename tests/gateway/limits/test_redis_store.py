@@ -316,6 +316,14 @@ async def test_the_backlog_is_bounded(make_store: StoreFactory, own_redis: Redis
     assert (store.backlog, store.backlog_dropped) == (3, 2)
 
 
+async def released(c: Redis, store: RedisLimitStore, what: str) -> None:
+    """Until key ``k`` holds no concurrency slot in Redis (within 5 s)."""
+    deadline = time.monotonic() + 5
+    while await c.zcard(store.redis_keys("k")[1]):
+        assert time.monotonic() < deadline, f"{what} was never released"
+        await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+
+
 async def test_an_admission_whose_answer_came_too_late_gives_its_slot_back(
     make_store: StoreFactory, own_redis: RedisServer
 ) -> None:
@@ -335,10 +343,7 @@ async def test_an_admission_whose_answer_came_too_late_gives_its_slot_back(
         assert late.degraded  # admitted without limits: the answer did not come in time
         assert late.ticket is not None
         await store.release(late.ticket)
-        deadline = time.monotonic() + 5
-        while await c.zcard(store.redis_keys("k")[1]):
-            assert time.monotonic() < deadline, "the late admission's slot was never released"
-            await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+        await released(c, store, "the late admission's slot")
     finally:
         await c.aclose()
 
@@ -363,10 +368,7 @@ async def test_an_admission_cancelled_while_in_redis_gives_its_slot_back(
         with pytest.raises(asyncio.CancelledError):
             await admitting
         await busy  # Redis runs the queued script once it wakes
-        deadline = time.monotonic() + 5
-        while await c.zcard(store.redis_keys("k")[1]):
-            assert time.monotonic() < deadline, "the cancelled admission's slot was never released"
-            await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+        await released(c, store, "the cancelled admission's slot")
         assert store.available  # a cancelled call is not an outage
     finally:
         await c.aclose()

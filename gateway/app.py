@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING
 
 import aiohttp
 import structlog
@@ -14,7 +15,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backends.circuit import CircuitPolicy
 from backends.discovery import DnsDiscovery, Resolver
 from backends.health import HealthPolicy
-from backends.kv_feed import FeedSettings, KvFeeds
 from backends.monitor import BackendMonitor, MonitorSettings
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
@@ -52,9 +52,12 @@ from gateway.retry import RetryPolicy
 from gateway.rollout import ROLLOUT, Rollout
 from gateway.router import Router
 from gateway.settings import Settings
-from gateway.tokenizer import Tokenizers
 from gateway.tracing import provider_from_settings, tracer_from
 from policies import KvIndex, Weights, make_policy
+
+if TYPE_CHECKING:
+    from backends.kv_feed import KvFeeds
+    from gateway.tokenizer import Tokenizers
 
 log = structlog.get_logger("gateway.app")
 
@@ -157,8 +160,25 @@ def _backends_ctx(resolver: Resolver | None, transport: Transport | None):  # ty
     return ctx
 
 
-async def _close_tokenizers(tokenizers: Tokenizers) -> None:
-    tokenizers.close()
+def _tokenizers(app: web.Application, settings: Settings) -> Tokenizers | None:
+    """The configured models' tokenizers (None without any: nothing is loaded then)."""
+    if not settings.tokenizers:
+        return None
+    from gateway.tokenizer import Tokenizers
+
+    k = settings.kv_events
+    tokenizers = Tokenizers.load(
+        settings.tokenizers,
+        inline_chars=k.inline_chars,
+        threads=k.tokenize_threads,
+        max_pending=4 * k.tokenize_threads,
+    )
+
+    async def close(_app: web.Application) -> None:
+        tokenizers.close()
+
+    app.on_cleanup.append(close)
+    return tokenizers
 
 
 def _kv_feeds(
@@ -166,6 +186,9 @@ def _kv_feeds(
 ) -> KvFeeds | None:
     if not s.follows_kv_events:
         return None
+    from backends.kv_feed import KvFeeds  # ZMQ is loaded only when events are followed
+    from backends.kv_sources import FeedSettings
+
     k = s.kv_events
     return KvFeeds(
         pool,
@@ -247,13 +270,7 @@ def create_app(
     app[POOL] = pool
     w = settings.weights
     kv_index = app[KV_INDEX] = KvIndex(settings.kv_events.capacity)
-    tokenizers = app[TOKENIZERS] = Tokenizers.load(
-        settings.tokenizers,
-        inline_chars=settings.kv_events.inline_chars,
-        threads=settings.kv_events.tokenize_threads,
-        max_pending=4 * settings.kv_events.tokenize_threads,
-    )
-    app.on_cleanup.append(lambda _: _close_tokenizers(tokenizers))
+    app[TOKENIZERS] = _tokenizers(app, settings)
     prefill, decode = role_policies(settings, kv_index)  # the prefill and decode pools' own
     app[ROUTER] = Router(
         pool,

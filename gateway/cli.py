@@ -63,9 +63,9 @@ def _serve(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    from gateway.tokenizer import load_tokenizer
-
     for model, spec in settings.tokenizers.items():  # loaded again by the app: fail here first
+        from gateway.tokenizer import load_tokenizer
+
         try:
             load_tokenizer(spec)
         except ValueError as exc:

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 from opentelemetry.trace import Tracer
 
-from backends.kv_feed import KvFeeds
 from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
@@ -19,8 +18,11 @@ from gateway.metrics import GatewayMetrics
 from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
-from gateway.tokenizer import Tokenizers
 from policies.kv_index import KvIndex
+
+if TYPE_CHECKING:  # loaded only when used: ZMQ, tokenizers and Jinja cost memory and start-up
+    from backends.kv_feed import KvFeeds  # noqa: F401 - named in KV_FEEDS below
+    from gateway.tokenizer import Tokenizers  # noqa: F401 - named in TOKENIZERS below
 
 
 @dataclass(slots=True)
@@ -46,7 +48,7 @@ GATEWAY: Final = web.AppKey("gateway", web.Application)
 # False when the tap's aiohttp internals are not as expected: streams use plain reads.
 RELAY_FAST: Final = web.AppKey("relay_fast", bool)  # on the admin app: the main app
 KV_INDEX: Final = web.AppKey("kv_index", KvIndex)  # what each engine caches (its KV events)
-KV_FEEDS: Final = web.AppKey[KvFeeds | None]("kv_feeds")  # None: events not followed
-TOKENIZERS: Final = web.AppKey("tokenizers", Tokenizers)  # per model, for precise_prefix
+KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not followed
+TOKENIZERS: Final = web.AppKey["Tokenizers | None"]("tokenizers")  # None: none configured
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

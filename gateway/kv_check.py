@@ -31,7 +31,7 @@ import zmq
 import zmq.asyncio
 
 from backends.kv_events import END_SEQ, decode, seq_of
-from backends.kv_feed import Source, parse_sources, reach
+from backends.kv_sources import Source, parse_sources, reach
 from policies.kv_index import Stored
 
 _WORDS = ("amber", "basil", "cedar", "delta", "ember", "fjord", "gecko", "harbor", "iris", "jade")

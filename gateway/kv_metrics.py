@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Mapping
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from backends.kv_feed import STATES, FeedStatus
+from backends.kv_sources import STATES, FeedStatus
 from policies import KvIndex, Policy, PrecisePrefix
 from policies.precise_prefix import REASONS
 

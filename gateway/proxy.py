@@ -103,8 +103,9 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         tokens = None
         # precise_prefix: the prompt's blocks as the engine keys them. A salted request's
         # blocks are hashed with its salt: no other request's blocks are its prefix.
-        if router.wants_tokens and "cache_salt" not in doc:
-            tokens = await app[TOKENIZERS].tokens(model, "chat" if chat else "completions", doc)
+        tokenizers = app[TOKENIZERS]
+        if router.wants_tokens and tokenizers is not None and "cache_salt" not in doc:
+            tokens = await tokenizers.tokens(model, "chat" if chat else "completions", doc)
         route = router.route(model, doc, request.headers, choice, tokens)
         grant = await limiter.admit(principal, doc)
         plan = usage_plan(doc)

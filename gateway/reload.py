@@ -87,6 +87,13 @@ def _affinity(
         raise InvalidRequest(f"Invalid policy change: affinity: {_errors(exc)}") from exc
 
 
+def _refuse_untracked_events() -> None:
+    raise InvalidRequest(
+        "Invalid policy change: precise_prefix routes on the backends' KV events, which "
+        "this gateway does not follow: set [kv_events] enabled = true and restart."
+    )
+
+
 def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
     """Switch policy and/or weights; raises ``InvalidRequest`` and changes nothing if bad."""
     try:
@@ -103,10 +110,7 @@ def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
         weights = current.weights or Weights()
     affinity = _affinity(app, current, change.affinity)
     if name == "precise_prefix" and app.get(KV_FEEDS) is None:
-        raise InvalidRequest(
-            "Invalid policy change: precise_prefix routes on the backends' KV events, which "
-            "this gateway does not follow: set [kv_events] enabled = true and restart."
-        )
+        _refuse_untracked_events()
     app[ROUTER].policy = make_policy(
         name,
         weights,
@@ -140,6 +144,8 @@ def reload_settings(app: web.Application) -> ReloadResult:
     for name in type(new).model_fields:
         if getattr(old, name) != getattr(new, name):
             (result.applied if name in _LIVE else result.restart_required).append(name)
+    if new.policy == "precise_prefix" and app.get(KV_FEEDS) is None:
+        _refuse_untracked_events()
     if {"policy", "weights", "affinity"} & set(result.applied):
         w = new.weights
         app[ROUTER].policy = make_policy(

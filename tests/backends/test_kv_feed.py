@@ -14,7 +14,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from backends.kv_feed import FeedSettings, FeedStatus, KvFeeds, parse_sources, reach
+from backends.kv_feed import KvFeeds
+from backends.kv_sources import FeedSettings, FeedStatus, parse_sources, reach
 from backends.mock import MockRequest, MockResponse, MockTransport
 from backends.pool import BackendPool
 from backends.state import BackendSpec

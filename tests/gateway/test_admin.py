@@ -68,6 +68,7 @@ async def test_invalid_policy_change_is_a_400_and_changes_nothing() -> None:
         before = gw.app[ROUTER].policy
         bad: list[Any] = [
             {"policy": "fastest"},
+            {"policy": "precise_prefix"},  # this gateway does not follow KV events
             {"weights": {"queue": -1}},
             {"weights": {"queue": "x"}},
             {"colour": "blue"},

@@ -11,8 +11,12 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
-install: $(BIN)/python
+# Installs (editable, every extra) only when pyproject.toml changed since the last time.
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
+	touch $@
 
 lint:
 	$(BIN)/ruff check .

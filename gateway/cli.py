@@ -14,6 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from backends.helpfmt import DefaultsHelp
 from policies import POLICY_NAMES
 
 Setup = Callable[[argparse.ArgumentParser], None]
@@ -42,7 +43,7 @@ def _setup_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.server import serve
+    from gateway.server import ListenError, serve
     from gateway.settings import load_settings
 
     overrides = {
@@ -71,7 +72,11 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"llm-gateway: bad configuration: tokenizers.{model}: {exc}", file=sys.stderr)
             return 2
-    serve(settings, loader=lambda: load_settings(args.config, **overrides))
+    try:
+        serve(settings, loader=lambda: load_settings(args.config, **overrides))
+    except ListenError as exc:
+        print(f"llm-gateway: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -92,30 +97,39 @@ def _setup_plan(p: argparse.ArgumentParser) -> None:
 
 
 def _setup_demo(p: argparse.ArgumentParser) -> None:
+    p.formatter_class = DefaultsHelp
     p.description = (
-        "Start N simulated vLLM backends on loopback and the gateway in front of them. "
-        "Try: curl localhost:8080/v1/chat/completions -H 'content-type: application/json' "
-        '-d \'{"model":"sim-model","messages":[{"role":"user","content":"hi"}],'
-        '"stream":true}\''
+        "Start N simulated vLLM backends on loopback and the gateway in front of them.\n\n"
+        "Then try:\n"
+        "  curl -N localhost:8080/v1/chat/completions -H 'content-type: application/json' \\\n"
+        '    -d \'{"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], '
+        '"stream": true}\''
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--host", default="127.0.0.1", help="address the gateway listens on")
+    p.add_argument("--port", type=int, default=8080, help="port the gateway listens on")
     p.add_argument("--backends", type=int, default=2, help="number of simulated backends")
     p.add_argument("--model", default="sim-model", help="model name the simulators serve")
     p.add_argument("--backend-port", type=int, default=8001, help="first simulator port")
+    p.add_argument("--admin-port", type=int, default=8081, help="port of the admin API")
     p.set_defaults(func=_demo)
 
 
 def _demo(args: argparse.Namespace) -> int:
     from gateway.demo import run_demo
+    from gateway.server import ListenError
 
-    return run_demo(
-        host=args.host,
-        port=args.port,
-        n_backends=args.backends,
-        model=args.model,
-        first_backend_port=args.backend_port,
-    )
+    try:
+        return run_demo(
+            host=args.host,
+            port=args.port,
+            n_backends=args.backends,
+            model=args.model,
+            first_backend_port=args.backend_port,
+            admin_port=args.admin_port,
+        )
+    except (ListenError, OSError) as exc:  # OSError: a simulator's port is taken
+        print(f"llm-gateway demo: {exc}", file=sys.stderr)
+        return 2
 
 
 def _setup_keys(p: argparse.ArgumentParser) -> None:

@@ -1,7 +1,8 @@
 """Runs the gateway (and its admin API, when a token is set) on uvloop until SIGINT/SIGTERM.
 
-Shutdown: ``/ready`` turns 503 at once, the listeners close, new requests on open connections
-get 503, and in-flight streams have ``shutdown_grace`` seconds to finish before they are cut.
+Shutdown: ``/ready`` turns 503 at once, the listeners close, idle kept-alive connections are
+closed, a request still arriving on a connection being closed gets 503, and in-flight streams
+have ``shutdown_grace`` seconds to finish before they are cut.
 """
 
 from __future__ import annotations
@@ -74,6 +75,20 @@ def ssl_context(tls: TlsSettings) -> ssl.SSLContext | None:
     return ctx
 
 
+class ListenError(Exception):
+    """A listener could not be opened (its port taken, say): one line for the operator."""
+
+
+async def listen(site: web.TCPSite, host: str, port: int, setting: str) -> None:
+    try:
+        await site.start()
+    except OSError as exc:
+        why = exc.strerror or str(exc)
+        raise ListenError(
+            f"cannot listen on {host}:{port}: {why.lower()} (set {setting})"
+        ) from None
+
+
 async def run_until_signalled(settings: Settings, loader: SettingsLoader | None = None) -> None:
     app = create_app(settings, loader=loader)
     runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
@@ -87,17 +102,27 @@ async def run_until_signalled(settings: Settings, loader: SettingsLoader | None 
         backlog=settings.backlog,
         ssl_context=ssl_context(settings.tls),
     )
-    await site.start()
     admin_address = None
-    if settings.admin.token is not None:
-        admin = make_runner(
-            create_admin_app(app, settings.admin.token.get_secret_value()), shutdown_timeout=1
-        )
-        await admin.setup()
-        admin_site = web.TCPSite(admin, settings.admin.host, settings.admin.port)
-        await admin_site.start()
-        runners.insert(0, admin)
-        admin_address = admin_site.name
+    try:
+        await listen(site, settings.host, settings.port, "--port, GATEWAY_PORT or `port`")
+        if settings.admin.token is not None:
+            admin = make_runner(
+                create_admin_app(app, settings.admin.token.get_secret_value()), shutdown_timeout=1
+            )
+            await admin.setup()
+            runners.insert(0, admin)
+            admin_site = web.TCPSite(admin, settings.admin.host, settings.admin.port)
+            await listen(
+                admin_site,
+                settings.admin.host,
+                settings.admin.port,
+                "GATEWAY_ADMIN__PORT or `admin.port`",
+            )
+            admin_address = admin_site.name
+    except ListenError:
+        for r in runners:
+            await r.cleanup()
+        raise
     log.info(
         "gateway_listening",
         address=", ".join(

@@ -57,8 +57,13 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--label", help="name of the run on the table and plots (default: the URL)")
     p.add_argument("--api-key", help="sent as a Bearer token")
     w = p.add_argument_group("workload")
-    w.add_argument("--model", default="sim-model")
-    w.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    w.add_argument("--model", default="sim-model", help="model name sent in each request")
+    w.add_argument(
+        "--endpoint",
+        choices=["chat", "completions"],
+        default="chat",
+        help="/v1/chat/completions or /v1/completions",
+    )
     w.add_argument("--no-stream", action="store_true", help="non-streaming requests")
     w.add_argument(
         "--prompt",
@@ -71,7 +76,7 @@ def _add_run(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     w.add_argument("--hot-share", type=float, help="share of requests in prefix group 0")
     w.add_argument("--hot-len", type=int, help="tokens of group 0's prefix (default: --prefix-len)")
     w.add_argument("--turns", type=int, default=1, help="turns per multi-turn session")
-    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
     ld = p.add_argument_group("load")
     mode = ld.add_mutually_exclusive_group()
     mode.add_argument("--concurrency", type=int, help="closed loop at this concurrency")
@@ -113,8 +118,10 @@ def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> N
 
 def _add_report_all(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("report-all", help="run every scenario and the overhead benchmark")
-    p.add_argument("--doc", type=Path, default=Path("docs/benchmarks.md"))
-    p.add_argument("--img", type=Path, default=Path("docs/img"))
+    p.add_argument(
+        "--doc", type=Path, default=Path("docs/benchmarks.md"), help="the document rewritten"
+    )
+    p.add_argument("--img", type=Path, default=Path("docs/img"), help="where its plots go")
     p.add_argument("--quick", action="store_true", help="short runs, to check the pipeline")
     p.set_defaults(func=_report_all)
 

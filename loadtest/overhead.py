@@ -58,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profiles", default="fast,paced", help=f"of {', '.join(PROFILES)}")
     p.add_argument("--duration", type=float, default=5.0, help="seconds per level")
     p.add_argument("--policy", default="least_load", help="the gateway's routing policy")
-    p.add_argument("--gateway-cpu", type=int, default=0)
+    p.add_argument("--gateway-cpu", type=int, default=0, help="the core the gateway is pinned to")
     p.add_argument("--client-cpu", type=int, default=1, help="also the backends' CPU")
     p.add_argument("--stall-ms", type=float, default=2000.0, help="a gap above this is a stall")
     p.add_argument("--out", type=Path, help="directory for overhead.json and overhead.png")

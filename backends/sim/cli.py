@@ -10,6 +10,7 @@ import signal
 import sys
 from typing import Final
 
+from backends.helpfmt import DefaultsHelp
 from backends.sim.config import KV_ROLES, KvRole, SimConfig
 from backends.sim.faults import Faults, FaultsError
 from backends.sim.kvevents import KvEventsConfig
@@ -27,7 +28,7 @@ _D = SimConfig()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the simulator's options to ``parser``."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = DefaultsHelp
     net = parser.add_argument_group("server")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on")
     net.add_argument("--port", type=int, default=8000, help="port to listen on (0: any)")
@@ -38,15 +39,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     eng = parser.add_argument_group("engine (vLLM engine arguments)")
-    eng.add_argument("--model", default=_D.model)
+    eng.add_argument(
+        "--model", default=_D.model, help="model name (served as is, or as --served-model-name)"
+    )
     eng.add_argument("--served-model-name", default=None, help="name clients use")
-    eng.add_argument("--max-model-len", type=int, default=_D.max_model_len)
-    eng.add_argument("--max-num-seqs", type=int, default=_D.max_num_seqs)
-    eng.add_argument("--max-num-batched-tokens", type=int, default=_D.max_num_batched_tokens)
+    eng.add_argument(
+        "--max-model-len", type=int, default=_D.max_model_len, help="longest prompt + output"
+    )
+    eng.add_argument(
+        "--max-num-seqs", type=int, default=_D.max_num_seqs, help="sequences run at once"
+    )
+    eng.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_D.max_num_batched_tokens,
+        help="tokens scheduled per step (prefill chunks and decodes)",
+    )
     eng.add_argument(
         "--max-num-queued-reqs", type=int, default=None, help="503 beyond (default unbounded)"
     )
-    eng.add_argument("--block-size", type=int, default=_D.block_size)
+    eng.add_argument("--block-size", type=int, default=_D.block_size, help="tokens per KV block")
     eng.add_argument(
         "--num-gpu-blocks-override",
         type=int,
@@ -57,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=_D.enable_prefix_caching,
+        help="reuse cached blocks of a prompt's prefix",
     )
-    eng.add_argument("--seed", type=int, default=_D.seed)
+    eng.add_argument("--seed", type=int, default=_D.seed, help="seed of the generated text")
     eng.add_argument(
         "--kv-events-config",
         default=None,
@@ -90,18 +103,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     sim = parser.add_argument_group("simulation (step cost model and output)")
-    sim.add_argument("--sim-step-base-ms", type=float, default=_D.step_base_ms)
-    sim.add_argument("--sim-prefill-us-per-token", type=float, default=_D.prefill_us_per_token)
-    sim.add_argument("--sim-decode-us-per-seq", type=float, default=_D.decode_us_per_seq)
+    sim.add_argument(
+        "--sim-step-base-ms", type=float, default=_D.step_base_ms, help="fixed cost of a step"
+    )
+    sim.add_argument(
+        "--sim-prefill-us-per-token",
+        type=float,
+        default=_D.prefill_us_per_token,
+        help="step cost per prompt token computed",
+    )
+    sim.add_argument(
+        "--sim-decode-us-per-seq",
+        type=float,
+        default=_D.decode_us_per_seq,
+        help="step cost per decoding sequence",
+    )
     sim.add_argument(
         "--sim-attention-ns-per-token",
         type=float,
         default=_D.attention_ns_per_token,
         help="per context token read by each decoding sequence",
     )
-    sim.add_argument("--sim-output", choices=["random", "echo"], default=_D.output)
-    sim.add_argument("--sim-output-len-min", type=int, default=_D.output_len_min)
-    sim.add_argument("--sim-output-len-max", type=int, default=_D.output_len_max)
+    sim.add_argument(
+        "--sim-output",
+        choices=["random", "echo"],
+        default=_D.output,
+        help="random words, or the prompt repeated",
+    )
+    sim.add_argument(
+        "--sim-output-len-min",
+        type=int,
+        default=_D.output_len_min,
+        help="shortest natural answer (EOS), when ignore_eos is false",
+    )
+    sim.add_argument(
+        "--sim-output-len-max", type=int, default=_D.output_len_max, help="longest natural answer"
+    )
     sim.add_argument(
         "--startup-delay", type=float, default=0.0, help="seconds bound but not answering"
     )
@@ -109,8 +146,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flt = parser.add_argument_group("faults (also changeable at run time via /sim/faults)")
     flt.add_argument("--slowdown", type=float, default=1.0, help="multiplies step durations")
     flt.add_argument("--error-rate", type=float, default=0.0, help="fraction answered with error")
-    flt.add_argument("--error-status", type=int, default=500)
-    flt.add_argument("--hang-before-first-byte", action="store_true")
+    flt.add_argument(
+        "--error-status", type=int, default=500, help="HTTP status of --error-rate's answers"
+    )
+    flt.add_argument(
+        "--hang-before-first-byte", action="store_true", help="accept requests, never answer"
+    )
     flt.add_argument("--hang-after-tokens", type=int, default=None, help="streams stall after N")
     flt.add_argument(
         "--break-after-tokens",
@@ -124,7 +165,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="streams end after N tokens with vLLM's error event, then [DONE] (a failed engine)",
     )
-    flt.add_argument("--refuse-connections", action="store_true")
+    flt.add_argument("--refuse-connections", action="store_true", help="close the listening socket")
     flt.add_argument("--unhealthy", action="store_true", help="/health answers 503")
 
 

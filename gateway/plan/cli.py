@@ -9,6 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Final
 
+from backends.helpfmt import DefaultsHelp
 from gateway.plan.arithmetic import KV_DTYPES, WEIGHT_BITS, GiB
 from gateway.plan.model import (
     OVERRIDABLE,
@@ -41,26 +42,31 @@ _DTYPE_FROM_TORCH: Final = {"float16": "fp16", "bfloat16": "bf16", "float32": "b
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the planner's options to ``parser``."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    parser.formatter_class = DefaultsHelp
     parser.add_argument(
         "config", nargs="?", type=Path, help="config.json, or a model directory holding one"
     )
     arch = parser.add_argument_group("architecture (override or replace config.json)")
     arch.add_argument("--name", help="model name for the flags (default: from the config)")
-    arch.add_argument("--layers", dest="num_layers", type=int, metavar="N")
-    arch.add_argument("--hidden-size", type=int, metavar="N")
-    arch.add_argument("--heads", dest="num_attention_heads", type=int, metavar="N")
+    arch.add_argument(
+        "--layers", dest="num_layers", type=int, metavar="N", help="transformer layers"
+    )
+    arch.add_argument("--hidden-size", type=int, metavar="N", help="model (embedding) width")
+    arch.add_argument(
+        "--heads", dest="num_attention_heads", type=int, metavar="N", help="attention heads"
+    )
     arch.add_argument(
         "--kv-heads", dest="num_kv_heads", type=int, metavar="N", help="default: --heads"
     )
     arch.add_argument("--head-dim", type=int, metavar="N", help="default: hidden size / heads")
-    arch.add_argument("--intermediate-size", type=int, metavar="N")
-    arch.add_argument("--vocab-size", type=int, metavar="N")
+    arch.add_argument("--intermediate-size", type=int, metavar="N", help="feed-forward width")
+    arch.add_argument("--vocab-size", type=int, metavar="N", help="tokens in the vocabulary")
     arch.add_argument(
         "--tie-embeddings",
         dest="tie_word_embeddings",
         action=argparse.BooleanOptionalAction,
         default=None,
+        help="input and output embeddings shared (counted once)",
     )
     arch.add_argument(
         "--experts", dest="num_experts", type=int, metavar="N", help="MoE experts per layer"
@@ -76,7 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     hw = parser.add_argument_group("cards")
     hw.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory per card")
     hw.add_argument("--gpus", type=int, default=1, help="number of cards")
-    hw.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    hw.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.90,
+        help="share of each card vLLM may use (vLLM's flag)",
+    )
     hw.add_argument(
         "--reserve-gib",
         type=float,
@@ -102,9 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     wl.add_argument(
         "--max-model-len", type=int, help="default: the config's max_position_embeddings"
     )
-    wl.add_argument("--block-size", type=int, default=16)
-    wl.add_argument("--avg-prompt-tokens", type=int)
-    wl.add_argument("--avg-output-tokens", type=int)
+    wl.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    wl.add_argument("--avg-prompt-tokens", type=int, help="mean prompt length of the traffic")
+    wl.add_argument("--avg-output-tokens", type=int, help="mean answer length of the traffic")
     demand = wl.add_mutually_exclusive_group()
     demand.add_argument("--concurrency", type=int, help="requests in flight, all replicas")
     demand.add_argument("--request-rate", type=float, help="requests/s, all replicas")

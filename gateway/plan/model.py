@@ -209,6 +209,21 @@ OVERRIDABLE: Final = (
 )
 
 
+# Fields whose command-line flag is not the field's name (``gateway.plan.cli``).
+_FLAGS: Final = {
+    "num_layers": "--layers",
+    "num_attention_heads": "--heads",
+    "num_kv_heads": "--kv-heads",
+    "num_experts": "--experts",
+    "tie_word_embeddings": "--tie-embeddings",
+}
+
+
+def flag_of(field_name: str) -> str:
+    """The ``llm-gateway plan`` flag that gives ``field_name``."""
+    return _FLAGS.get(field_name, "--" + field_name.replace("_", "-"))
+
+
 def shape_with_overrides(base: ModelShape | None, name: str, **fields: Any) -> ModelShape:
     """Apply explicitly given fields (None means not given) over ``base`` or build a shape
     from the fields alone. Raises :class:`PlanError` naming what is missing."""
@@ -219,7 +234,7 @@ def shape_with_overrides(base: ModelShape | None, name: str, **fields: Any) -> M
         required = ("num_layers", "hidden_size", "num_attention_heads", "intermediate_size")
         missing = [k for k in (*required, "vocab_size") if k not in given]
         if missing:
-            flags = ", ".join("--" + k.replace("_", "-") for k in missing)
+            flags = ", ".join(flag_of(k) for k in missing)
             raise PlanError(f"without a config.json, give the architecture: missing {flags}")
         if "head_dim" not in given:
             if given["hidden_size"] % given["num_attention_heads"]:

@@ -12,7 +12,7 @@ from gateway.plan.arithmetic import WEIGHT_BITS, GiB, blocks_for, usable_bytes
 from gateway.plan.planner import Plan, TpOption
 
 _TORCH_DTYPE: Final = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
-DEFAULT_IMAGE: Final = "vllm/vllm-openai:latest"
+DEFAULT_IMAGE: Final = "vllm/vllm-openai:v0.32.0"  # what compose.yaml and deploy/k8s pin
 
 
 def _gib(n: int | float) -> str:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from gateway.cli import COMMANDS, main
+from gateway.cli import COMMANDS, build_parser, main
 
 
 def test_top_level_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -69,3 +72,71 @@ def test_a_subcommand_whose_extra_is_not_installed_says_which_to_install() -> No
         "(the gateway alone does not install it)"
     )
     assert "llm-gateway[tools]" in (missing_extra("top", have=lambda m: None) or "")
+
+
+def test_a_port_in_use_is_one_line_naming_it_and_the_setting() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gateway",
+                "serve",
+                "--backends",
+                "http://127.0.0.1:9",
+                "--port",
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr + done.stdout
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("llm-gateway:")]
+    assert f"127.0.0.1:{port}" in line
+    assert "in use" in line
+    assert "GATEWAY_PORT" in line
+
+
+def test_the_readme_lists_every_subcommand() -> None:
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    table = readme[readme.index("| subcommand | does |") :].split("\n\n", 1)[0]
+    assert sorted(line.split("`")[1] for line in table.splitlines()[2:]) == sorted(COMMANDS)
+
+
+def _options(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action]]:
+    """Every option of ``parser`` and of its subcommands, with the command that has it."""
+    out: list[tuple[str, argparse.Action]] = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                out += [(f"{parser.prog} {name}", a) for _, a in _options(sub)]
+        elif action.option_strings and not isinstance(action, argparse._HelpAction):
+            out.append((parser.prog, action))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(COMMANDS))
+def test_every_option_says_what_it_is_and_its_default_once(
+    name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Options without a description, and defaults printed twice or as None (issue 23)."""
+    parser = build_parser([name])
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    command = sub.choices[name]
+    bare = [
+        f"{prog}: {'/'.join(a.option_strings)}"
+        for prog, a in _options(command)
+        if not (a.help or "").strip()
+    ]
+    assert bare == []
+    with pytest.raises(SystemExit):
+        main([name, "--help"])
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out
+    assert out.count("(default: from the config) (default:") == 0

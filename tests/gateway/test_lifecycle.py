@@ -165,6 +165,31 @@ async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_work() -> 
         assert b'"error"' not in body
 
 
+async def test_shutdown_closes_idle_kept_alive_connections_while_streams_finish() -> None:
+    """What the README says of SIGTERM: an idle kept-alive connection is closed (its client's
+    next request fails to connect, so it goes elsewhere), not answered 503 (issue 23)."""
+    fake = FakeBackend(behaviour=stream_chat(10, delay=0.03))
+    async with running_fake(fake), running_gateway([fake.url], shutdown_grace=5) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"GET /health HTTP/1.1\r\nHost: {host}\r\n\r\n".encode())
+        await writer.drain()
+        head = await reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200")
+        async with aiohttp.ClientSession() as s:
+            stream = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
+            stopping = asyncio.create_task(stop_gracefully(gw.app, [gw.runner]))
+            await wait_for(lambda: gw.app[LIFECYCLE].stopping, what="stopping")
+            length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)  # the first answer's body
+            rest = await asyncio.wait_for(reader.read(), 5)  # the server closes the idle one
+            assert rest == b""
+            body = await stream.read()  # while the stream in flight finishes
+            await asyncio.wait_for(stopping, 5)
+        writer.close()
+    assert body.endswith(b"data: [DONE]\n\n")
+
+
 async def test_shutdown_cuts_streams_that_outlive_the_grace_period() -> None:
     fake = FakeBackend(behaviour=stream_chat(10, hold_after=2))
     async with (

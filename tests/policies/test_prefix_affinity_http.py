@@ -30,12 +30,18 @@ def served(sims: list[RunningSim]) -> list[int]:
     return [sum(s.engine.stats.request_success.values()) for s in sims]
 
 
+def named(sims: list[RunningSim]) -> list[dict[str, Any]]:
+    """The backends under fixed names: rendezvous placement is then the same on every run
+    (by URL it would depend on the ports the simulators got)."""
+    return [{"url": s.url, "name": f"sim{i}"} for i, s in enumerate(sims)]
+
+
 @asynccontextmanager
 async def fleet(**overrides: Any) -> AsyncIterator[tuple[list[RunningSim], RunningGateway]]:
     async with AsyncExitStack() as stack:
         sims = [await stack.enter_async_context(running_sim(FAST)) for _ in range(3)]
         gw = await stack.enter_async_context(
-            running_gateway([s.url for s in sims], policy="prefix_affinity", **overrides)
+            running_gateway(named(sims), policy="prefix_affinity", **overrides)
         )
         await wait_for(gw.ready, what="gateway ready")
         yield sims, gw
@@ -92,7 +98,7 @@ async def test_replicas_with_hash_placement_put_a_new_prefix_on_the_same_backend
     hashed = {"placement": "hash"}
     async with (
         fleet(affinity=hashed) as (sims, one),
-        running_gateway([s.url for s in sims], policy="prefix_affinity", affinity=hashed) as two,
+        running_gateway(named(sims), policy="prefix_affinity", affinity=hashed) as two,
         aiohttp.ClientSession() as s,
     ):
         await wait_for(two.ready, what="second gateway ready")

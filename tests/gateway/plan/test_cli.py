@@ -128,6 +128,7 @@ def test_help_through_the_console_script_parser(capsys: pytest.CaptureFixture[st
         (["{seventy}", "--gpus", "8", "--gpu-memory-utilization", "1.5"], "utilization"),
         (["{seventy}", "--gpus", "0"], "--gpus must be positive"),
         (["--layers", "2"], "missing --hidden-size"),
+        ([], "missing --layers, --hidden-size, --heads, --intermediate-size, --vocab-size"),
     ],
 )
 def test_bad_input_exits_2_with_a_message(
@@ -168,3 +169,20 @@ def test_json_request_rate_reports_the_latency_estimate(
     assert out["capacity"]["latency"]["total_s"] == pytest.approx(3.4772, rel=1e-4)
     assert out["capacity"]["demand_per_replica"] == 35
     assert any("Little's law" in note for note in out["notes"])
+
+
+def test_every_flag_an_error_names_exists() -> None:
+    """The message for a missing architecture named flags that did not exist (issue 23)."""
+    from gateway.plan.model import OVERRIDABLE, flag_of
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    assert [flag_of(f) for f in OVERRIDABLE if flag_of(f) not in known] == []
+
+
+def test_the_snippets_default_to_the_vllm_image_compose_pins() -> None:
+    from gateway.plan.render import DEFAULT_IMAGE
+
+    compose = (Path(__file__).parents[3] / "compose.yaml").read_text()
+    assert f"${{VLLM_IMAGE:-{DEFAULT_IMAGE}}}" in compose

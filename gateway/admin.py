@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.errors import GatewayError, InvalidRequest, NotFound, error_envelope
 from backends.state import BackendState
+from gateway.app import server_header
 from gateway.keys import GATEWAY, KV_FEEDS, KV_INDEX, METRICS, POOL, ROUTER
 from gateway.reload import change_policy, describe_policy, reload_settings
 from gateway.rollout import ROLLOUT
@@ -192,6 +193,7 @@ async def admin_metrics(request: web.Request) -> web.Response:
 
 def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app = web.Application(middlewares=[_token_middleware(token)])
+    app.on_response_prepare.append(server_header)
     app[GATEWAY] = gateway
     app.router.add_get("/admin/backends", list_backends)
     app.router.add_get("/admin/policy", get_policy)

@@ -232,6 +232,14 @@ async def _limits_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
 
 
+SERVER_HEADER = "llm-gateway"
+
+
+async def server_header(_request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer says it is the gateway, not which Python and aiohttp versions run it."""
+    response.headers["Server"] = SERVER_HEADER
+
+
 async def metrics_endpoint(request: web.Request) -> web.Response:
     body = generate_latest(request.app[METRICS].registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -262,6 +270,7 @@ def create_app(
             "keepalive_timeout": settings.client.keepalive_timeout,
         },
     )
+    app.on_response_prepare.append(server_header)
     app[SETTINGS] = settings
     app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)
     app[LIFECYCLE] = Lifecycle()
@@ -294,12 +303,13 @@ def create_app(
         backoff_factor=r.backoff_factor,
         jitter=r.jitter,
     )
-    app[ROLLOUT] = Rollout.from_settings(settings)  # model pools and aliases
+    rollout = app[ROLLOUT] = Rollout.from_settings(settings)  # model pools and aliases
     admission = _admission(settings, pool)
     app[ADMISSION] = admission
     if admission is not None:
         pool.on_change(admission.notify)  # a scrape or a request's end may free capacity
     metrics = GatewayMetrics()
+    metrics.known_pools(rollout.pairs())
     metrics.watch_backends(
         pool, lambda: app[ROUTER].policy, lambda: admission.waiting if admission else 0
     )

@@ -362,6 +362,12 @@ class GatewayMetrics:
             registry=r,
         )
 
+    def known_pools(self, pairs: list[tuple[str, str]]) -> None:
+        """Export each configured (alias, pool)'s error count at 0 before its first error, so a
+        dashboard or an alert sees a series (and a rate of 0), not nothing."""
+        for alias, pool in pairs:
+            self.pool_errors.labels(alias, pool)
+
     def record_pool(
         self,
         alias: str,

@@ -160,6 +160,7 @@ def reload_settings(app: web.Application) -> ReloadResult:
         _apply_backends(app, new)
     if {"pools", "aliases", "rollout"} & set(result.applied):
         app[ROLLOUT].reconfigure(new)
+        app[METRICS].known_pools(app[ROLLOUT].pairs())
     # What needs a restart keeps its running value until then.
     app[CONFIG].current = old.model_copy(update={k: getattr(new, k) for k in result.applied})
     log.info("config_reloaded", applied=result.applied, restart_required=result.restart_required)

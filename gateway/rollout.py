@@ -86,6 +86,10 @@ class Rollout:
             rng=rng,
         )
 
+    def pairs(self) -> list[tuple[str, str]]:
+        """Every (alias, pool) the configuration routes, for the per-pool metrics."""
+        return [(alias, pool) for alias, weights in self.aliases.items() for pool in weights]
+
     def names(self) -> list[str]:
         """The model names clients may use beyond the backends' own."""
         return sorted(set(self.aliases) | (set(self.pools) if self.expose_pools else set()))

@@ -10,7 +10,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.helpers import FakeBackend, running_fake, running_gateway
+from tests.helpers import FakeBackend, running_fake, running_gateway, stream_chat
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -88,3 +88,28 @@ async def test_oversized_headers_are_refused() -> None:
     ):
         assert r.status in (400, 431)
     assert fake.seen == []
+
+
+async def test_no_answer_announces_the_python_and_aiohttp_versions() -> None:
+    """The Server header said `Python/3.11 aiohttp/3.14` (issue 23): on every listener, for
+    answers, streams, errors and the admin API, it is the gateway's name alone."""
+    fake = FakeBackend(behaviour=stream_chat(3))
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], admin={"token": "t"}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        assert gw.admin_url is not None
+        calls = [
+            s.get(gw.url + "/health"),
+            s.post(gw.url + "/v1/chat/completions", json=chat),
+            s.post(gw.url + "/v1/chat/completions", data=b"{"),
+            s.get(gw.url + "/nowhere"),
+            s.get(gw.admin_url + "/admin/backends", headers={"Authorization": "Bearer t"}),
+            s.get(gw.admin_url + "/admin/backends"),
+        ]
+        for call in calls:
+            async with call as r:
+                await r.read()
+                assert r.headers["Server"] == "llm-gateway", (r.url, r.headers["Server"])

@@ -314,6 +314,29 @@ backends = ["v2a"]
                 assert (await r.json())["weights"] == {"v1": 100}
 
 
+async def test_hidden_pools_are_not_models_but_the_backends_own_names_are() -> None:
+    """What the README says of ``expose_pools = false`` (issue 23): the pool names are neither
+    listed nor routable; the models the backends serve are both (a version asked by name)."""
+    async with fleet({"v1": 1, "v2": 1}) as gw, aiohttp.ClientSession() as http:
+        async with http.get(f"{gw.url}/v1/models") as r:
+            ids = {m["id"] for m in (await r.json())["data"]}
+        assert ids == {ALIAS, "m-v1", "m-v2"}
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat(False, "v2")) as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["code"] == "model_not_found"
+        async with http.post(f"{gw.url}/v1/chat/completions", json=chat(False, "m-v2")) as r:
+            assert r.status == 200
+            assert (await r.json())["model"] == "m-v2"
+
+
+async def test_pool_errors_are_exported_at_zero_before_the_first() -> None:
+    async with fleet({"v1": 50, "v2": 50}) as gw, aiohttp.ClientSession() as http:
+        async with http.get(f"{gw.url}/metrics") as r:
+            text = await r.text()
+    for pool in ("v1", "v2"):
+        assert f'llm_gateway_pool_errors_total{{alias="llama",pool="{pool}"}} 0.0' in text
+
+
 async def test_per_pool_metrics_are_exported() -> None:
     async with fleet({"v1": 50, "v2": 50}) as gw, aiohttp.ClientSession() as http:
         for _ in range(10):

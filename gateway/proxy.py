@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 from aiohttp import web
@@ -68,7 +68,7 @@ from gateway.relay import (
 )
 from gateway.resume import resume
 from gateway.retry import RETRYABLE_STATUS
-from gateway.rollout import ROLLOUT
+from gateway.rollout import ROLLOUT, Choice
 from gateway.router import Route, Step
 from gateway.tracing import annotate, parent_context
 
@@ -87,43 +87,36 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         raw, doc = await read_json_body(
             request, settings.max_body_bytes, settings.client.body_timeout
         )
-        model = record.model = request_model(doc)
-        pool = app[ROUTER].pool
-        choice = app[ROLLOUT].resolve(
-            model, request.headers, usable=lambda p: pool.any_routable(p.model, p.backends)
-        )
-        if choice is not None:  # an alias (or a pool's own name): route in the chosen pool
-            record.pool = choice.pool.name
-            model = choice.pool.model
-            if choice.rename is not None:  # opt-in, so serialising the body again is fine
-                doc = {**doc, "model": model}
-                raw = json.dumps(doc, separators=(",", ":")).encode()
+        asked = record.model = request_model(doc)
         chat = path.endswith("/chat/completions")
-        router = app[ROUTER]
-        tokens = None
-        # precise_prefix: the prompt's blocks as the engine keys them. A salted request's
-        # blocks are hashed with its salt: no other request's blocks are its prefix.
-        tokenizers = app[TOKENIZERS]
-        if router.wants_tokens and tokenizers is not None and "cache_salt" not in doc:
-            tokens = await tokenizers.tokens(model, "chat" if chat else "completions", doc)
-        route = router.route(model, doc, request.headers, choice, tokens)
+        pool = app[ROUTER].pool
+        routed = await _routed(request, asked, doc, raw, chat=chat)
+        record.pool = routed.choice.pool.name if routed.choice is not None else None
         grant = await limiter.admit(principal, doc)
-        plan = usage_plan(doc)
-        resumable = settings.continuation.enabled and refusal(doc, chat) is None
-        call = Call(
-            request,
-            path,
-            with_include_usage(doc, raw) if plan.inject else raw,
-            upstream_headers(request.headers, record.request_id),
-            record,
-            strip_usage=plan.strip,
-            extra_headers=grant.headers,
-            choice=choice,
-            resumable=doc if resumable else None,
-        )
         ticket = await _wait_for_capacity(app, principal.id, principal.max_priority, request)
         try:
-            return await _traced(call, route, doc)
+            choice = routed.choice
+            if choice is not None and not pool.any_routable(
+                choice.pool.model, choice.pool.backends
+            ):
+                # The chosen pool lost its last usable backend while the request waited (for
+                # its limits, in the admission queue): choose among the alias's pools again.
+                routed = await _routed(request, asked, doc, raw, chat=chat)
+                record.pool = routed.choice.pool.name if routed.choice is not None else None
+            plan = usage_plan(routed.doc)
+            resumable = settings.continuation.enabled and refusal(routed.doc, chat) is None
+            call = Call(
+                request,
+                path,
+                with_include_usage(routed.doc, routed.raw) if plan.inject else routed.raw,
+                upstream_headers(request.headers, record.request_id),
+                record,
+                strip_usage=plan.strip,
+                extra_headers=grant.headers,
+                choice=routed.choice,
+                resumable=routed.doc if resumable else None,
+            )
+            return await _traced(call, routed.route, routed.doc)
         finally:
             if ticket is not None:
                 ticket.release()
@@ -139,6 +132,40 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
                 await asyncio.shield(limiter.finish(grant, spent))
         finally:
             finish(app, record)  # counted and logged even if cancelled while settling
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    choice: Choice | None  # the alias's pool, if the model named one
+    doc: dict[str, Any]  # the body as the backend gets it (renamed for a pool if opted in)
+    raw: bytes
+    route: Route
+
+
+async def _routed(
+    request: web.Request, asked: str, doc: dict[str, Any], raw: bytes, *, chat: bool
+) -> _Routed:
+    """Where the request for ``asked`` goes: an alias's pool (and the model it serves), the
+    route's steps, and the facts its policy asked for. Raises ``ModelNotFound`` early."""
+    app = request.app
+    router = app[ROUTER]
+    pool = router.pool
+    choice = app[ROLLOUT].resolve(
+        asked, request.headers, usable=lambda p: pool.any_routable(p.model, p.backends)
+    )
+    model = asked
+    if choice is not None:  # an alias (or a pool's own name): route in the chosen pool
+        model = choice.pool.model
+        if choice.rename is not None:  # opt-in, so serialising the body again is fine
+            doc = {**doc, "model": model}
+            raw = json.dumps(doc, separators=(",", ":")).encode()
+    tokens = None
+    # precise_prefix: the prompt's blocks as the engine keys them. A salted request's blocks
+    # are hashed with its salt: no other request's blocks are its prefix.
+    tokenizers = app[TOKENIZERS]
+    if router.wants_tokens and tokenizers is not None and "cache_salt" not in doc:
+        tokens = await tokenizers.tokens(model, "chat" if chat else "completions", doc)
+    return _Routed(choice, doc, raw, router.route(model, doc, request.headers, choice, tokens))
 
 
 def _classify(app: web.Application, record: RequestRecord, exc: BaseException) -> None:

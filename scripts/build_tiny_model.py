@@ -85,9 +85,10 @@ def already_built(out: Path, digest: str) -> bool:
         return False
 
 
-def build_tokenizer(out: Path) -> int:
+def train_tokenizer() -> Any:
+    """The byte-level BPE tokenizer, trained on ``CORPUS`` (needs only ``tokenizers``: the
+    gateway's tests build the same one without transformers)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -100,6 +101,13 @@ def build_tokenizer(out: Path) -> int:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    return tok
+
+
+def build_tokenizer(out: Path) -> int:
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_tokenizer()
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,

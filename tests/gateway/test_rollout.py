@@ -8,12 +8,14 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from pydantic import ValidationError
+from redis.asyncio import Redis
 
 from backends.sim import FAST, running_sim
 from gateway.keys import METRICS, POOL
@@ -27,6 +29,7 @@ from tests.helpers import (
     stream_chat,
     wait_for,
 )
+from tests.redis_server import RedisServer
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -377,3 +380,47 @@ async def test_a_pool_whose_backends_are_all_down_passes_its_share_to_the_others
         back = {await pool_of(http, gw) for _ in range(20)}
     assert set(pools_used) == {"v1"}
     assert back == {"v1", "v2"}
+
+
+async def test_a_pool_lost_while_the_request_waited_for_its_limits_is_chosen_again(
+    own_redis: RedisServer, redis_prefix: str
+) -> None:
+    """Found by the soak: the alias chose the canary pool, the request then waited (here for
+    a slow Redis, there for the admission queue) while the canary's only backend went down,
+    and it failed with 503 although the stable pool could serve it."""
+    async with AsyncExitStack() as stack:
+        s1 = await stack.enter_async_context(running_sim(FAST.replace(model="m-v1")))
+        s2 = await stack.enter_async_context(running_sim(FAST.replace(model="m-v2")))
+        limits = {
+            "store": "redis",
+            "redis": {"url": own_redis.url, "key_prefix": redis_prefix, "timeout": 5.0},
+            "tiers": {"default": {"requests_per_minute": 6000}},
+        }
+        gw = await stack.enter_async_context(
+            running_gateway(
+                [{"url": s1.url, "name": "v1a"}, {"url": s2.url, "name": "v2a"}],
+                pools=pools(),
+                aliases={ALIAS: {"v1": 1, "v2": 100_000}},  # the canary, all but surely
+                limits=limits,
+            )
+        )
+        await all_up(gw)
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{gw.url}/v1/chat/completions", json=chat(False)) as r:
+                assert r.status == 200  # warms the limit script into this Redis
+            blocker = Redis.from_url(own_redis.url)
+            stack.push_async_callback(blocker.aclose)
+            sleeping = asyncio.create_task(blocker.execute_command("DEBUG", "SLEEP", "1.0"))
+            await asyncio.sleep(0.05)  # sleep-ok: let DEBUG SLEEP reach Redis first
+            sending = asyncio.create_task(
+                http.post(f"{gw.url}/v1/chat/completions", json=chat(False))
+            )
+            await asyncio.sleep(0.05)  # sleep-ok: the request has chosen v2 and waits for Redis
+            s2.faults = replace(s2.faults, unhealthy=True)
+            pool = gw.app[POOL]
+            await wait_for(lambda: not pool.get("v2a").up, what="the canary's backend down")  # type: ignore[union-attr]
+            await sleeping
+            r = await sending
+            assert r.status == 200, await r.text()
+            assert (await r.json())["model"] == ALIAS
+            assert served(gw).get("v1") == 1.0

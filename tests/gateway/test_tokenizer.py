@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import processors
 
 from backends.sim.protocol import ApiError, parse_generate
 from gateway.tokenizer import (
@@ -32,7 +32,16 @@ from gateway.tokenizer import (
     load_tokenizer,
     prompt_chars,
 )
-from scripts.build_tiny_model import BOS, CHAT_TEMPLATE, CORPUS, EOS, MODEL, PAD, VOCAB_SIZE
+from scripts.build_tiny_model import (
+    BOS,
+    CHAT_TEMPLATE,
+    CORPUS,
+    EOS,
+    MODEL,
+    PAD,
+    VOCAB_SIZE,
+    train_tokenizer,
+)
 from tests.waiting import wait_for
 
 
@@ -52,17 +61,7 @@ def build_tiny_tokenizer(
     Llama's has, instead of the byte-level one.
     """
     out.mkdir(parents=True, exist_ok=True)
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
-        special_tokens=[PAD, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer=trainer)
+    tok = train_tokenizer()
     if bos_post_processor:
         tok.post_processor = processors.TemplateProcessing(
             single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 1)]

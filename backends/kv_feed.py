@@ -366,7 +366,6 @@ class KvFeeds:
         st.batches += 1
         st.form = batch.form or st.form
         st.lag_s = self._clock() - ts
-        st.last_event_at = ts
         st.events["skipped"] += batch.skipped
         for ev in batch.events:
             st.events[_kind(ev)] += 1

@@ -52,7 +52,6 @@ class FeedStatus:
     gaps: Counter[str] = field(default_factory=Counter)  # replayed/lost/restart
     form: str | None = None  # the wire form the publisher speaks
     lag_s: float | None = None  # now - the newest batch's timestamp, when it was applied
-    last_event_at: float | None = None
 
 
 def reach(endpoint: str, backend_url: str) -> str:

@@ -111,13 +111,8 @@ class PrecisePrefix:
         if not candidates:
             return None
         tokens = facts.prompt_tokens
-        why = None
-        if tokens is None:
-            why = "fallback_no_tokens"
-        elif not all(self.index.exact(c.id) for c in candidates):
-            why = "fallback_not_live"
-        if why is not None or tokens is None:
-            self.decisions[why or "fallback_no_tokens"] += 1
+        if tokens is None or not all(self.index.exact(c.id) for c in candidates):
+            self.decisions["fallback_no_tokens" if tokens is None else "fallback_not_live"] += 1
             return self.approximate.choose(facts, candidates)
         choice, reason, keys = self._decide(facts, tokens, candidates)
         self.decisions[reason] += 1

@@ -15,7 +15,8 @@ $(BIN)/python:
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev]'
+	@# setuptools' notice that folders named like the packages shadow them: that is the layout.
+	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/pip install -q -e '.[dev]'
 	touch $@
 
 lint:

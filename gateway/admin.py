@@ -15,10 +15,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backends.errors import GatewayError, InvalidRequest, NotFound, error_envelope
 from backends.state import BackendState
 from gateway.app import server_header
-from gateway.keys import GATEWAY, KV_FEEDS, KV_INDEX, METRICS, POOL, ROUTER
+from gateway.keys import GATEWAY, KV_FEEDS, KV_INDEX, LATENCY, METRICS, POOL, ROUTER
+from gateway.latency_metrics import latency_views
 from gateway.reload import change_policy, describe_policy, reload_settings
 from gateway.rollout import ROLLOUT
 from policies import score
+from policies.latency import BackendLatency
 
 
 def _token_middleware(token: str) -> Middleware:
@@ -63,17 +65,33 @@ def backend_view(
     }
 
 
+def latency_view(v: BackendLatency) -> dict[str, object]:
+    """What the latency tracker learned of one backend (``policies.latency``)."""
+    return {
+        "predicted_ttft_s": round(v.idle_ttft, 6),
+        "predicted_itl_s": round(v.itl_now, 6),
+        "ttft_fit": {k: round(c, 6) for k, c in v.ttft.items()},
+        "itl_fit": {k: round(c, 6) for k, c in v.itl.items()},
+        "weight": round(v.weight, 3),
+        "observed": v.observed,
+        "last_ttft_s": v.last_ttft,
+        "ttft_mape": None if v.mape is None else round(v.mape, 4),
+    }
+
+
 async def list_backends(request: web.Request) -> web.Response:
-    pool = request.app[GATEWAY][POOL]
-    policy = request.app[GATEWAY][ROUTER].policy
+    gateway = request.app[GATEWAY]
+    pool = gateway[POOL]
+    policy = gateway[ROUTER].policy
     weights = policy.weights
     now = pool.now()
-    return web.json_response(
-        {
-            "policy": policy.name,
-            "backends": [backend_view(b, now, pool.snapshot(b, now), weights) for b in pool.all()],
-        }
-    )
+    latency = {v.backend: v for v in latency_views(gateway[LATENCY], pool)}
+    views = []
+    for b in pool.all():
+        view = backend_view(b, now, pool.snapshot(b, now), weights)
+        view["latency"] = latency_view(latency[b.id])
+        views.append(view)
+    return web.json_response({"policy": policy.name, "backends": views})
 
 
 def _set_draining(draining: bool) -> Handler:

@@ -26,6 +26,7 @@ from gateway.keys import (
     ADMISSION,
     KV_FEEDS,
     KV_INDEX,
+    LATENCY,
     LIFECYCLE,
     LIMITER,
     METRICS,
@@ -42,18 +43,20 @@ from gateway.keys import (
     Lifecycle,
 )
 from gateway.kv_metrics import KvEventsCollector
+from gateway.latency_metrics import LatencyCollector
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.fairqueue import SaturationThresholds, fleet_saturated
 from gateway.limits.limiter import open_limiter
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_context
-from gateway.reload import CONFIG, ConfigSource, SettingsLoader, affinity_config, backend_specs
+from gateway.policy_config import build_policy, latency_config, weights_of
+from gateway.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
 from gateway.retry import RetryPolicy
 from gateway.rollout import ROLLOUT, Rollout
 from gateway.router import Router
 from gateway.settings import Settings
 from gateway.tracing import provider_from_settings, tracer_from
-from policies import KvIndex, Weights, make_policy
+from policies import KvIndex, LatencyTracker
 
 if TYPE_CHECKING:
     from backends.kv_feed import KvFeeds
@@ -277,19 +280,14 @@ def create_app(
     supervisor = app[SUPERVISOR] = Supervisor()  # every background loop runs under it
     pool = _pool(settings)
     app[POOL] = pool
-    w = settings.weights
     kv_index = app[KV_INDEX] = KvIndex(settings.kv_events.capacity)
+    tracker = app[LATENCY] = LatencyTracker(latency_config(settings.latency), clock=pool.now)
     app[TOKENIZERS] = _tokenizers(app, settings)
-    prefill, decode = role_policies(settings, kv_index)  # the prefill and decode pools' own
+    # The prefill and decode pools' own policies.
+    prefill, decode = role_policies(settings, kv_index, tracker)
     app[ROUTER] = Router(
         pool,
-        make_policy(
-            settings.policy,
-            Weights(active=w.active, queue=w.queue, kv=w.kv),
-            affinity=affinity_config(settings.affinity),
-            kv_index=kv_index,
-            kv_max_blocks=settings.kv_events.max_blocks,
-        ),
+        build_policy(settings, settings.policy, weights_of(settings.weights), kv_index, tracker),
         prefill=prefill,
         decode=decode,
         retry_after=settings.retry_after_seconds,
@@ -320,6 +318,7 @@ def create_app(
             lambda: app[ROUTER].policy,
         )
     )
+    metrics.registry.register(LatencyCollector(tracker, pool, lambda: app[ROUTER].policy))
     metrics.watch_limits(lambda: app[LIMITER].rejections, admission)
     metrics.watch_supervisor(supervisor)
     tap_problem = relay_check()

@@ -33,14 +33,15 @@ from backends.errors import (
 )
 from backends.pool import Lease
 from backends.upstream import Interrupt, Upstream
-from gateway.keys import LIFECYCLE, METRICS, RETRY, ROUTER, TRACER, UPSTREAM
+from gateway.keys import LATENCY, LIFECYCLE, METRICS, RETRY, ROUTER, TRACER, UPSTREAM
 from gateway.record import RequestRecord
 from gateway.relay import StreamBroken
 from gateway.retry import RetryPolicy
 from gateway.rollout import Choice
 from gateway.router import Step
 from gateway.tracing import attempt_span, end_attempt, inject
-from policies import Outcome
+from policies import BackendSnapshot, LatencyTracker, Outcome
+from policies.latency import Load, Prediction, load_of, prompt_size
 
 T = TypeVar("T")
 log = structlog.get_logger("gateway.request")
@@ -148,6 +149,19 @@ class Try:
 Attempt = Callable[[Try], Awaitable[T]]
 
 
+def expected(
+    tracker: LatencyTracker, step: Step, chosen: BackendSnapshot
+) -> tuple[Load, Prediction]:
+    """The load ``chosen`` was picked under (its cached tokens as the policy believed, if it
+    says) and the latency the tracker predicted then: what the attempt's outcome is learned
+    and judged against."""
+    facts = step.facts
+    held = getattr(step.policy, "cached_tokens", None)
+    cached = held(facts, chosen.id) if held is not None else 0.0
+    load = load_of(chosen, prompt_size(facts), cached)
+    return load, tracker.predict(chosen.id, load)
+
+
 def cancel_reason(app: web.Application) -> str:
     """Why a handler was cancelled: its client left, or the gateway is shutting down."""
     return "shutdown" if app[LIFECYCLE].stopping else "client_disconnect"
@@ -187,6 +201,27 @@ async def open_upstream(t: Try, body: bytes) -> Upstream:
     return upstream
 
 
+def _settle(
+    t: Try,
+    error: BaseException | None,
+    tracker: LatencyTracker,
+    load: Load,
+    predicted: Prediction,
+) -> None:
+    """An attempt is over: its outcome judged (the circuit), the lease released, the policy
+    and the latency tracker told, its span ended."""
+    if error is not None:
+        t.tally.failed(error)
+    outcome = t.tally.outcome()
+    lease, backend = t.lease, t.lease.backend.id
+    t.tally.judge(lease, outcome)
+    lease.release()
+    t.step.policy.on_result(t.step.facts, backend, outcome)
+    tracker.observe(backend, load, outcome, predicted)
+    cancelled = isinstance(error, asyncio.CancelledError)
+    end_attempt(t.span, t.tally.status, None if cancelled else error or t.stream_error)
+
+
 async def attempts(
     call: Call,
     step: Step,
@@ -206,14 +241,14 @@ async def attempts(
     ``exclude``: backends not to try.
     """
     app, record = call.request.app, call.record
-    router, metrics = app[ROUTER], app[METRICS]
+    router, metrics, tracker = app[ROUTER], app[METRICS], app[LATENCY]
     retry = retry or app[RETRY]
     since = record.started if since is None else since
     tried: list[str] = list(exclude)
     last: UpstreamError | None = None
     while True:
         try:
-            lease, candidates = router.pick(step, exclude=tried)
+            lease, candidates, chosen = router.pick(step, exclude=tried)
         except NoBackendAvailable:
             if last is not None:  # every candidate failed: say how the last did
                 raise last from None
@@ -227,6 +262,7 @@ async def attempts(
         elapsed = time.monotonic() - since
         may_retry = len(candidates) > 1 and retry.allows(n, elapsed)
         t = Try(call, step, lease, n, may_retry, parent)
+        load, predicted = expected(tracker, step, chosen)
         error: BaseException | None = None
         try:
             return await attempt(t)
@@ -236,14 +272,7 @@ async def attempts(
             error = exc
             raise
         finally:
-            if error is not None:
-                t.tally.failed(error)
-            outcome = t.tally.outcome()
-            t.tally.judge(lease, outcome)
-            lease.release()
-            step.policy.on_result(step.facts, backend, outcome)
-            cancelled = isinstance(error, asyncio.CancelledError)
-            end_attempt(t.span, t.tally.status, None if cancelled else error or t.stream_error)
+            _settle(t, error, tracker, load, predicted)
         reason = type(last).__name__
         if step.role is not None:
             metrics.disagg_failures.labels(step.name, backend, reason).inc()

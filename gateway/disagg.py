@@ -37,9 +37,10 @@ from backends.upstream import json_or_none
 from gateway.attempt import Try, open_upstream
 from gateway.headers import downstream_headers
 from gateway.keys import METRICS, UPSTREAM
+from gateway.policy_config import build_policy, weights_of
 from gateway.retry import RETRYABLE_STATUS
 from gateway.settings import RolePoolSettings, Settings
-from policies import AffinityConfig, KvIndex, Policy, Weights, make_policy
+from policies import KvIndex, LatencyTracker, Policy
 
 log = structlog.get_logger("gateway.disagg")
 
@@ -54,19 +55,13 @@ PREFILL_KV_PARAMS: Final[Mapping[str, Any]] = {
 }
 
 
-def role_policies(settings: Settings, kv_index: KvIndex) -> tuple[Policy, Policy]:
+def role_policies(
+    settings: Settings, kv_index: KvIndex, tracker: LatencyTracker
+) -> tuple[Policy, Policy]:
     """The prefill pool's policy and the decode pool's, from ``[disagg]``."""
-    affinity = AffinityConfig(**settings.affinity.model_dump())
 
     def policy(s: RolePoolSettings) -> Policy:
-        w = s.weights
-        return make_policy(
-            s.policy,
-            Weights(active=w.active, queue=w.queue, kv=w.kv),
-            affinity=affinity,
-            kv_index=kv_index,
-            kv_max_blocks=settings.kv_events.max_blocks,
-        )
+        return build_policy(settings, s.policy, weights_of(s.weights), kv_index, tracker)
 
     return policy(settings.disagg.prefill), policy(settings.disagg.decode)
 

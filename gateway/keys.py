@@ -19,6 +19,7 @@ from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
 from policies.kv_index import KvIndex
+from policies.latency import LatencyTracker
 
 if TYPE_CHECKING:  # loaded only when used: ZMQ, tokenizers and Jinja cost memory and start-up
     from backends.kv_feed import KvFeeds  # noqa: F401 - named in KV_FEEDS below
@@ -48,6 +49,7 @@ GATEWAY: Final = web.AppKey("gateway", web.Application)
 # False when the tap's aiohttp internals are not as expected: streams use plain reads.
 RELAY_FAST: Final = web.AppKey("relay_fast", bool)  # on the admin app: the main app
 KV_INDEX: Final = web.AppKey("kv_index", KvIndex)  # what each engine caches (its KV events)
+LATENCY: Final = web.AppKey("latency", LatencyTracker)  # each backend's learned speed
 KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not followed
 TOKENIZERS: Final = web.AppKey["Tokenizers | None"]("tokenizers")  # None: none configured
 

@@ -90,7 +90,7 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         asked = record.model = request_model(doc)
         chat = path.endswith("/chat/completions")
         pool = app[ROUTER].pool
-        routed = await _routed(request, asked, doc, raw, chat=chat)
+        routed = await _routed(request, asked, doc, raw, chat=chat, objective=principal.objective)
         record.pool = routed.choice.pool.name if routed.choice is not None else None
         grant = await limiter.admit(principal, doc)
         ticket = await _wait_for_capacity(app, principal.id, principal.max_priority, request)
@@ -101,7 +101,9 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
             ):
                 # The chosen pool lost its last usable backend while the request waited (for
                 # its limits, in the admission queue): choose among the alias's pools again.
-                routed = await _routed(request, asked, doc, raw, chat=chat)
+                routed = await _routed(
+                    request, asked, doc, raw, chat=chat, objective=principal.objective
+                )
                 record.pool = routed.choice.pool.name if routed.choice is not None else None
             plan = usage_plan(routed.doc)
             resumable = settings.continuation.enabled and refusal(routed.doc, chat) is None
@@ -143,7 +145,13 @@ class _Routed:
 
 
 async def _routed(
-    request: web.Request, asked: str, doc: dict[str, Any], raw: bytes, *, chat: bool
+    request: web.Request,
+    asked: str,
+    doc: dict[str, Any],
+    raw: bytes,
+    *,
+    chat: bool,
+    objective: str | None = None,
 ) -> _Routed:
     """Where the request for ``asked`` goes: an alias's pool (and the model it serves), the
     route's steps, and the facts its policy asked for. Raises ``ModelNotFound`` early."""
@@ -165,7 +173,10 @@ async def _routed(
     tokenizers = app[TOKENIZERS]
     if router.wants_tokens and tokenizers is not None and "cache_salt" not in doc:
         tokens = await tokenizers.tokens(model, "chat" if chat else "completions", doc)
-    return _Routed(choice, doc, raw, router.route(model, doc, request.headers, choice, tokens))
+    route = router.route(
+        model, doc, request.headers, choice=choice, tokens=tokens, objective=objective
+    )
+    return _Routed(choice, doc, raw, route)
 
 
 def _classify(app: web.Application, record: RequestRecord, exc: BaseException) -> None:

@@ -16,17 +16,25 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backends.errors import InvalidRequest
 from backends.state import BackendSpec
-from gateway.keys import KV_FEEDS, KV_INDEX, METRICS, MONITOR, POOL, ROUTER
+from gateway.keys import KV_FEEDS, KV_INDEX, LATENCY, METRICS, MONITOR, POOL, ROUTER
+from gateway.policy_config import (
+    affinity_config,
+    build_policy,
+    latency_config,
+    prediction_config,
+    weights_of,
+)
 from gateway.rollout import ROLLOUT
-from gateway.settings import AffinitySettings, Settings, WeightSettings
+from gateway.settings import AffinitySettings, LatencySettings, Settings, WeightSettings
 from policies import (
     AffinityConfig,
     Policy,
     PolicyName,
     PrecisePrefix,
+    PredictedLatency,
+    PredictionConfig,
     PrefixAffinity,
     Weights,
-    make_policy,
 )
 
 log = structlog.get_logger("gateway.reload")
@@ -45,7 +53,10 @@ class ConfigSource:
 CONFIG: web.AppKey[ConfigSource] = web.AppKey("config_source")
 
 # Settings that take effect without a restart.
-_LIVE = frozenset({"backends", "policy", "weights", "affinity", "pools", "aliases", "rollout"})
+_LIVE = frozenset(
+    {"backends", "policy", "weights", "affinity", "latency", "pools", "aliases", "rollout"}
+)
+_POLICY_FIELDS = frozenset({"policy", "weights", "affinity", "latency"})
 
 
 class PolicyChange(BaseModel):
@@ -55,10 +66,9 @@ class PolicyChange(BaseModel):
     weights: WeightSettings | None = None
     # prefix_affinity's settings; only the fields given change.
     affinity: dict[str, Any] | None = None
-
-
-def affinity_config(s: AffinitySettings) -> AffinityConfig:
-    return AffinityConfig(**s.model_dump())
+    # [latency]: predicted_latency's objective and prefix source, the fits' half-life and
+    # ridge; only the fields given change.
+    latency: dict[str, Any] | None = None
 
 
 def describe_policy(app: web.Application) -> dict[str, Any]:
@@ -68,8 +78,15 @@ def describe_policy(app: web.Application) -> dict[str, Any]:
         "policy": policy.name,
         "weights": None if w is None else {"active": w.active, "queue": w.queue, "kv": w.kv},
     }
-    if isinstance(policy, PrefixAffinity | PrecisePrefix):
+    if isinstance(policy, PrefixAffinity | PrecisePrefix | PredictedLatency):
         doc["affinity"] = asdict(policy.config)
+    if isinstance(policy, PredictedLatency):
+        cfg = app[LATENCY].config
+        doc["latency"] = {
+            **asdict(policy.prediction),
+            "half_life": cfg.half_life,
+            "ridge": cfg.ridge,
+        }
     return doc
 
 
@@ -77,7 +94,7 @@ def _affinity(
     app: web.Application, current: Policy, patch: dict[str, Any] | None
 ) -> AffinityConfig:
     """The running affinity settings (the policy's, else the configuration's), patched."""
-    if isinstance(current, PrefixAffinity | PrecisePrefix):
+    if isinstance(current, PrefixAffinity | PrecisePrefix | PredictedLatency):
         base = asdict(current.config)
     else:
         base = app[CONFIG].current.affinity.model_dump()
@@ -87,9 +104,32 @@ def _affinity(
         raise InvalidRequest(f"Invalid policy change: affinity: {_errors(exc)}") from exc
 
 
+def _latency(
+    app: web.Application, current: Policy, patch: dict[str, Any] | None
+) -> LatencySettings:
+    """The running [latency] settings (the policy's and tracker's, else the configuration's),
+    patched."""
+    base = app[CONFIG].current.latency.model_dump()
+    if isinstance(current, PredictedLatency):
+        base.update(asdict(current.prediction))
+    cfg = app[LATENCY].config
+    base.update(half_life=cfg.half_life, ridge=cfg.ridge)
+    try:
+        return LatencySettings.model_validate({**base, **(patch or {})})
+    except ValidationError as exc:
+        raise InvalidRequest(f"Invalid policy change: latency: {_errors(exc)}") from exc
+
+
+def _needs_events(name: str, prediction: PredictionConfig) -> bool:
+    return name == "precise_prefix" or (
+        name == "predicted_latency" and prediction.prefix == "precise"
+    )
+
+
 def _refuse_untracked_events() -> None:
     raise InvalidRequest(
-        "Invalid policy change: precise_prefix routes on the backends' KV events, which "
+        "Invalid policy change: precise_prefix (and predicted_latency with prefix = "
+        "precise) routes on the backends' KV events, which "
         "this gateway does not follow: set [kv_events] enabled = true and restart."
     )
 
@@ -105,19 +145,24 @@ def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
     name: PolicyName = change.policy or current.name  # type: ignore[assignment]
     if change.weights is not None:
         w = change.weights
-        weights = Weights(active=w.active, queue=w.queue, kv=w.kv)
+        weights = weights_of(w)
     else:
         weights = current.weights or Weights()
     affinity = _affinity(app, current, change.affinity)
-    if name == "precise_prefix" and app.get(KV_FEEDS) is None:
+    latency = _latency(app, current, change.latency)
+    prediction = prediction_config(latency)
+    if _needs_events(name, prediction) and app.get(KV_FEEDS) is None:
         _refuse_untracked_events()
-    app[ROUTER].policy = make_policy(
+    app[LATENCY].configure(latency_config(latency))
+    app[ROUTER].policy = build_policy(
+        app[CONFIG].current,
         name,
         weights,
-        affinity=affinity,
+        app[KV_INDEX],
+        app[LATENCY],
         previous=current,
-        kv_index=app[KV_INDEX],
-        kv_max_blocks=app[CONFIG].current.kv_events.max_blocks,
+        affinity=affinity,
+        prediction=prediction,
     )
     new = describe_policy(app)
     app[METRICS].policy_changes.inc()
@@ -144,17 +189,17 @@ def reload_settings(app: web.Application) -> ReloadResult:
     for name in type(new).model_fields:
         if getattr(old, name) != getattr(new, name):
             (result.applied if name in _LIVE else result.restart_required).append(name)
-    if new.policy == "precise_prefix" and app.get(KV_FEEDS) is None:
+    if _needs_events(new.policy, prediction_config(new.latency)) and app.get(KV_FEEDS) is None:
         _refuse_untracked_events()
-    if {"policy", "weights", "affinity"} & set(result.applied):
-        w = new.weights
-        app[ROUTER].policy = make_policy(
+    if _POLICY_FIELDS & set(result.applied):
+        app[LATENCY].configure(latency_config(new.latency))
+        app[ROUTER].policy = build_policy(
+            new.model_copy(update={"kv_events": old.kv_events}),  # max_blocks needs a restart
             new.policy,
-            Weights(active=w.active, queue=w.queue, kv=w.kv),
-            affinity=affinity_config(new.affinity),
+            weights_of(new.weights),
+            app[KV_INDEX],
+            app[LATENCY],
             previous=app[ROUTER].policy,
-            kv_index=app[KV_INDEX],
-            kv_max_blocks=old.kv_events.max_blocks,
         )
     if "backends" in result.applied:
         _apply_backends(app, new)

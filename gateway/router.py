@@ -77,16 +77,23 @@ class Router:
         model: str,
         doc: Mapping[str, Any],
         headers: Mapping[str, str],
+        *,
         choice: Choice | None = None,
         tokens: Sequence[int] | None = None,
+        objective: str | None = None,
     ) -> Route:
         """The route of a request for ``model`` (the served name; ``choice``: an alias's pool).
 
-        ``tokens``: the prompt's token ids, for a policy that asked for them (``wants_tokens``).
+        ``tokens``: the prompt's token ids, for a policy that asked for them (``wants_tokens``);
+        ``objective``: what the caller wants fastest (its key tier's), for
+        ``predicted_latency``. Every step's facts carry the prompt's size, which the latency
+        tracker learns from whatever the policy.
         """
 
         def step(name: StepName, policy: Policy, **where: Any) -> Step:
-            facts = route_facts(policy.needs, model, doc, headers, tokens)
+            facts = route_facts(
+                policy.needs, model, doc, headers, tokens, objective=objective, size=True
+            )
             return Step(name, policy, facts, **where)
 
         if choice is not None:
@@ -104,11 +111,11 @@ class Router:
 
     def pick(
         self, step: Step, exclude: Collection[str] = ()
-    ) -> tuple[Lease, list[BackendSnapshot]]:
+    ) -> tuple[Lease, list[BackendSnapshot], BackendSnapshot]:
         """Lease the step policy's choice among its candidates not in ``exclude``.
 
         Also returns the candidates it chose among (for logs, metrics, and whether another
-        backend is left to try).
+        backend is left to try) and the chosen one's snapshot (the load it was chosen under).
         """
         facts = step.facts
         candidates = self.pool.candidates(facts.model, exclude, role=step.role, only=step.only)
@@ -119,4 +126,4 @@ class Router:
                 f"No {where} can take a request for `{facts.model}` right now.",
                 retry_after=self._retry_after,
             )
-        return self.pool.acquire(choice.id), candidates
+        return self.pool.acquire(choice.id), candidates, choice

@@ -128,6 +128,32 @@ class AffinitySettings(BaseModel):
         return self
 
 
+class LatencySettings(BaseModel):
+    """Learned per-backend speed (always learned) and the ``predicted_latency`` policy."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    half_life: float = Field(
+        5.0,
+        gt=0,
+        description="seconds for an observation's weight to halve: how fast a backend that "
+        "slows down or recovers is seen",
+    )
+    ridge: float = Field(
+        2.0, gt=0, description="observations' worth of pull toward the fleet's figures"
+    )
+    objective: Literal["ttft", "e2e"] = Field(
+        "ttft",
+        description="what predicted_latency minimises: ttft (first token) or e2e (whole "
+        "answer); a key tier's objective overrides it",
+    )
+    prefix: Literal["none", "approximate", "precise"] = Field(
+        "approximate",
+        description="prefix knowledge predicted_latency uses for cached tokens: approximate "
+        "(prefix_affinity's, [affinity]), precise (KV events, [kv_events]) or none",
+    )
+
+
 class PoolSettings(BaseModel):
     """A named group of configured backends serving one model (one version of it)."""
 
@@ -380,6 +406,7 @@ class Settings(BaseSettings):
     policy: PolicyName = "least_load"
     weights: WeightSettings = Field(default_factory=WeightSettings)
     affinity: AffinitySettings = Field(default_factory=AffinitySettings)
+    latency: LatencySettings = Field(default_factory=LatencySettings)
     pools: list[PoolSettings] = Field(default_factory=list)
     aliases: dict[str, dict[str, float]] = Field(
         default_factory=dict, description="public model name -> {pool: weight}"
@@ -440,7 +467,9 @@ class Settings(BaseSettings):
     def follows_kv_events(self) -> bool:
         if self.kv_events.enabled is not None:
             return self.kv_events.enabled
-        return self.policy == "precise_prefix"
+        return self.policy == "precise_prefix" or (
+            self.policy == "predicted_latency" and self.latency.prefix == "precise"
+        )
 
     @model_validator(mode="after")
     def _pools_and_aliases(self) -> Settings:

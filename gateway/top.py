@@ -2,7 +2,8 @@
 
 It polls the admin API (``/admin/backends`` and ``/admin/metrics``) once a second and shows,
 per backend: health, circuit, in-flight, queue, KV usage, score, requests per second and time
-to first token (p50, p99) over the last interval. The arithmetic is pure (``Frame``); only
+to first token (p50, p99) over the last interval, and the TTFT and inter-token latency the
+gateway predicts for it as loaded now (its learned speed). The arithmetic is pure (``Frame``); only
 ``run`` does I/O.
 """
 
@@ -25,8 +26,9 @@ from rich.table import Table
 
 DESCRIPTION: Final = (
     "Live view of a running gateway: per backend health, circuit, in-flight requests, queue "
-    "depth, KV-cache usage, routing score, requests/s and time to first token (p50/p99), "
-    "refreshed every second. Needs the admin API (its URL and bearer token)."
+    "depth, KV-cache usage, routing score, requests/s, time to first token (p50/p99) and the "
+    "predicted TTFT and inter-token latency (learned), refreshed every second. Needs the "
+    "admin API (its URL and bearer token)."
 )
 TOKEN_ENV: Final = "LLM_GATEWAY_ADMIN_TOKEN"
 
@@ -98,6 +100,8 @@ class Row:
     rps: float | None
     ttft_p50: float | None
     ttft_p99: float | None
+    predicted_ttft: float | None = None  # seconds, learned (``policies.latency``)
+    predicted_itl: float | None = None
 
 
 def frame(backends: Mapping[str, Any], cur: MetricsSample, prev: MetricsSample | None) -> list[Row]:
@@ -124,6 +128,8 @@ def frame(backends: Mapping[str, Any], cur: MetricsSample, prev: MetricsSample |
                 rps=rps,
                 ttft_p50=p50,
                 ttft_p99=p99,
+                predicted_ttft=(b.get("latency") or {}).get("predicted_ttft_s"),
+                predicted_itl=(b.get("latency") or {}).get("predicted_itl_s"),
             )
         )
     return rows
@@ -137,7 +143,7 @@ def render(rows: list[Row], policy: str) -> Table:
     table = Table(title=f"llm-gateway backends  (policy: {policy})", expand=False)
     for col in (
         "backend", "health", "circuit", "in-flight", "queue", "KV", "score", "req/s",
-        "TTFT p50", "TTFT p99",
+        "TTFT p50", "TTFT p99", "TTFT pred", "ITL pred",
     ):  # fmt: skip
         table.add_column(col, justify="left" if col == "backend" else "right")
     colour = {"up": "green", "down": "red", "unknown": "yellow"}
@@ -156,6 +162,8 @@ def render(rows: list[Row], policy: str) -> Table:
             _fmt(r.rps, "{:.1f}"),
             _fmt(None if r.ttft_p50 is None else r.ttft_p50 * 1e3, "{:.0f} ms"),
             _fmt(None if r.ttft_p99 is None else r.ttft_p99 * 1e3, "{:.0f} ms"),
+            _fmt(None if r.predicted_ttft is None else r.predicted_ttft * 1e3, "{:.0f} ms"),
+            _fmt(None if r.predicted_itl is None else r.predicted_itl * 1e3, "{:.1f} ms"),
         )
     return table
 

@@ -33,6 +33,9 @@ GATEWAY_FAMILIES: Final = (
     "llm_gateway_disagg_prefill_seconds_count",
     "llm_gateway_disagg_decode_first_token_seconds_sum",
     "llm_gateway_disagg_decode_first_token_seconds_count",
+    # The latency tracker's TTFT predictions: sum / count is their MAPE.
+    "llm_gateway_ttft_prediction_error_sum",
+    "llm_gateway_ttft_prediction_error_count",
 )
 _GAUGES: Final = frozenset(
     {"vllm:num_requests_running", "vllm:num_requests_waiting", "sim:clock_lag_seconds"}

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from collections.abc import Callable
 from typing import Final, Literal
 
 from policies.kv_index import KvIndex
+from policies.latency import LatencyConfig, LatencyTracker, Load
 from policies.least_load import LeastLoad
 from policies.precise_prefix import PrecisePrefix
+from policies.predicted_latency import PredictedLatency, PredictionConfig
 from policies.prefix import PrefixHasher, PrefixIndex
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity
 from policies.scoring import Weights, score
@@ -16,7 +19,13 @@ from policies.simple import PowerOfTwo, RandomChoice, RoundRobin
 from policies.types import NO_NEEDS, BackendSnapshot, Needs, Outcome, Policy, Rng, RouteFacts
 
 PolicyName = Literal[
-    "least_load", "round_robin", "random", "power_of_two", "prefix_affinity", "precise_prefix"
+    "least_load",
+    "round_robin",
+    "random",
+    "power_of_two",
+    "prefix_affinity",
+    "precise_prefix",
+    "predicted_latency",
 ]
 POLICY_NAMES: Final[tuple[PolicyName, ...]] = (
     "least_load",
@@ -25,6 +34,7 @@ POLICY_NAMES: Final[tuple[PolicyName, ...]] = (
     "power_of_two",
     "prefix_affinity",
     "precise_prefix",
+    "predicted_latency",
 )
 
 
@@ -37,17 +47,41 @@ def make_policy(
     previous: Policy | None = None,
     kv_index: KvIndex | None = None,
     kv_max_blocks: int = 1024,
+    tracker: LatencyTracker | None = None,
+    prediction: PredictionConfig | None = None,
 ) -> Policy:
     """Build a policy by name; ``weights`` applies to the load-scoring ones.
 
     ``affinity`` configures ``prefix_affinity``. When ``previous`` (the policy being replaced)
     is a ``prefix_affinity`` hashing prompts the same way, the new one keeps its prefix index
     and decision counts, so tuning it live does not forget where prefixes are cached.
+    ``tracker`` (the app's learned latencies) and ``prediction`` configure
+    ``predicted_latency``, which composes with the prefix knowledge ``prediction.prefix`` names.
     """
     w = weights or Weights()
     r: Rng = rng or random.Random()
+    if isinstance(previous, PredictedLatency):
+        previous = previous.prefix  # what it learned of prefixes carries over
     if name == "least_load":
         return LeastLoad(weights=w, rng=r)
+    if name == "predicted_latency":
+        if tracker is None:
+            raise ValueError("predicted_latency needs the latency tracker")
+        pc = prediction or PredictionConfig()
+        source = None
+        if pc.prefix != "none":  # its prefix knowledge: the policy of that name, as built here
+            kind: PolicyName = "precise_prefix" if pc.prefix == "precise" else "prefix_affinity"
+            source = make_policy(
+                kind,
+                w,
+                r,
+                affinity=affinity,
+                previous=previous,
+                kv_index=kv_index,
+                kv_max_blocks=kv_max_blocks,
+            )
+        assert source is None or isinstance(source, PrefixAffinity | PrecisePrefix)
+        return PredictedLatency(tracker, w, r, affinity or AffinityConfig(), pc, source)
     if name == "prefix_affinity":
         config = affinity or AffinityConfig()
         if isinstance(previous, PrecisePrefix):
@@ -72,12 +106,13 @@ def make_policy(
             fallback=fallback,
             decisions=decisions or Counter(),
         )
-    if name == "round_robin":
-        return RoundRobin()
-    if name == "random":
-        return RandomChoice(rng=r)
-    if name == "power_of_two":
-        return PowerOfTwo(weights=w, rng=r)
+    simple: dict[str, Callable[[], Policy]] = {
+        "round_robin": RoundRobin,
+        "random": lambda: RandomChoice(rng=r),
+        "power_of_two": lambda: PowerOfTwo(weights=w, rng=r),
+    }
+    if name in simple:
+        return simple[name]()
     raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICY_NAMES)}")
 
 
@@ -87,13 +122,18 @@ __all__ = [
     "AffinityConfig",
     "BackendSnapshot",
     "KvIndex",
+    "LatencyConfig",
+    "LatencyTracker",
     "LeastLoad",
+    "Load",
     "Needs",
     "Outcome",
     "Policy",
     "PolicyName",
     "PowerOfTwo",
     "PrecisePrefix",
+    "PredictedLatency",
+    "PredictionConfig",
     "PrefixAffinity",
     "PrefixHasher",
     "PrefixIndex",

@@ -126,6 +126,24 @@ class PrecisePrefix:
             self._uncredit(backend, entry[1])
         self.approximate.on_result(facts, backend, outcome)
 
+    def held_tokens(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> dict[str, float]:
+        """Per candidate, how many of the prompt's tokens its engine should serve from cache
+        (with tentative credit); ``prefix_affinity``'s estimate when not exact (no tokens, or
+        a candidate's events not live). For ``predicted_latency``."""
+        tokens = facts.prompt_tokens
+        if tokens is None or not all(self.index.exact(c.id) for c in candidates):
+            return self.approximate.held_tokens(facts, candidates)
+        cached, _keys_of = self._cached_tokens(tokens, candidates)
+        return {b: float(n) for b, n in cached.items()}
+
+    def took(self, facts: RouteFacts, backend: str) -> None:
+        """Another policy sent the prompt to ``backend``: credit it as ``choose`` would."""
+        tokens = facts.prompt_tokens
+        if tokens is not None:
+            keys = chain_keys(tokens, self._block_size(backend), self.max_blocks)
+            self._credit_tentatively(facts, backend, keys)
+        self.approximate.remember(facts, backend)
+
     def predicted(self, tokens: list[int] | tuple[int, ...], backend: str) -> int:
         """How many of ``tokens`` ``backend``'s engine should serve from its cache now."""
         bs = self.index.block_size(backend)

@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Literal
 
+from policies.facts import CHARS_PER_TOKEN
 from policies.least_load import LeastLoad
 from policies.prefix import PrefixHasher, PrefixHeat, PrefixIndex
 from policies.scoring import Weights, score
@@ -214,6 +215,15 @@ class PrefixAffinity:
             tentative[(id(facts), backend)] = (facts, added)
             if len(tentative) > _TENTATIVE_MAX:
                 tentative.popitem(last=False)
+
+    def held_tokens(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> dict[str, float]:
+        """Per candidate, about how many of the prompt's tokens it should hold in cache: its
+        matched blocks' characters, about four to a token (for ``predicted_latency``)."""
+        if not facts.prefix_hashes:
+            return dict.fromkeys((s.id for s in candidates), 0.0)
+        held = self.index.match(facts.prefix_hashes, [s.id for s in candidates])
+        per_block = self.config.block_chars / CHARS_PER_TOKEN
+        return {b: n * per_block for b, n in held.items()}
 
     def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
         """Settle the tentative record of this attempt: withdraw it, or confirm it."""

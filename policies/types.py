@@ -60,6 +60,7 @@ class Needs:
     prefix_key: bool = False  # also the prompt's replica-stable key (needs ``prefix``)
     session_header: str | None = None  # the value of this request header
     tokens: bool = False  # the prompt's token ids, as the model's tokenizer gives them
+    size: bool = False  # the prompt's size in characters and the answer's token budget
 
 
 NO_NEEDS = Needs()
@@ -76,6 +77,12 @@ class RouteFacts:
     # The prompt's token ids (``Needs.tokens``); None when the model has no tokenizer or the
     # request cannot be tokenized faithfully (several prompts, images, ...).
     prompt_tokens: tuple[int, ...] | None = None
+    # ``Needs.size``: the prompt's characters (its text, or four per token id) and the
+    # answer's budget (``max_tokens`` / ``max_completion_tokens``; None when not given).
+    prompt_chars: int = 0
+    max_tokens: int | None = None
+    # What the request's caller wants fastest: "ttft" or "e2e" (None: the policy's own).
+    objective: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +121,10 @@ class Policy(Protocol):
     ) -> BackendSnapshot | None: ...
 
     def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None: ...
+
+    # Optional: ``cached_tokens(facts, backend) -> float``, how many of the prompt's tokens
+    # the policy believed ``backend`` holds when it chose it (asked right after ``choose``);
+    # the latency tracker learns TTFT against the tokens not cached. Without it: none.
 
 
 class Rng(Protocol):

@@ -35,6 +35,7 @@ class Principal:
     limits: Limits
     max_priority: int
     authenticated: bool
+    objective: str | None = None  # what predicted_latency minimises for it (its tier's)
 
 
 def _limits(t: TierSettings) -> Limits:
@@ -73,6 +74,7 @@ class Authenticator:
                     limits=_limits(tier),
                     max_priority=tier.max_priority,
                     authenticated=True,
+                    objective=tier.objective,
                 ),
             )
         anon = settings.tiers[settings.anonymous_tier]
@@ -82,6 +84,7 @@ class Authenticator:
             limits=_limits(anon),
             max_priority=anon.max_priority,
             authenticated=False,
+            objective=anon.objective,
         )
 
     def lookup(self, key: str) -> Principal | None:

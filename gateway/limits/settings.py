@@ -27,6 +27,11 @@ class TierSettings(BaseModel):
     max_priority: int = Field(
         0, description="highest admission priority this tier may ask for with the header"
     )
+    objective: Literal["ttft", "e2e"] | None = Field(
+        None,
+        description="what predicted_latency minimises for this tier's requests: ttft "
+        "(interactive) or e2e (batch); None: the policy's [latency] objective",
+    )
 
 
 class KeySettings(BaseModel):

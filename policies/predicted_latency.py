@@ -1,0 +1,136 @@
+"""``predicted_latency``: the backend predicted to answer soonest, from its learned speed.
+
+``least_load`` counts requests; on a fleet that is not uniform (two GPU generations, a backend
+slowed by a noisy neighbour, long and short prompts mixed) equal counts are unequal waits. This
+policy asks the ``LatencyTracker`` (``policies.latency``: per-backend fits learned from the
+gateway's own observations) how long each candidate would take. Each decision, in order:
+
+1. **Balance guard**, ``prefix_affinity``'s: a candidate far above the least loaded is not
+   chosen, so a fit that is wrong (a cold start, a sudden change) cannot pile a burst onto one
+   backend.
+2. **Each candidate's load now**: the prompt's tokens it is not expected to hold in cache (from
+   the prefix knowledge the policy is composed with: ``prefix = "approximate"``, what this
+   gateway sent where; ``"precise"``, the engines' KV events; ``"none"``), the requests queued
+   in its engine (scraped, plus what was sent since) and the sequences running there.
+3. **The objective**, the request's own (its key's tier) or the policy's: ``ttft``, the first
+   token soonest (interactive traffic); ``e2e``, the whole answer soonest (TTFT + ITL x the
+   answer's tokens: its ``max_tokens``, else the mean answer seen lately).
+4. **The lowest prediction** wins; exact ties at random.
+
+The choice is recorded with the prefix knowledge (tentatively, as its own policy would), so a
+burst of one new prefix is seen as cached where the first of it went.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+from policies.latency import LatencyTracker, Prediction, load_of, prompt_size
+from policies.precise_prefix import PrecisePrefix
+from policies.prefix_affinity import AffinityConfig, PrefixAffinity, not_overloaded
+from policies.scoring import Weights
+from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
+
+Objective = Literal["ttft", "e2e"]
+PrefixSource = Literal["none", "approximate", "precise"]
+OBJECTIVES: Final[tuple[Objective, ...]] = ("ttft", "e2e")
+PREFIX_SOURCES: Final[tuple[PrefixSource, ...]] = ("none", "approximate", "precise")
+
+
+@dataclass(frozen=True, slots=True)
+class PredictionConfig:
+    """What ``predicted_latency`` minimises and whose prefix knowledge it uses (live)."""
+
+    objective: Objective = "ttft"
+    prefix: PrefixSource = "approximate"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}")
+        if self.prefix not in PREFIX_SOURCES:
+            raise ValueError(f"prefix must be one of {', '.join(PREFIX_SOURCES)}")
+
+
+@dataclass(slots=True)
+class PredictedLatency:
+    tracker: LatencyTracker
+    weights: Weights = field(default_factory=Weights)
+    rng: Rng = field(default_factory=random.Random)
+    config: AffinityConfig = field(default_factory=AffinityConfig)  # guard, hashing
+    prediction: PredictionConfig = field(default_factory=PredictionConfig)
+    prefix: PrefixAffinity | PrecisePrefix | None = None  # None: prompts are never cached
+    decisions: Counter[str] = field(default_factory=Counter)
+    name: str = "predicted_latency"
+    _needs: Needs = field(init=False, repr=False)
+    # The last decision's cached tokens per candidate, for ``cached_tokens`` (asked right
+    # after ``choose``, with nothing in between).
+    _last: tuple[int, dict[str, float]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        base = self.prefix.needs if self.prefix is not None else Needs()
+        self._needs = Needs(
+            prefix=base.prefix,
+            prefix_key=base.prefix_key,
+            session_header=None,
+            tokens=base.tokens,
+            size=True,
+        )
+        self._last = (0, {})
+
+    @property
+    def needs(self) -> Needs:
+        return self._needs
+
+    def choose(
+        self, facts: RouteFacts, candidates: list[BackendSnapshot]
+    ) -> BackendSnapshot | None:
+        if not candidates:
+            return None
+        eligible = not_overloaded(self.config, self.weights, candidates)
+        held = self._held(facts, candidates)
+        objective = facts.objective if facts.objective in OBJECTIVES else self.prediction.objective
+        size = prompt_size(facts)
+        answer = float(facts.max_tokens or self.tracker.mean_tokens)
+        best: list[BackendSnapshot] = []
+        best_t = float("inf")
+        for snap in eligible:
+            p = self.tracker.predict(snap.id, load_of(snap, size, held.get(snap.id, 0.0)))
+            t = p.ttft if objective == "ttft" else p.e2e(answer)
+            if t < best_t:
+                best_t, best = t, [snap]
+            elif t == best_t:
+                best.append(snap)
+        choice = best[self.rng.randrange(len(best))] if len(best) > 1 else best[0]
+        self.decisions[objective] += 1
+        if len(eligible) < len(candidates):
+            self.decisions["guarded"] += 1
+        self._took(facts, choice.id)
+        return choice
+
+    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
+        if self.prefix is not None:
+            self.prefix.on_result(facts, backend, outcome)
+
+    def cached_tokens(self, facts: RouteFacts, backend: str) -> float:
+        """The prompt tokens ``backend`` was expected to hold when this policy chose."""
+        fid, held = self._last
+        return held.get(backend, 0.0) if fid == id(facts) else 0.0
+
+    def predict(self, facts: RouteFacts, snap: BackendSnapshot) -> Prediction:
+        """What the tracker predicts for this request on ``snap``'s backend now."""
+        held = self._held(facts, [snap]).get(snap.id, 0.0)
+        return self.tracker.predict(snap.id, load_of(snap, prompt_size(facts), held))
+
+    def _held(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> dict[str, float]:
+        held = {} if self.prefix is None else self.prefix.held_tokens(facts, candidates)
+        self._last = (id(facts), held)
+        return held
+
+    def _took(self, facts: RouteFacts, backend: str) -> None:
+        if isinstance(self.prefix, PrecisePrefix):
+            self.prefix.took(facts, backend)
+        elif self.prefix is not None:
+            self.prefix.remember(facts, backend)

@@ -1,0 +1,217 @@
+"""predicted_latency's decisions on hand-built snapshots and a tracker taught by hand."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies import (
+    AffinityConfig,
+    BackendSnapshot,
+    LatencyTracker,
+    Outcome,
+    PredictedLatency,
+    PredictionConfig,
+    PrefixAffinity,
+    RouteFacts,
+    make_policy,
+)
+from policies.latency import Load
+from policies.prefix import PrefixHasher
+
+HASHER = PrefixHasher(block_chars=64, max_blocks=128)
+
+
+class Clock:
+    t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def teach(
+    t: LatencyTracker,
+    backend: str,
+    *,
+    base: float,
+    per_queued: float = 0.0,
+    per_ktok: float = 0.0,
+    itl: float = 0.01,
+    n: int = 200,
+) -> None:
+    """``backend`` answers in ``base`` + ``per_queued`` x queue + ``per_ktok`` x uncached/1000,
+    then ``itl`` a token."""
+    rng = random.Random(backend)
+    for _ in range(n):
+        load = Load(rng.uniform(0, 4000), rng.randrange(0, 8), rng.randrange(0, 8))
+        ttft = base + per_queued * load.queued + per_ktok * load.uncached / 1000
+        outcome = Outcome(
+            ok=True, status=200, first_token_s=ttft, tokens=101, duration_s=ttft + 100 * itl
+        )
+        t.observe(backend, load, outcome)
+
+
+def snap(id_: str, in_flight: int = 0, queue: int | None = 0, running: int = 0) -> BackendSnapshot:
+    return BackendSnapshot(id_, in_flight=in_flight, queue_depth=queue, running=running)
+
+
+def facts(chars: int = 400, max_tokens: int | None = None, **kw: object) -> RouteFacts:
+    return RouteFacts("m", prompt_chars=chars, max_tokens=max_tokens, **kw)  # type: ignore[arg-type]
+
+
+def policy(
+    tracker: LatencyTracker, *, prefix: str = "none", objective: str = "ttft", **affinity: float
+) -> PredictedLatency:
+    p = make_policy(
+        "predicted_latency",
+        rng=random.Random(0),
+        affinity=AffinityConfig(**affinity),  # type: ignore[arg-type]
+        tracker=tracker,
+        prediction=PredictionConfig(objective=objective, prefix=prefix),  # type: ignore[arg-type]
+    )
+    assert isinstance(p, PredictedLatency)
+    return p
+
+
+@pytest.fixture
+def mixed() -> LatencyTracker:
+    """Two backends: ``fast`` (50 ms + 100 ms per queued request) and ``slow`` three times
+    slower on both."""
+    t = LatencyTracker(clock=Clock())
+    teach(t, "fast", base=0.05, per_queued=0.1)
+    teach(t, "slow", base=0.15, per_queued=0.3)
+    return t
+
+
+def test_of_equally_loaded_backends_the_faster_is_chosen(mixed: LatencyTracker) -> None:
+    p = policy(mixed)
+    for _ in range(20):
+        choice = p.choose(facts(), [snap("slow", queue=1), snap("fast", queue=1)])
+        assert choice is not None
+        assert choice.id == "fast"
+
+
+def test_the_slow_backend_gets_the_request_once_the_fast_one_is_queued_enough(
+    mixed: LatencyTracker,
+) -> None:
+    p = policy(mixed, balance_abs=100)
+    # fast: 0.05 + 0.1 x 3 = 0.35 s; slow: 0.15 + 0.3 x 0 = 0.15 s
+    choice = p.choose(facts(), [snap("fast", queue=3), snap("slow", queue=0)])
+    assert choice is not None
+    assert choice.id == "slow"
+    # fast: 0.05 + 0.1 = 0.15 s against slow's 0.15 + 0.3 = 0.45 s
+    choice = p.choose(facts(), [snap("fast", queue=1), snap("slow", queue=1)])
+    assert choice is not None
+    assert choice.id == "fast"
+
+
+def test_an_overloaded_backend_is_never_chosen_however_fast_it_is_predicted(
+    mixed: LatencyTracker,
+) -> None:
+    p = policy(mixed, balance_abs=4, balance_rel=1.5)
+    choice = p.choose(facts(), [snap("fast", in_flight=20), snap("slow", in_flight=2)])
+    assert choice is not None
+    assert choice.id == "slow"
+    assert p.decisions["guarded"] == 1
+
+
+def test_e2e_weighs_the_answer_ttft_only_the_first_token() -> None:
+    t = LatencyTracker(clock=Clock())
+    teach(t, "quick_start", base=0.05, itl=0.05)  # first token soon, then slow
+    teach(t, "quick_stream", base=0.4, itl=0.01)  # first token late, then fast
+    cands = [snap("quick_start"), snap("quick_stream")]
+    ttft = policy(t, objective="ttft").choose(facts(max_tokens=200), cands)
+    e2e = policy(t, objective="e2e").choose(facts(max_tokens=200), cands)
+    assert ttft is not None
+    assert ttft.id == "quick_start"
+    assert e2e is not None
+    assert e2e.id == "quick_stream"
+    # A short answer is over sooner where it starts sooner.
+    short = policy(t, objective="e2e").choose(facts(max_tokens=2), cands)
+    assert short is not None
+    assert short.id == "quick_start"
+
+
+def test_the_requests_own_objective_overrides_the_policys() -> None:
+    t = LatencyTracker(clock=Clock())
+    teach(t, "quick_start", base=0.05, itl=0.05)
+    teach(t, "quick_stream", base=0.4, itl=0.01)
+    cands = [snap("quick_start"), snap("quick_stream")]
+    p = policy(t, objective="ttft")
+    batch = p.choose(facts(max_tokens=200, objective="e2e"), cands)
+    assert batch is not None
+    assert batch.id == "quick_stream"
+    assert p.decisions["e2e"] == 1
+
+
+def test_a_backend_holding_the_prompts_prefix_is_predicted_faster_where_prefill_costs() -> None:
+    t = LatencyTracker(clock=Clock())
+    teach(t, "a", base=0.05, per_ktok=0.5)
+    teach(t, "b", base=0.05, per_ktok=0.5)
+    p = policy(t, prefix="approximate", balance_abs=100)
+    text = "x" * 64 * 64  # 4,096 characters: 64 blocks, about 1,000 tokens
+    hashes, _ = HASHER.facts("m", {"prompt": text})
+    f = facts(chars=len(text), prefix_hashes=hashes)
+    first = p.choose(f, [snap("a"), snap("b", queue=0)])
+    assert first is not None
+    p.on_result(f, first.id, Outcome(ok=True, status=200))
+    other = "b" if first.id == "a" else "a"
+    # The same prompt again: the backend that has it is chosen even a little more loaded.
+    again = facts(chars=len(text), prefix_hashes=hashes)
+    choice = p.choose(again, [snap(first.id, running=2), snap(other, running=0)])
+    assert choice is not None
+    assert choice.id == first.id
+    assert p.cached_tokens(again, first.id) == pytest.approx(1024)
+    assert p.cached_tokens(again, other) == 0
+    assert p.cached_tokens(facts(), first.id) == 0  # another request's facts: unknown
+
+
+def test_without_prefix_knowledge_the_policy_asks_only_for_the_prompts_size() -> None:
+    t = LatencyTracker(clock=Clock())
+    none = policy(t)
+    assert none.needs.size
+    assert none.needs.prefix is None
+    assert not none.needs.tokens
+    approx = policy(t, prefix="approximate")
+    assert approx.needs.size
+    assert approx.needs.prefix == AffinityConfig().hasher
+
+
+def test_switching_to_it_and_back_keeps_what_prefix_affinity_learned() -> None:
+    t = LatencyTracker(clock=Clock())
+    pa = make_policy("prefix_affinity")
+    assert isinstance(pa, PrefixAffinity)
+    pa.index.record("a", (1, 2, 3))
+    pl = make_policy(
+        "predicted_latency",
+        previous=pa,
+        tracker=t,
+        prediction=PredictionConfig(prefix="approximate"),
+    )
+    assert isinstance(pl, PredictedLatency)
+    assert isinstance(pl.prefix, PrefixAffinity)
+    assert pl.prefix.index is pa.index
+    back = make_policy("prefix_affinity", previous=pl)
+    assert isinstance(back, PrefixAffinity)
+    assert back.index is pa.index
+
+
+def test_ties_are_broken_at_random_not_by_order() -> None:
+    t = LatencyTracker(clock=Clock())
+    p = policy(t)
+    chosen = {p.choose(facts(), [snap("a"), snap("b"), snap("c")]).id for _ in range(60)}  # type: ignore[union-attr]
+    assert chosen == {"a", "b", "c"}
+
+
+def test_nothing_to_choose_from_is_no_choice() -> None:
+    assert policy(LatencyTracker(clock=Clock())).choose(facts(), []) is None
+
+
+def test_it_needs_the_tracker_and_a_known_objective() -> None:
+    with pytest.raises(ValueError, match="tracker"):
+        make_policy("predicted_latency")
+    with pytest.raises(ValueError, match="objective"):
+        PredictionConfig(objective="fastest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="prefix"):
+        PredictionConfig(prefix="psychic")  # type: ignore[arg-type]

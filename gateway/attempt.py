@@ -41,7 +41,7 @@ from gateway.rollout import Choice
 from gateway.router import Step
 from gateway.tracing import attempt_span, end_attempt, inject
 from policies import BackendSnapshot, LatencyTracker, Outcome
-from policies.latency import Load, Prediction, load_of, prompt_size
+from policies.latency import Load, Pending, Prediction, load_of, prompt_size
 
 T = TypeVar("T")
 log = structlog.get_logger("gateway.request")
@@ -142,6 +142,7 @@ class Try:
     tally: Tally = field(default_factory=Tally)
     span: Span | None = None
     stream_error: UpstreamError | None = None  # what cut a stream after it began
+    expected: Expected | None = None  # what the latency tracker expects of it
 
 
 # An attempt: returns what its step produces, or raises ``UpstreamError`` if it failed before
@@ -149,17 +150,24 @@ class Try:
 Attempt = Callable[[Try], Awaitable[T]]
 
 
-def expected(
-    tracker: LatencyTracker, step: Step, chosen: BackendSnapshot
-) -> tuple[Load, Prediction]:
-    """The load ``chosen`` was picked under (its cached tokens as the policy believed, if it
-    says) and the latency the tracker predicted then: what the attempt's outcome is learned
-    and judged against."""
+@dataclass(frozen=True, slots=True)
+class Expected:
+    """What an attempt's outcome is learned and judged against: the load its backend was
+    picked under (its cached tokens as the policy believed, if it says), the latency the
+    tracker predicted then, and its prompt's place ahead of newcomers until its first token."""
+
+    load: Load
+    predicted: Prediction
+    pending: Pending
+
+
+def expected(tracker: LatencyTracker, step: Step, chosen: BackendSnapshot) -> Expected:
     facts = step.facts
     held = getattr(step.policy, "cached_tokens", None)
     cached = held(facts, chosen.id) if held is not None else 0.0
-    load = load_of(chosen, prompt_size(facts), cached)
-    return load, tracker.predict(chosen.id, load)
+    load = load_of(chosen, prompt_size(facts), cached, tracker.ahead(chosen.id))
+    predicted = tracker.predict(chosen.id, load)
+    return Expected(load, predicted, tracker.begin(chosen.id, load.uncached))
 
 
 def cancel_reason(app: web.Application) -> str:
@@ -201,13 +209,7 @@ async def open_upstream(t: Try, body: bytes) -> Upstream:
     return upstream
 
 
-def _settle(
-    t: Try,
-    error: BaseException | None,
-    tracker: LatencyTracker,
-    load: Load,
-    predicted: Prediction,
-) -> None:
+def _settle(t: Try, error: BaseException | None, tracker: LatencyTracker) -> None:
     """An attempt is over: its outcome judged (the circuit), the lease released, the policy
     and the latency tracker told, its span ended."""
     if error is not None:
@@ -217,7 +219,9 @@ def _settle(
     t.tally.judge(lease, outcome)
     lease.release()
     t.step.policy.on_result(t.step.facts, backend, outcome)
-    tracker.observe(backend, load, outcome, predicted)
+    if t.expected is not None:
+        t.expected.pending.done()
+        tracker.observe(backend, t.expected.load, outcome, t.expected.predicted)
     cancelled = isinstance(error, asyncio.CancelledError)
     end_attempt(t.span, t.tally.status, None if cancelled else error or t.stream_error)
 
@@ -261,8 +265,7 @@ async def attempts(
         n = len(tried) - len(exclude)
         elapsed = time.monotonic() - since
         may_retry = len(candidates) > 1 and retry.allows(n, elapsed)
-        t = Try(call, step, lease, n, may_retry, parent)
-        load, predicted = expected(tracker, step, chosen)
+        t = Try(call, step, lease, n, may_retry, parent, expected=expected(tracker, step, chosen))
         error: BaseException | None = None
         try:
             return await attempt(t)
@@ -272,7 +275,7 @@ async def attempts(
             error = exc
             raise
         finally:
-            _settle(t, error, tracker, load, predicted)
+            _settle(t, error, tracker)
         reason = type(last).__name__
         if step.role is not None:
             metrics.disagg_failures.labels(step.name, backend, reason).inc()

@@ -50,7 +50,8 @@ class LatencyCollector(Collector):
         fit = GaugeMetricFamily(
             "llm_gateway_latency_fit",
             "The learned fits' coefficients: ttft = base + per_ktok x uncached prompt tokens / "
-            "1000 + per_queued x engine queue + per_running x running; itl = base + "
+            "1000 + per_queued x engine queue + per_running x running + per_ktok_ahead x "
+            "prompt tokens sent it awaiting their first token / 1000; itl = base + "
             "per_running x running (seconds).",
             labels=["backend", "fit", "term"],
         )

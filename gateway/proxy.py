@@ -315,7 +315,10 @@ async def _relay(t: Try, upstream: Upstream) -> tuple[web.StreamResponse, bool]:
         tally.tokens = record.usage.completion_tokens if record.usage else None
         return whole, True
     usage = UsageFilter(strip=call.strip_usage)
-    result = RelayResult(ending=Ending.UPSTREAM_ERROR)
+    result = RelayResult(
+        ending=Ending.UPSTREAM_ERROR,
+        on_first=t.expected.pending.done if t.expected is not None else None,
+    )
     keep = None
     if call.resumable is not None:
         keep = Keep(call.chat, app[SETTINGS].continuation.compact_bytes)

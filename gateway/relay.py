@@ -49,6 +49,7 @@ class RelayResult:
     first_token_at: float | None = None
     error: UpstreamError | None = None
     events: int = 0  # SSE "data:" events relayed
+    on_first: Callable[[], None] | None = None  # called once, at the first token
 
 
 class StreamBroken(Exception):
@@ -153,6 +154,8 @@ class Chunks:
         result.events += events
         if not self._first_token.seen and self._first_token.feed(data):
             result.first_token_at = self._now()
+            if result.on_first is not None:
+                result.on_first()
         if self.keep is not None:
             data = self.keep.take(data, events)
         out = self._usage.feed(data)  # the same bytes, less a usage chunk the client didn't want

@@ -5,21 +5,28 @@ was chosen (``Load``: prompt tokens it was not expected to hold in cache, reques
 its engine, sequences running there):
 
 - **TTFT** (seconds from sending to the first token) is fitted per backend as
-  ``base + per_ktok x uncached/1000 + per_queued x queued + per_running x running``;
+  ``base + per_ktok x uncached/1000 + per_queued x queued + per_running x running +
+  per_ktok_ahead x ahead/1000``, where ``ahead`` is the prompt tokens this gateway sent the
+  backend that have not produced their first token yet (``Pending``);
 - **ITL** (seconds per token after the first) as ``base + per_running x running``.
 
-Each fit is weighted least squares over all its observations, each weighing
-``0.5 ** (age / half_life)``, so a backend that slows down or recovers is seen within a few
-half-lives, and shrunk (ridge) toward the *fleet's* fit: a backend with few recent
-observations (a new one, or one that got no traffic for a while) is predicted like the fleet,
-so it is tried again and its own figures take over as they come. Slopes are kept
-non-negative: more load never predicts a faster answer.
+Each fit is weighted least squares over its observations, each weighing
+``0.5 ** (age / half-life)``, shrunk (ridge) toward the fit behind it. A backend has two: a
+*recent* fit (``half_life``, 5 s), so a backend that slows down or recovers is seen within a
+few seconds, shrunk toward its *long memory* (``memory``, 60 s), which keeps what is rarely
+seen (how long prompts cost, say) after the recent window has forgotten it, itself shrunk
+toward the *fleet's* fit (every backend's observations): where a fit has little data of its
+own (a new backend, a term its traffic does not vary, a backend left without traffic) it
+predicts like the fit behind it, so a backend left alone is tried again and its own figures
+take over as they come. Slopes are kept non-negative: more load never predicts a faster
+answer.
 
-Solving is a 4x4 linear system, done when a backend's fit has changed and its last solution
-is older than ``resolve_s``; a prediction is a dot product. Each backend also keeps the error
-of the predictions made when it was chosen (absolute error over observed TTFT: its mean is the
-MAPE), before the observation is learned. Backends are bounded by ``max_backends`` (the
-oldest-seen forgotten first). Pure: the clock is passed in, nothing does I/O.
+Solving is a 4x4 linear system per fit, done when a backend's fits have changed and their
+last solution is older than ``resolve_s``; a prediction is a dot product. Each backend also
+keeps the error of the predictions made when it was chosen (absolute error over observed TTFT:
+its mean is the MAPE), before the observation is learned. Backends are bounded by
+``max_backends`` (the oldest-seen forgotten first). Pure: the clock is passed in, nothing does
+I/O.
 """
 
 from __future__ import annotations
@@ -34,12 +41,13 @@ from typing import Final
 from policies.facts import CHARS_PER_TOKEN
 from policies.types import BackendSnapshot, Outcome, RouteFacts
 
-TTFT_TERMS: Final = ("base", "per_ktok", "per_queued", "per_running")
+TTFT_TERMS: Final = ("base", "per_ktok", "per_queued", "per_running", "per_ktok_ahead")
 ITL_TERMS: Final = ("base", "per_running")
 # Before anything is observed: a fast engine (50 ms to a first token, 20 ms a token).
-TTFT_PRIOR: Final = (0.05, 0.05, 0.05, 0.005)
+TTFT_PRIOR: Final = (0.05, 0.05, 0.05, 0.005, 0.05)
 ITL_PRIOR: Final = (0.02, 0.001)
 _FLOOR: Final = 1e-4  # no prediction is below 0.1 ms
+_MIN_SCALE: Final = 1e-6  # the least mean square a term's pull toward the prior assumes
 DEFAULT_ANSWER_TOKENS: Final = 256.0
 _TOKENS_ALPHA: Final = 0.02  # the mean answer length follows about the last 50 answers
 
@@ -51,24 +59,30 @@ class Load:
     uncached: float = 0.0  # prompt tokens it was not expected to hold in cache
     queued: float = 0.0  # requests ahead in its engine's queue
     running: float = 0.0  # sequences running in its engine
+    # Prompt tokens this gateway sent it that have not produced their first token yet: the
+    # prefill work ahead of this one (a long prompt being prefilled delays every newcomer).
+    ahead: float = 0.0
 
     def ttft_x(self) -> tuple[float, ...]:
-        return (1.0, self.uncached / 1000.0, self.queued, self.running)
+        return (1.0, self.uncached / 1000.0, self.queued, self.running, self.ahead / 1000.0)
 
     def itl_x(self) -> tuple[float, ...]:
         return (1.0, self.running)
 
 
-def load_of(snap: BackendSnapshot, prompt_tokens: float, cached: float = 0.0) -> Load:
+def load_of(
+    snap: BackendSnapshot, prompt_tokens: float, cached: float = 0.0, ahead: float = 0.0
+) -> Load:
     """A backend's ``Load`` from its snapshot: the engine's scraped queue plus what the gateway
-    sent since that scrape; its scraped running count, else the gateway's own in-flight."""
+    sent since that scrape; its scraped running count, else the gateway's own in-flight;
+    ``ahead``: ``LatencyTracker.ahead``."""
     if snap.queue_depth is None:
         queued = 0.0
         running = float(snap.in_flight)
     else:
         queued = float(snap.queue_depth + snap.sent_since_scrape)
         running = float(snap.running if snap.running is not None else snap.in_flight)
-    return Load(max(0.0, prompt_tokens - cached), queued, running)
+    return Load(max(0.0, prompt_tokens - cached), queued, running, ahead)
 
 
 def dot(coef: Sequence[float], x: Sequence[float]) -> float:
@@ -112,11 +126,21 @@ class DecayingFit:
         self.n += 1
 
     def solve(self, prior: Sequence[float], ridge: float) -> tuple[float, ...]:
-        """The coefficients minimising the weighted squared error plus ``ridge`` x the squared
-        distance to ``prior``; slopes (all but the first) clamped at zero."""
+        """The coefficients minimising the weighted squared error plus the squared distance
+        to ``prior`` of ``ridge`` pseudo-observations; slopes (all but the first) clamped at
+        zero.
+
+        A pseudo-observation has each term at its typical size in the data (its mean square),
+        so the pull toward the prior does not depend on the units of a term: a term with
+        large values (sequences running) is not learned from a handful of old observations
+        any more than one with small values is. A term the data never varies keeps the
+        prior's coefficient.
+        """
         d = len(prior)
-        a = [[self.xtx[i][j] + (ridge if i == j else 0.0) for j in range(d)] for i in range(d)]
-        b = [self.xty[i] + ridge * prior[i] for i in range(d)]
+        w = self.weight
+        pull = [ridge * max(self.xtx[i][i] / w if w > 1e-12 else 1.0, _MIN_SCALE) for i in range(d)]
+        a = [[self.xtx[i][j] + (pull[i] if i == j else 0.0) for j in range(d)] for i in range(d)]
+        b = [self.xty[i] + pull[i] * prior[i] for i in range(d)]
         coef = _solve(a, b)
         if coef is None:
             return tuple(prior)
@@ -152,14 +176,17 @@ def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
 
 @dataclass(frozen=True, slots=True)
 class LatencyConfig:
-    half_life: float = 5.0  # seconds for an observation's weight to halve
-    ridge: float = 2.0  # pseudo-observations pulling a backend's fit toward the fleet's
+    half_life: float = 5.0  # seconds for a recent observation's weight to halve
+    memory: float = 60.0  # the same, for the long-memory fit (what is rarely seen)
+    ridge: float = 2.0  # pseudo-observations pulling a fit toward the one behind it
     resolve_s: float = 0.25  # a changed fit is solved again at most this often
     max_backends: int = 4096
 
     def __post_init__(self) -> None:
         if not (self.half_life > 0 and self.ridge > 0 and self.resolve_s >= 0):
             raise ValueError("half_life and ridge must be positive, resolve_s not negative")
+        if not self.memory >= self.half_life:
+            raise ValueError("memory must be at least half_life")
         if self.max_backends < 1:
             raise ValueError("max_backends must be at least 1")
 
@@ -175,13 +202,33 @@ class Prediction:
 
 
 @dataclass(slots=True)
-class _Model:
-    """One fit (a backend's, or the fleet's) and its cached solution."""
+class _Fits:
+    """A TTFT fit and an ITL fit over the same observations, and their last solution."""
 
     ttft: DecayingFit = field(default_factory=lambda: DecayingFit(len(TTFT_TERMS)))
     itl: DecayingFit = field(default_factory=lambda: DecayingFit(len(ITL_TERMS)))
     ttft_coef: tuple[float, ...] = TTFT_PRIOR
     itl_coef: tuple[float, ...] = ITL_PRIOR
+
+    def add(self, load: Load, ttft: float, itl: float | None, now: float, half_life: float) -> None:
+        self.ttft.add(load.ttft_x(), ttft, now, half_life)
+        if itl is not None:
+            self.itl.add(load.itl_x(), itl, now, half_life)
+
+    def solve(self, prior: _Fits | None, ridge: float, now: float, half_life: float) -> None:
+        self.ttft.decay(now, half_life)
+        self.itl.decay(now, half_life)
+        self.ttft_coef = self.ttft.solve(prior.ttft_coef if prior else TTFT_PRIOR, ridge)
+        self.itl_coef = self.itl.solve(prior.itl_coef if prior else ITL_PRIOR, ridge)
+
+
+@dataclass(slots=True)
+class _Model:
+    """A backend's fits: ``recent`` (``half_life``) shrunk toward ``memory`` (``memory``),
+    itself shrunk toward the fleet's; and what its predictions' errors were."""
+
+    recent: _Fits = field(default_factory=_Fits)
+    memory: _Fits = field(default_factory=_Fits)
     solved_at: float = -math.inf
     dirty: bool = True  # observed (or the fleet moved) since the last solve
     # Prediction error of TTFT, for predictions made when the backend was chosen.
@@ -211,6 +258,24 @@ class BackendLatency:
         return self.ape_sum / self.ape_n if self.ape_n else None
 
 
+class Pending:
+    """One attempt's prompt, ahead of newcomers on its backend until its first token."""
+
+    __slots__ = ("_open", "_tracker", "backend", "tokens")
+
+    def __init__(self, tracker: LatencyTracker, backend: str, tokens: float) -> None:
+        self._tracker = tracker
+        self.backend = backend
+        self.tokens = tokens
+        self._open = True
+
+    def done(self) -> None:
+        """Its first token came (or the attempt ended): idempotent."""
+        if self._open:
+            self._open = False
+            self._tracker._settle(self.backend, self.tokens)
+
+
 IDLE_PROMPT: Final = 256.0  # the prompt size of the "TTFT now" figure shown per backend
 
 
@@ -222,15 +287,19 @@ class LatencyTracker:
     ) -> None:
         self.config = config or LatencyConfig()
         self.clock = clock or time.monotonic
-        self.fleet = _Model()
+        self.fleet = _Fits()  # every backend's observations, with the long memory
+        self._fleet_solved_at = -math.inf
+        self._fleet_dirty = True
         self._models: OrderedDict[str, _Model] = OrderedDict()
+        self._pending: dict[str, float] = {}  # backend -> prompt tokens awaiting a first token
         # The mean answer length lately (tokens), for answers that give no max_tokens.
         self.mean_tokens = DEFAULT_ANSWER_TOKENS
 
     def configure(self, config: LatencyConfig) -> None:
-        """New half-life and ridge (live); what was learned is kept."""
+        """New half-lives and ridge (live); what was learned is kept."""
         self.config = config
-        for m in (self.fleet, *self._models.values()):
+        self._fleet_dirty = True
+        for m in self._models.values():
             m.dirty = True
         while len(self._models) > config.max_backends:
             self._models.popitem(last=False)
@@ -238,42 +307,55 @@ class LatencyTracker:
     def backends(self) -> list[str]:
         return list(self._models)
 
+    def ahead(self, backend: str) -> float:
+        """Prompt tokens sent to ``backend`` that await their first token (``begin``)."""
+        return self._pending.get(backend, 0.0)
+
+    def begin(self, backend: str, tokens: float) -> Pending:
+        """``tokens`` prompt tokens are sent to ``backend``: they are ahead of any newcomer
+        until ``Pending.done`` (its first token, or the attempt's end)."""
+        self._pending[backend] = self._pending.get(backend, 0.0) + tokens
+        return Pending(self, backend, tokens)
+
+    def _settle(self, backend: str, tokens: float) -> None:
+        left = self._pending.get(backend, 0.0) - tokens
+        if left > 0.5:
+            self._pending[backend] = left
+        else:
+            self._pending.pop(backend, None)
+
     def forget(self, backend: str) -> None:
         self._models.pop(backend, None)
 
     # -- predictions ------------------------------------------------------------------------
 
     def predict(self, backend: str, load: Load) -> Prediction:
-        m = self._coefs(backend)
+        f = self._coefs(backend)
         return Prediction(
-            max(_FLOOR, dot(m.ttft_coef, load.ttft_x())), max(_FLOOR, dot(m.itl_coef, load.itl_x()))
+            max(_FLOOR, dot(f.ttft_coef, load.ttft_x())), max(_FLOOR, dot(f.itl_coef, load.itl_x()))
         )
 
-    def _coefs(self, backend: str) -> _Model:
+    def _due(self, solved_at: float, dirty: bool, now: float) -> bool:
+        # Data grows old even without new observations: solve now and then anyway, so that a
+        # backend left alone drifts back to its long memory and then to the fleet's figures.
+        cfg = self.config
+        age = now - solved_at
+        return (dirty and age >= cfg.resolve_s) or age >= max(cfg.resolve_s, cfg.half_life / 4)
+
+    def _coefs(self, backend: str) -> _Fits:
         now = self.clock()
-        fleet = self._solved(self.fleet, None, now)
+        cfg = self.config
+        if self._due(self._fleet_solved_at, self._fleet_dirty, now):
+            self.fleet.solve(None, cfg.ridge / 4, now, cfg.memory)  # lightly held by the prior
+            self._fleet_solved_at, self._fleet_dirty = now, False
         m = self._models.get(backend)
         if m is None:
-            return fleet
-        return self._solved(m, fleet, now)
-
-    def _solved(self, m: _Model, prior: _Model | None, now: float) -> _Model:
-        cfg = self.config
-        # Data grows old even without new observations: re-solve now and then so that a
-        # backend left alone drifts back to the fleet's figures.
-        stale = now - m.solved_at >= max(cfg.resolve_s, cfg.half_life / 4)
-        if (m.dirty and now - m.solved_at >= cfg.resolve_s) or stale:
-            m.ttft.decay(now, cfg.half_life)
-            m.itl.decay(now, cfg.half_life)
-            if prior is None:  # the fleet: shrunk toward the built-in prior, lightly
-                m.ttft_coef = m.ttft.solve(TTFT_PRIOR, cfg.ridge / 4)
-                m.itl_coef = m.itl.solve(ITL_PRIOR, cfg.ridge / 4)
-            else:
-                m.ttft_coef = m.ttft.solve(prior.ttft_coef, cfg.ridge)
-                m.itl_coef = m.itl.solve(prior.itl_coef, cfg.ridge)
-            m.solved_at = now
-            m.dirty = False
-        return m
+            return self.fleet
+        if self._due(m.solved_at, m.dirty, now):
+            m.memory.solve(self.fleet, cfg.ridge, now, cfg.memory)
+            m.recent.solve(m.memory, cfg.ridge, now, cfg.half_life)
+            m.solved_at, m.dirty = now, False
+        return m.recent
 
     # -- learning ---------------------------------------------------------------------------
 
@@ -301,30 +383,30 @@ class LatencyTracker:
         if predicted is not None and ttft > 0:
             m.ape_sum += abs(predicted.ttft - ttft) / ttft
             m.ape_n += 1
-        for fit in (m.ttft, self.fleet.ttft):
-            fit.add(load.ttft_x(), ttft, now, cfg.half_life)
         tokens = outcome.tokens
         if outcome.ok and tokens is not None and tokens > 0:
             self.mean_tokens += _TOKENS_ALPHA * (tokens - self.mean_tokens)
+        itl = None
         if outcome.ok and tokens is not None and tokens >= 2 and outcome.duration_s > ttft:
             itl = (outcome.duration_s - ttft) / (tokens - 1)
-            for fit in (m.itl, self.fleet.itl):
-                fit.add(load.itl_x(), itl, now, cfg.half_life)
-        m.dirty = self.fleet.dirty = True
+        m.recent.add(load, ttft, itl, now, cfg.half_life)
+        m.memory.add(load, ttft, itl, now, cfg.memory)
+        self.fleet.add(load, ttft, itl, now, cfg.memory)
+        m.dirty = self._fleet_dirty = True
 
     # -- what is shown ----------------------------------------------------------------------
 
     def view(self, backend: str, now_load: Load | None = None) -> BackendLatency:
-        m = self._coefs(backend)
+        f = self._coefs(backend)
         own = self._models.get(backend)
         load = now_load or Load()
-        probe = Load(IDLE_PROMPT, load.queued, load.running)
+        probe = Load(IDLE_PROMPT, load.queued, load.running, load.ahead)
         p = self.predict(backend, probe)
         return BackendLatency(
             backend=backend,
-            ttft=dict(zip(TTFT_TERMS, m.ttft_coef, strict=True)),
-            itl=dict(zip(ITL_TERMS, m.itl_coef, strict=True)),
-            weight=own.ttft.weight if own else 0.0,
+            ttft=dict(zip(TTFT_TERMS, f.ttft_coef, strict=True)),
+            itl=dict(zip(ITL_TERMS, f.itl_coef, strict=True)),
+            weight=own.recent.ttft.weight if own else 0.0,
             observed=own.observed if own else 0,
             ape_sum=own.ape_sum if own else 0.0,
             ape_n=own.ape_n if own else 0,

@@ -97,7 +97,8 @@ class PredictedLatency:
         best: list[BackendSnapshot] = []
         best_t = float("inf")
         for snap in eligible:
-            p = self.tracker.predict(snap.id, load_of(snap, size, held.get(snap.id, 0.0)))
+            load = load_of(snap, size, held.get(snap.id, 0.0), self.tracker.ahead(snap.id))
+            p = self.tracker.predict(snap.id, load)
             t = p.ttft if objective == "ttft" else p.e2e(answer)
             if t < best_t:
                 best_t, best = t, [snap]
@@ -122,7 +123,8 @@ class PredictedLatency:
     def predict(self, facts: RouteFacts, snap: BackendSnapshot) -> Prediction:
         """What the tracker predicts for this request on ``snap``'s backend now."""
         held = self._held(facts, [snap]).get(snap.id, 0.0)
-        return self.tracker.predict(snap.id, load_of(snap, prompt_size(facts), held))
+        load = load_of(snap, prompt_size(facts), held, self.tracker.ahead(snap.id))
+        return self.tracker.predict(snap.id, load)
 
     def _held(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> dict[str, float]:
         held = {} if self.prefix is None else self.prefix.held_tokens(facts, candidates)

@@ -71,7 +71,7 @@ def test_a_fit_recovers_the_coefficients_of_noise_free_data() -> None:
     for i in range(200):
         x = (1.0, rng.uniform(0, 4), float(rng.randrange(6)), float(rng.randrange(16)))
         fit.add(x, 0.03 + 0.04 * x[1] + 0.08 * x[2] + 0.002 * x[3], now=i * 0.01, half_life=60)
-    coef = fit.solve(TTFT_PRIOR, ridge=1e-6)
+    coef = fit.solve(TTFT_PRIOR[:4], ridge=1e-6)
     assert coef == pytest.approx((0.03, 0.04, 0.08, 0.002), abs=1e-4)
 
 
@@ -80,7 +80,7 @@ def test_slopes_are_never_negative_more_load_never_predicts_a_faster_answer() ->
     for i in range(50):
         q = float(i % 5)
         fit.add((1.0, 0.0, q, 0.0), 0.5 - 0.05 * q, now=0.0, half_life=10)  # faster when busier
-    coef = fit.solve(TTFT_PRIOR, ridge=0.1)
+    coef = fit.solve(TTFT_PRIOR[:4], ridge=0.1)
     assert coef[2] == 0.0
     assert all(c >= 0.0 for c in coef[1:])
 
@@ -121,16 +121,40 @@ def test_a_new_backend_is_predicted_like_the_fleet() -> None:
 
 
 def test_a_backend_left_alone_drifts_back_to_the_fleets_figures() -> None:
-    t, clock = tracker(half_life=2.0)
+    t, clock = tracker(half_life=2.0, memory=4.0)
     feed(t, clock, "slow", 200, speed=4.0)
     feed(t, clock, "fast", 200, speed=1.0, rng=random.Random(5))
     probe = Load(uncached=1000, queued=1, running=4)
     assert t.predict("slow", probe).ttft > 3 * t.predict("fast", probe).ttft
-    # Only the fast one gets traffic from now on, for 20 half-lives.
+    # Only the fast one gets traffic from now on, for ten half-lives of the long memory.
     feed(t, clock, "fast", 400, speed=1.0, rng=random.Random(6), dt=0.1)
     # The slow one's own figures have faded: it is predicted as the fleet is now (fast), so
     # it gets traffic again and shows whether it recovered.
     assert t.predict("slow", probe).ttft == pytest.approx(t.predict("fast", probe).ttft, rel=0.25)
+
+
+def test_the_long_memory_keeps_what_the_recent_window_rarely_sees() -> None:
+    t, clock = tracker(half_life=2.0, memory=60.0)
+    rng = random.Random(7)
+    for i in range(600):  # 60 s of short prompts, and a long one every 5 s
+        uncached = 4000.0 if i % 50 == 0 else rng.uniform(0, 200)
+        load = Load(uncached, 0, 2)
+        ttft = 0.03 + 0.3 * uncached / 1000  # prefill costs 300 ms per 1,000 tokens here
+        t.observe("b", load, Outcome(ok=True, status=200, first_token_s=ttft))
+        clock.t += 0.1
+    # The last long prompt was 4.9 s (2.5 recent half-lives) ago; the cost is remembered.
+    long_prompt = Load(4000, 0, 2)
+    assert t.predict("b", long_prompt).ttft == pytest.approx(0.03 + 1.2, rel=0.2)
+    forgetful, clock2 = tracker(half_life=2.0, memory=2.0)
+    rng = random.Random(7)
+    for i in range(600):
+        uncached = 4000.0 if i % 50 == 0 else rng.uniform(0, 200)
+        ttft = 0.03 + 0.3 * uncached / 1000
+        forgetful.observe(
+            "b", Load(uncached, 0, 2), Outcome(ok=True, status=200, first_token_s=ttft)
+        )
+        clock2.t += 0.1
+    assert forgetful.predict("b", long_prompt).ttft < t.predict("b", long_prompt).ttft
 
 
 def test_the_prediction_error_is_the_error_of_what_was_predicted_before_learning() -> None:
@@ -185,6 +209,20 @@ def test_the_mean_answer_length_follows_recent_answers() -> None:
     assert t.mean_tokens == pytest.approx(40, rel=0.01)
 
 
+def test_prompts_awaiting_their_first_token_are_ahead_of_newcomers_until_it_comes() -> None:
+    t, _clock = tracker()
+    a = t.begin("b", 1500)
+    b = t.begin("b", 500)
+    assert t.ahead("b") == 2000
+    assert t.ahead("other") == 0
+    a.done()
+    a.done()  # idempotent: the first token, then the attempt's end
+    assert t.ahead("b") == 500
+    b.done()
+    assert t.ahead("b") == 0
+    assert t._pending == {}  # nothing left behind for a backend with nothing pending
+
+
 def test_load_comes_from_the_scrape_when_fresh_else_from_the_gateways_own_count() -> None:
     scraped = BackendSnapshot("b", in_flight=5, sent_since_scrape=2, queue_depth=3, running=7)
     assert load_of(scraped, 800, cached=300) == Load(uncached=500, queued=5, running=7)
@@ -198,6 +236,13 @@ def test_prompt_size_is_exact_with_token_ids_else_about_four_characters_a_token(
 
 
 def test_bad_configuration_is_refused() -> None:
-    for bad in ({"half_life": 0}, {"ridge": -1}, {"resolve_s": -1}, {"max_backends": 0}):
+    bad_ones = (
+        {"half_life": 0},
+        {"ridge": -1},
+        {"resolve_s": -1},
+        {"max_backends": 0},
+        {"half_life": 10, "memory": 5},
+    )
+    for bad in bad_ones:
         with pytest.raises(ValueError, match="must be"):
             LatencyConfig(**bad)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from backends.sim import FAST, Faults, running_sim
 from backends.sim.testing import RunningSim
 from gateway.keys import LATENCY, ROUTER
 from policies import PredictedLatency
-from policies.latency import Load
+from policies.latency import TTFT_TERMS, Load
 from tests.helpers import RunningGateway, running_gateway, sample, wait_for
 
 TOKEN = "admin-secret"
@@ -105,7 +105,7 @@ async def test_what_it_learned_is_in_the_metrics_and_the_admin_api_under_any_pol
             view = {b["id"]: b["latency"] for b in (await r.json())["backends"]}
         assert view["slow"]["predicted_ttft_s"] > view["fast"]["predicted_ttft_s"]
         assert view["fast"]["observed"] + view["slow"]["observed"] == 30
-        assert set(view["fast"]["ttft_fit"]) == {"base", "per_ktok", "per_queued", "per_running"}
+        assert set(view["fast"]["ttft_fit"]) == set(TTFT_TERMS)
         assert view["fast"]["ttft_mape"] is not None
 
 

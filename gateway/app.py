@@ -55,6 +55,7 @@ from gateway.retry import RetryPolicy
 from gateway.rollout import ROLLOUT, Rollout
 from gateway.router import Router
 from gateway.settings import Settings
+from gateway.slo import CHANGES, ChangeSignal
 from gateway.tracing import provider_from_settings, tracer_from
 from policies import KvIndex, LatencyTracker
 
@@ -304,6 +305,8 @@ def create_app(
     rollout = app[ROLLOUT] = Rollout.from_settings(settings)  # model pools and aliases
     admission = _admission(settings, pool)
     app[ADMISSION] = admission
+    changes = app[CHANGES] = ChangeSignal()  # requests waiting for their TTFT objective
+    pool.on_change(changes.notify)
     if admission is not None:
         pool.on_change(admission.notify)  # a scrape or a request's end may free capacity
     metrics = GatewayMetrics()

@@ -288,6 +288,17 @@ class GatewayMetrics:
             ["backend"],
             registry=r,
         )
+        self.slo_requests = Counter(
+            "llm_gateway_slo_requests",
+            "Requests that stated a TTFT objective, by what followed: met (a backend was "
+            "predicted to meet it), unmet (none was; sent anyway, no admission queue), waited "
+            "(one was after waiting), late (none was within max_wait; sent, priority above 0), "
+            "shed (none was within max_wait; 503 slo_unmeetable, priority 0).",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("met", "unmet", "waited", "late", "shed"):
+            self.slo_requests.labels(outcome)
         self.queue_wait = Histogram(
             "llm_gateway_admission_wait_seconds",
             "Time requests spent in the admission queue.",

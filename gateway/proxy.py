@@ -55,6 +55,7 @@ from gateway.keys import (
 )
 from gateway.limits.admission import AdmissionTicket
 from gateway.limits.fairqueue import parse_priority
+from gateway.limits.keys import Principal
 from gateway.limits.limiter import Grant
 from gateway.limits.tokens import UsageFilter, usage_from_body, usage_plan, with_include_usage
 from gateway.record import RequestRecord, finish
@@ -70,6 +71,7 @@ from gateway.resume import resume
 from gateway.retry import RETRYABLE_STATUS
 from gateway.rollout import ROLLOUT, Choice
 from gateway.router import Route, Step
+from gateway.slo import meet_slo, parse_slo
 from gateway.tracing import annotate, parent_context
 
 _BUSY: Final = frozenset({429, 503})  # answers that tell the client when to come back
@@ -92,7 +94,11 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
         pool = app[ROUTER].pool
         routed = await _routed(request, asked, doc, raw, chat=chat, objective=principal.objective)
         record.pool = routed.choice.pool.name if routed.choice is not None else None
+        slo_header = settings.latency.slo_header
+        slo = parse_slo(request.headers.get(slo_header)) if slo_header else None
         grant = await limiter.admit(principal, doc)
+        if slo is not None:
+            await meet_slo(app, routed.route.serve, slo, _priority(app, request, principal))
         ticket = await _wait_for_capacity(app, principal.id, principal.max_priority, request)
         try:
             choice = routed.choice
@@ -188,6 +194,11 @@ def _classify(app: web.Application, record: RequestRecord, exc: BaseException) -
             record.ending = cancel_reason(app)
     elif isinstance(exc, Exception):  # a bug: the middleware answers 500 and logs it
         record.status, record.ending = 500, "internal_error"
+
+
+def _priority(app: web.Application, request: web.Request, principal: Principal) -> int:
+    header = app[SETTINGS].limits.admission.priority_header
+    return parse_priority(request.headers.get(header), principal.max_priority)
 
 
 async def _wait_for_capacity(

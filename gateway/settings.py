@@ -147,6 +147,12 @@ class LatencySettings(BaseModel):
         description="what predicted_latency minimises: ttft (first token) or e2e (whole "
         "answer); a key tier's objective overrides it",
     )
+    slo_header: str | None = Field(
+        "x-ttft-slo-ms",
+        description="request header stating the TTFT the request needs, in ms (None: off); "
+        "with the admission queue, a request no backend is predicted to meet waits, then is "
+        "shed at priority 0",
+    )
     prefix: Literal["none", "approximate", "precise"] = Field(
         "approximate",
         description="prefix knowledge predicted_latency uses for cached tokens: approximate "

@@ -141,11 +141,22 @@ class DecayingFit:
         pull = [ridge * max(self.xtx[i][i] / w if w > 1e-12 else 1.0, _MIN_SCALE) for i in range(d)]
         a = [[self.xtx[i][j] + (pull[i] if i == j else 0.0) for j in range(d)] for i in range(d)]
         b = [self.xty[i] + pull[i] * prior[i] for i in range(d)]
-        coef = _solve(a, b)
-        if coef is None:
-            return tuple(prior)
-        out = [coef[0], *(max(0.0, c) for c in coef[1:])]
-        return tuple(out)
+        # Non-negative slopes by active set: a slope the solution makes negative is fixed at
+        # zero and the others solved again without it (at most once per term), so the rest of
+        # the fit, the intercept above all, accounts for the data by itself.
+        free = list(range(d))
+        while True:
+            sub = _solve([[a[i][j] for j in free] for i in free], [b[i] for i in free])
+            if sub is None:
+                return tuple(prior)
+            coef = [0.0] * d
+            for i, c in zip(free, sub, strict=True):
+                coef[i] = c
+            negative = [i for i in free[1:] if coef[i] < 0.0]
+            if not negative:
+                return tuple(coef)
+            worst = min(negative, key=lambda i: coef[i])
+            free.remove(worst)
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

@@ -25,7 +25,7 @@ def latency_config(s: LatencySettings) -> LatencyConfig:
 
 
 def prediction_config(s: LatencySettings) -> PredictionConfig:
-    return PredictionConfig(objective=s.objective, prefix=s.prefix)
+    return PredictionConfig(objective=s.objective, prefix=s.prefix, explore=s.explore)
 
 
 def weights_of(w: WeightSettings) -> Weights:

@@ -147,6 +147,13 @@ class LatencySettings(BaseModel):
         description="what predicted_latency minimises: ttft (first token) or e2e (whole "
         "answer); a key tier's objective overrides it",
     )
+    explore: float = Field(
+        0.5,
+        ge=0,
+        lt=1,
+        description="optimism for backends little observed lately: a prediction counts "
+        "(1 - explore / sqrt(1 + recent observations)) of itself, so they are tried again",
+    )
     slo_header: str | None = Field(
         "x-ttft-slo-ms",
         description="request header stating the TTFT the request needs, in ms (None: off); "

@@ -318,6 +318,16 @@ class LatencyTracker:
     def backends(self) -> list[str]:
         return list(self._models)
 
+    def weight(self, backend: str) -> float:
+        """The recent observations behind ``backend``'s own fit, each counted as it has faded
+        (0 for a backend never observed)."""
+        m = self._models.get(backend)
+        if m is None:
+            return 0.0
+        fit = m.recent.ttft
+        faded: float = 0.5 ** (max(0.0, self.clock() - fit.at) / self.config.half_life)
+        return fit.weight * faded
+
     def ahead(self, backend: str) -> float:
         """Prompt tokens sent to ``backend`` that await their first token (``begin``)."""
         return self._pending.get(backend, 0.0)

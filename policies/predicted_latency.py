@@ -15,7 +15,9 @@ gateway's own observations) how long each candidate would take. Each decision, i
 3. **The objective**, the request's own (its key's tier) or the policy's: ``ttft``, the first
    token soonest (interactive traffic); ``e2e``, the whole answer soonest (TTFT + ITL x the
    answer's tokens: its ``max_tokens``, else the mean answer seen lately).
-4. **The lowest prediction** wins; exact ties at random.
+4. **The lowest prediction** wins, each counted with some optimism where little is known of
+   the backend lately (``explore``): a backend not chosen for a while (new, or slow a moment
+   ago and perhaps recovered) is tried again and its figures renewed; exact ties at random.
 
 The choice is recorded with the prefix knowledge (tentatively, as its own policy would), so a
 burst of one new prefix is seen as cached where the first of it went.
@@ -23,6 +25,7 @@ burst of one new prefix is seen as cached where the first of it went.
 
 from __future__ import annotations
 
+import math
 import random
 from collections import Counter
 from dataclasses import dataclass, field
@@ -46,8 +49,15 @@ class PredictionConfig:
 
     objective: Objective = "ttft"
     prefix: PrefixSource = "approximate"
+    # Optimism where little is known: a prediction counts (1 - explore / sqrt(1 + w)) of itself,
+    # w the recent observations behind the backend's own fit. A backend that has not been
+    # chosen lately (a new one, one that was slow and may have recovered) is then tried again,
+    # while one that is known to be much slower is not.
+    explore: float = 0.5
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.explore < 1.0:
+            raise ValueError("explore must be in [0, 1)")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}")
         if self.prefix not in PREFIX_SOURCES:
@@ -94,12 +104,15 @@ class PredictedLatency:
         objective = facts.objective if facts.objective in OBJECTIVES else self.prediction.objective
         size = prompt_size(facts)
         answer = float(facts.max_tokens or self.tracker.mean_tokens)
+        explore = self.prediction.explore
         best: list[BackendSnapshot] = []
         best_t = float("inf")
         for snap in eligible:
             load = load_of(snap, size, held.get(snap.id, 0.0), self.tracker.ahead(snap.id))
             p = self.tracker.predict(snap.id, load)
             t = p.ttft if objective == "ttft" else p.e2e(answer)
+            if explore:
+                t *= 1.0 - explore / math.sqrt(1.0 + self.tracker.weight(snap.id))
             if t < best_t:
                 best_t, best = t, [snap]
             elif t == best_t:

@@ -215,3 +215,30 @@ def test_it_needs_the_tracker_and_a_known_objective() -> None:
         PredictionConfig(objective="fastest")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="prefix"):
         PredictionConfig(prefix="psychic")  # type: ignore[arg-type]
+
+
+def test_a_backend_not_chosen_lately_is_tried_again_one_known_much_slower_is_not() -> None:
+    clock = Clock()
+    t = LatencyTracker(clock=clock)
+    teach(t, "busy", base=0.1, n=200)
+    teach(t, "rested", base=0.15, n=200)  # a little slower, a minute ago
+    clock.t += 60.0  # since then only "busy" was chosen
+    teach(t, "busy", base=0.1, n=200)
+    cands = [snap("busy"), snap("rested")]
+    assert t.predict("rested", Load()).ttft > t.predict("busy", Load()).ttft
+    explorer = policy(t)
+    choice = explorer.choose(facts(), cands)
+    assert choice is not None
+    assert choice.id == "rested"  # what is known of it is a minute old: tried again
+    certain = make_policy(
+        "predicted_latency", tracker=t, prediction=PredictionConfig(prefix="none", explore=0.0)
+    )
+    choice = certain.choose(facts(), cands)
+    assert choice is not None
+    assert choice.id == "busy"
+    teach(t, "slug", base=0.6, n=200)  # four times slower, a minute ago
+    clock.t += 60.0
+    teach(t, "busy", base=0.1, n=200)
+    choice = explorer.choose(facts(), [snap("busy"), snap("slug")])
+    assert choice is not None
+    assert choice.id == "busy"  # optimism does not make a known slow backend look fast

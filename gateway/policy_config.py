@@ -25,7 +25,13 @@ def latency_config(s: LatencySettings) -> LatencyConfig:
 
 
 def prediction_config(s: LatencySettings) -> PredictionConfig:
-    return PredictionConfig(objective=s.objective, prefix=s.prefix, explore=s.explore)
+    return PredictionConfig(
+        objective=s.objective,
+        prefix=s.prefix,
+        explore=s.explore,
+        balance_abs=s.balance_abs,
+        balance_rel=s.balance_rel,
+    )
 
 
 def weights_of(w: WeightSettings) -> Weights:

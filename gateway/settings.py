@@ -154,6 +154,13 @@ class LatencySettings(BaseModel):
         description="optimism for backends little observed lately: a prediction counts "
         "(1 - explore / sqrt(1 + recent observations)) of itself, so they are tried again",
     )
+    balance_abs: float = Field(
+        6.0,
+        ge=0,
+        description="predicted_latency's load guard: a backend one more request puts this far "
+        "above the least loaded (least_load score)...",
+    )
+    balance_rel: float = Field(1.5, ge=1, description="...and this many times, is not chosen")
     slo_header: str | None = Field(
         "x-ttft-slo-ms",
         description="request header stating the TTFT the request needs, in ms (None: off); "

@@ -5,9 +5,10 @@ slowed by a noisy neighbour, long and short prompts mixed) equal counts are uneq
 policy asks the ``LatencyTracker`` (``policies.latency``: per-backend fits learned from the
 gateway's own observations) how long each candidate would take. Each decision, in order:
 
-1. **Balance guard**, ``prefix_affinity``'s: a candidate far above the least loaded is not
-   chosen, so a fit that is wrong (a cold start, a sudden change) cannot pile a burst onto one
-   backend.
+1. **Balance guard**, ``prefix_affinity``'s on the ``least_load`` score (``balance_abs``,
+   ``balance_rel`` of ``PredictionConfig``): a candidate far above the least loaded is not
+   chosen, so a fit that is wrong (a cold start, a sudden change, a load it has never seen)
+   cannot pile a burst onto one backend.
 2. **Each candidate's load now**: the prompt's tokens it is not expected to hold in cache (from
    the prefix knowledge the policy is composed with: ``prefix = "approximate"``, what this
    gateway sent where; ``"precise"``, the engines' KV events; ``"none"``), the requests queued
@@ -28,7 +29,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
 from policies.latency import LatencyTracker, Prediction, load_of, prompt_size
@@ -54,10 +55,18 @@ class PredictionConfig:
     # chosen lately (a new one, one that was slow and may have recovered) is then tried again,
     # while one that is known to be much slower is not.
     explore: float = 0.5
+    # The load guard, on the least_load score (the engine's queue included): a candidate one
+    # more request would put more than balance_abs above the least loaded (and balance_rel
+    # times) is not chosen, however fast it is predicted. The fits know little of loads the
+    # policy itself avoids, so this keeps a backend that just turned fast from taking a herd.
+    balance_abs: float = 6.0
+    balance_rel: float = 1.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore < 1.0:
             raise ValueError("explore must be in [0, 1)")
+        if not self.balance_abs >= 0 or not self.balance_rel >= 1:
+            raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}")
         if self.prefix not in PREFIX_SOURCES:
@@ -69,17 +78,22 @@ class PredictedLatency:
     tracker: LatencyTracker
     weights: Weights = field(default_factory=Weights)
     rng: Rng = field(default_factory=random.Random)
-    config: AffinityConfig = field(default_factory=AffinityConfig)  # guard, hashing
+    config: AffinityConfig = field(default_factory=AffinityConfig)  # prompt hashing
     prediction: PredictionConfig = field(default_factory=PredictionConfig)
     prefix: PrefixAffinity | PrecisePrefix | None = None  # None: prompts are never cached
     decisions: Counter[str] = field(default_factory=Counter)
     name: str = "predicted_latency"
     _needs: Needs = field(init=False, repr=False)
+    _guard: AffinityConfig = field(init=False, repr=False)
     # The last decision's cached tokens per candidate, for ``cached_tokens`` (asked right
     # after ``choose``, with nothing in between).
     _last: tuple[int, dict[str, float]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        pc = self.prediction
+        self._guard = replace(
+            self.config, balance_on="score", balance_abs=pc.balance_abs, balance_rel=pc.balance_rel
+        )
         base = self.prefix.needs if self.prefix is not None else Needs()
         self._needs = Needs(
             prefix=base.prefix,
@@ -99,7 +113,7 @@ class PredictedLatency:
     ) -> BackendSnapshot | None:
         if not candidates:
             return None
-        eligible = not_overloaded(self.config, self.weights, candidates)
+        eligible = not_overloaded(self._guard, self.weights, candidates)
         held = self._held(facts, candidates)
         objective = facts.objective if facts.objective in OBJECTIVES else self.prediction.objective
         size = prompt_size(facts)

@@ -61,14 +61,23 @@ def facts(chars: int = 400, max_tokens: int | None = None, **kw: object) -> Rout
 
 
 def policy(
-    tracker: LatencyTracker, *, prefix: str = "none", objective: str = "ttft", **affinity: float
+    tracker: LatencyTracker,
+    *,
+    prefix: str = "none",
+    objective: str = "ttft",
+    balance_abs: float = 6.0,
+    balance_rel: float = 1.5,
 ) -> PredictedLatency:
     p = make_policy(
         "predicted_latency",
         rng=random.Random(0),
-        affinity=AffinityConfig(**affinity),  # type: ignore[arg-type]
         tracker=tracker,
-        prediction=PredictionConfig(objective=objective, prefix=prefix),  # type: ignore[arg-type]
+        prediction=PredictionConfig(
+            objective=objective,  # type: ignore[arg-type]
+            prefix=prefix,  # type: ignore[arg-type]
+            balance_abs=balance_abs,
+            balance_rel=balance_rel,
+        ),
     )
     assert isinstance(p, PredictedLatency)
     return p
@@ -110,7 +119,9 @@ def test_an_overloaded_backend_is_never_chosen_however_fast_it_is_predicted(
     mixed: LatencyTracker,
 ) -> None:
     p = policy(mixed, balance_abs=4, balance_rel=1.5)
-    choice = p.choose(facts(), [snap("fast", in_flight=20), snap("slow", in_flight=2)])
+    # least_load scores: fast 2 x 5 + 3 x 0 = 10, slow 2 x 1 = 2; one more request on fast
+    # puts it 10 above slow (more than 4) and 6 times over: guarded.
+    choice = p.choose(facts(), [snap("fast", in_flight=5), snap("slow", in_flight=1)])
     assert choice is not None
     assert choice.id == "slow"
     assert p.decisions["guarded"] == 1

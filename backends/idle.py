@@ -10,7 +10,9 @@ The same sweep finds a stalled backend: one whose begun streams have all stood s
 ``stall_after`` seconds, as an engine that hangs with requests in flight while its ``/health``
 still answers does (new requests it takes get their head and nothing more). Each of its
 streams is cut with ``stalled`` set (so the request path continues it elsewhere) and
-``on_stall`` names the backend (the pool takes it out of rotation).
+``on_stall`` names the backend (the pool takes it out of rotation). A stream the relay stopped
+reading because its client reads slower than the backend writes (``held``) is neither idle nor
+a sign of a stall: that is the client's doing.
 """
 
 from __future__ import annotations
@@ -23,12 +25,26 @@ from collections.abc import Callable
 class IdleWatch:
     """One stream's activity counter; the relay does ``watch.activity += 1`` per read."""
 
-    __slots__ = ("_last_change", "_seen", "activity", "backend", "fired", "on_idle", "stalled")
+    __slots__ = (
+        "_last_change",
+        "_seen",
+        "activity",
+        "backend",
+        "fired",
+        "held",
+        "on_idle",
+        "stalled",
+    )
 
     def __init__(self, on_idle: Callable[[], None], now: float, backend: str | None = None) -> None:
         self.activity = 0
         self.fired = False
         self.stalled = False  # cut because its whole backend stalled, not on its own
+        # The client is holding the stream back (its reads are slower than the backend's
+        # writes, so the relay stopped reading): standing still is the client's doing, not
+        # the backend's. Neither idle nor a sign of a stall while set; its clock restarts
+        # when it is cleared.
+        self.held = False
         self.on_idle = on_idle
         self.backend = backend
         self._seen = 0
@@ -70,6 +86,9 @@ class IdleWatchdog:
         backend; return those that fired."""
         fired: list[IdleWatch] = []
         for w in self._watches:
+            if w.held:
+                w._last_change = now
+                continue
             if w.activity != w._seen:
                 w._seen = w.activity
                 w._last_change = now
@@ -104,6 +123,8 @@ class IdleWatchdog:
         suspect = self._suspect
         for w in self._watches:
             b = w.backend
+            if w.held:
+                continue  # a slow client's stream says nothing of its backend
             if b is not None and (w.activity or b in suspect):
                 latest[b] = max(latest.get(b, w._last_change), w._last_change)
         return {b for b, t in latest.items() if now - t >= self.stall_after}

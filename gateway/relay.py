@@ -168,6 +168,11 @@ class Chunks:
                 out, self._held = out[:-held], out[-held:]
         return out
 
+    def hold(self, held: bool) -> None:
+        """The client is holding the stream back (or no longer): the idle and stall watchdog
+        does not count the time against the backend."""
+        self._watch.held = held
+
     def rest(self) -> bytes:
         """What the usage filter (and the renaming) still holds at the end of the stream."""
         held, self._held = self._held, b""
@@ -229,6 +234,7 @@ class Splice:
             return True
         if out and self._client_flow.writing_paused:
             self._paused = True
+            chunks.hold(True)
             self._wakeup()
             return True
         return False
@@ -256,6 +262,7 @@ class Splice:
                     self._end(Ending.CLIENT_DISCONNECT)
                     break
                 self._paused = False
+                self._chunks.hold(False)
                 tap.resume()  # may deliver, pause again or end before it returns
                 continue
             self._wake = loop.create_future()
@@ -313,7 +320,9 @@ async def relay_stream(
         while chunk:
             out = chunks.take(chunk)
             if out or not fast_path_tried:
+                chunks.hold(True)  # a write waits while the client's buffer is full
                 await resp.write(out)  # the first write also sends the head
+                chunks.hold(False)
             if chunks.cut is not None:
                 result.ending = Ending.UPSTREAM_ERROR
                 result.error = EngineFailed(f"backend {upstream.backend.id}: {chunks.cut}")
@@ -390,7 +399,9 @@ async def relay_resumed(
         if out:
             if not wrote and upstream.interrupt is not None:
                 upstream.interrupt.disarm()  # from now on this part is the client's too
+            chunks.hold(True)  # a write waits while the client's buffer is full
             await resp.write(out)
+            chunks.hold(False)
             wrote = True
         if stitch.cut is not None:
             failed = EngineFailed(f"backend {upstream.backend.id}: {stitch.cut}")

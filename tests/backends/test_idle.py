@@ -107,3 +107,36 @@ def test_a_stalled_backends_next_request_that_gets_no_byte_is_a_stall_again() ->
     healthy.activity = 3
     dog.sweep(47.0)
     assert slow_prefill.fired is False  # waiting for a first byte is fine again
+
+
+def test_a_stream_its_client_holds_back_is_neither_idle_nor_a_stall() -> None:
+    cut: list[str] = []
+    stalled: list[str] = []
+    dog = IdleWatchdog(10.0, stall_after=5.0, on_stall=stalled.append, clock=lambda: 0.0)
+    slow_reader = dog.watch(lambda: cut.append("slow_reader"), backend="a")
+    slow_reader.activity += 3  # begun
+    dog.sweep(1.0)
+    slow_reader.held = True  # its client stopped reading: the relay stopped reading the backend
+    for t in range(2, 30):
+        assert dog.sweep(float(t)) == []
+    assert stalled == []
+    assert cut == []
+    slow_reader.held = False  # the client drained: the clock runs again from the last sweep (29)
+    assert dog.sweep(30.0) == []
+    assert dog.sweep(33.5) == []
+    assert dog.sweep(34.5) == [slow_reader]  # 5 s on with nothing from the backend: a stall
+    assert stalled == ["a"]
+
+
+def test_a_held_stream_does_not_hide_its_backends_stall() -> None:
+    stalled: list[str] = []
+    dog = IdleWatchdog(100.0, stall_after=5.0, on_stall=stalled.append, clock=lambda: 0.0)
+    held = dog.watch(lambda: None, backend="a")
+    still = dog.watch(lambda: None, backend="a")
+    for w in (held, still):
+        w.activity += 1
+    dog.sweep(1.0)
+    held.held = True
+    fired = dog.sweep(6.5)  # "still" stood still 5.5 s; the held one says nothing either way
+    assert stalled == ["a"]
+    assert {id(w) for w in fired} == {id(held), id(still)}

@@ -2,7 +2,7 @@
 
 vLLM 0.32 does not count a client abort in ``vllm:request_success_total``. The proof here is
 what the server shows from outside: its running count falls to zero within a second of the
-gateway closing its upstream request, its ``vllm:generation_tokens_total`` stops well short of
+gateway closing its upstream request, its ``vllm:generation_tokens_total`` stops short of
 ``max_tokens``, and its log says ``Aborted request(s)`` for the request id the gateway sent.
 
 The second is counted from the gateway's abort, not from the client's leaving: the gateway
@@ -75,9 +75,10 @@ async def prove_aborted(
         file=sys.stderr,
     )
     generated = await fleet_total(http, servers, GENERATED) - tokens_before
-    # Well short of max_tokens (~30 s of generation); the tokens made before the disconnect
-    # vary with how busy the machine is, so the bound is loose.
-    assert generated < MAX_TOKENS / 2, f"{generated} tokens generated"
+    # Short of max_tokens (~30 s of generation): cut, not finished. How much was made before
+    # the client left varies with how busy the machine is (this process, gateway and client,
+    # can be starved for seconds), so the bound is only that.
+    assert generated < MAX_TOKENS, f"{generated} tokens generated: the answer was not cut"
 
     async def aborted_lines() -> list[str]:
         return log_lines(servers, "Aborted request", request_id)

@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from backends.tap import installed
+from gateway.keys import METRICS, POOL
 from tests.helpers import (
     FakeBackend,
     Seen,
@@ -43,7 +44,11 @@ def in_gateway_for_clients(app_runner: web.AppRunner) -> int:
     return held
 
 
-async def test_a_client_that_stops_reading_pauses_the_upstream_and_then_completes() -> None:
+async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> web.Application:
+    """A client that reads nothing until the gateway has stopped reading the backend (which
+    is then held back), waits ``hold`` seconds more, then reads the whole stream; checks the
+    gateway's buffering stayed bounded and the stream arrived whole. Returns the gateway's app.
+    """
     progress: dict[str, Any] = {"written": 0, "transport": None}
 
     async def big_stream(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
@@ -68,7 +73,7 @@ async def test_a_client_that_stops_reading_pauses_the_upstream_and_then_complete
         )
 
     fake = FakeBackend(behaviour=big_stream)
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with running_fake(fake), running_gateway([fake.url], **gateway) as gw:
         host, port = gw.url[len("http://") :].split(":")
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
@@ -86,6 +91,7 @@ async def test_a_client_that_stops_reading_pauses_the_upstream_and_then_complete
         await wait_for(backend_held_back, within=20, what="the backend to be held back")
         assert progress["written"] < N_EVENTS, "the gateway read the whole stream"
         assert in_gateway_for_clients(gw.runner) < BOUND
+        await asyncio.sleep(hold)  # sleep-ok: the client keeps not reading for this long
         received = b""
         while not received.endswith(b"0\r\n\r\n"):
             chunk = await asyncio.wait_for(reader.read(1 << 20), 20)
@@ -95,6 +101,29 @@ async def test_a_client_that_stops_reading_pauses_the_upstream_and_then_complete
     assert received.count(b"data: x") == N_EVENTS
     assert received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert fake.seen[0].ending == "complete"
+    return gw.app
+
+
+async def test_a_client_that_stops_reading_pauses_the_upstream_and_then_completes() -> None:
+    await stop_reading_then_read_all()
+
+
+async def test_a_client_that_stops_reading_longer_than_the_stall_limit_stalls_no_backend() -> None:
+    # Its stream stands still for 3 s, longer than both the stall limit and the idle timeout:
+    # that is the client's doing, so the backend is not taken out and the stream is not cut.
+    app = await stop_reading_then_read_all(
+        hold=3.0, health={"stall_after": 1.0}, upstream={"idle_timeout": 2.0}
+    )
+    assert total(app, "llm_gateway_backend_stalls_total") == 0
+    assert total(app, "llm_gateway_stream_continuations_total") == 0
+    assert all(b.health.state.value == "up" for b in app[POOL].all())
+
+
+def total(app: web.Application, sample: str) -> float:
+    """A metric's value summed over its label sets."""
+    return sum(
+        s.value for m in app[METRICS].registry.collect() for s in m.samples if s.name == sample
+    )
 
 
 async def test_a_backend_that_lies_in_its_chunk_framing_ends_the_stream_with_an_error() -> None:

@@ -22,7 +22,6 @@ import time
 from collections.abc import Callable
 
 from policies import (
-    AffinityConfig,
     BackendSnapshot,
     LatencyTracker,
     Outcome,
@@ -88,11 +87,11 @@ def _rows(n: int, min_s: float) -> list[tuple[str, int, float]]:
     snaps = _snapshots(n, rng)
     facts = RouteFacts("m", prompt_chars=len(text), max_tokens=128)
     pfacts = RouteFacts("m", prefix_hashes=hashes, prompt_chars=len(text), max_tokens=128)
-    guard = AffinityConfig(balance_abs=1000)  # every candidate weighed
 
     def predicted(prefix: str) -> Policy:
-        cfg = PredictionConfig(prefix=prefix)  # type: ignore[arg-type]
-        return make_policy("predicted_latency", affinity=guard, tracker=tracker, prediction=cfg)
+        # balance_abs huge: the guard passes every candidate, so each one is weighed.
+        cfg = PredictionConfig(prefix=prefix, balance_abs=1e9)  # type: ignore[arg-type]
+        return make_policy("predicted_latency", tracker=tracker, prediction=cfg)
 
     least, plain, approx = make_policy("least_load"), predicted("none"), predicted("approximate")
     ok = Outcome(ok=True, status=200, first_token_s=0.05, tokens=64, duration_s=1.3)

@@ -89,6 +89,23 @@ def dot(coef: Sequence[float], x: Sequence[float]) -> float:
     return sum(c * v for c, v in zip(coef, x, strict=True))
 
 
+def _ttft(c: Sequence[float], load: Load) -> float:
+    # dot(c, load.ttft_x()) written out: a decision does this once per candidate.
+    t = (
+        c[0]
+        + c[1] * load.uncached / 1000.0
+        + c[2] * load.queued
+        + c[3] * load.running
+        + c[4] * load.ahead / 1000.0
+    )
+    return t if t > _FLOOR else _FLOOR
+
+
+def _itl(c: Sequence[float], load: Load) -> float:
+    t = c[0] + c[1] * load.running
+    return t if t > _FLOOR else _FLOOR
+
+
 class DecayingFit:
     """Weighted least squares whose observations' weights halve every ``half_life`` seconds."""
 
@@ -352,9 +369,18 @@ class LatencyTracker:
 
     def predict(self, backend: str, load: Load) -> Prediction:
         f = self._coefs(backend)
-        return Prediction(
-            max(_FLOOR, dot(f.ttft_coef, load.ttft_x())), max(_FLOOR, dot(f.itl_coef, load.itl_x()))
-        )
+        return Prediction(_ttft(f.ttft_coef, load), _itl(f.itl_coef, load))
+
+    def weigh(self, backend: str, load: Load, now: float) -> tuple[float, float, float]:
+        """What a decision weighs per candidate, at ``now`` (one clock read per decision):
+        the predicted TTFT, the predicted ITL, and the recent observations behind it."""
+        m = self._models.get(backend)
+        f = self._coefs(backend, now)
+        w = 0.0
+        if m is not None:
+            fit = m.recent.ttft
+            w = fit.weight * 0.5 ** (max(0.0, now - fit.at) / self.config.half_life)
+        return _ttft(f.ttft_coef, load), _itl(f.itl_coef, load), w
 
     def _due(self, solved_at: float, dirty: bool, now: float) -> bool:
         # Data grows old even without new observations: solve now and then anyway, so that a
@@ -363,8 +389,9 @@ class LatencyTracker:
         age = now - solved_at
         return (dirty and age >= cfg.resolve_s) or age >= max(cfg.resolve_s, cfg.half_life / 4)
 
-    def _coefs(self, backend: str) -> _Fits:
-        now = self.clock()
+    def _coefs(self, backend: str, now: float | None = None) -> _Fits:
+        if now is None:
+            now = self.clock()
         cfg = self.config
         if self._due(self._fleet_solved_at, self._fleet_dirty, now):
             self.fleet.solve(None, cfg.ridge / 4, now, cfg.memory)  # lightly held by the prior

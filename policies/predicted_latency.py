@@ -119,14 +119,20 @@ class PredictedLatency:
         size = prompt_size(facts)
         answer = float(facts.max_tokens or self.tracker.mean_tokens)
         explore = self.prediction.explore
+        tracker = self.tracker
+        e2e = objective == "e2e"
         best: list[BackendSnapshot] = []
         best_t = float("inf")
+        now = tracker.clock()
+        after_first = max(0.0, answer - 1.0)
         for snap in eligible:
-            load = load_of(snap, size, held.get(snap.id, 0.0), self.tracker.ahead(snap.id))
-            p = self.tracker.predict(snap.id, load)
-            t = p.ttft if objective == "ttft" else p.e2e(answer)
+            b = snap.id
+            load = load_of(snap, size, held.get(b, 0.0), tracker.ahead(b))
+            t, itl, w = tracker.weigh(b, load, now)
+            if e2e:
+                t += itl * after_first
             if explore:
-                t *= 1.0 - explore / math.sqrt(1.0 + self.tracker.weight(snap.id))
+                t *= 1.0 - explore / math.sqrt(1.0 + w)
             if t < best_t:
                 best_t, best = t, [snap]
             elif t == best_t:

@@ -17,9 +17,10 @@ from typing import Any
 
 import openai
 
-from gateway.keys import POOL
+from backends.state import BackendSpec
+from gateway.keys import MONITOR, POOL
 from tests.e2e.servers import SERVED_MODEL, VllmServer, kill, restart
-from tests.helpers import RunningGateway, sample
+from tests.helpers import RunningGateway, sample, wait_for
 
 N_TOKENS = 2000
 KILL_AFTER = 20  # chunks received before the server producing them is killed
@@ -82,12 +83,28 @@ class Killer:
 
 @asynccontextmanager
 async def killing(gw: RunningGateway, servers: list[VllmServer]) -> AsyncIterator[Killer]:
+    """Restarts whatever the killer killed, however the block ended, and tells the gateway:
+    a restarted server listens on a new port, and a run redone after a kill that cut nothing
+    needs both servers again (with only the survivor, its kill would leave nowhere to go)."""
     killer = Killer(gw, servers)
     try:
         yield killer
     finally:
         if killer.victim is not None:
-            await asyncio.to_thread(restart, servers, killer.victim)
+            old = killer.victim
+            fresh = await asyncio.to_thread(restart, servers, old)
+            pool, monitor = gw.app[POOL], gw.app[MONITOR]
+            gone = next(b.id for b in pool.all() if b.spec.url == old.url)
+            pool.remove(gone)
+            monitor.unwatch(gone)
+            monitor.watch(
+                pool.add(BackendSpec(id=fresh.url.removeprefix("http://"), url=fresh.url))
+            )
+            await wait_for(
+                lambda: all(pool.routable(b, pool.now()) for b in pool.all()),
+                within=30.0,
+                what="the restarted server routable",
+            )
 
 
 def continued(gw: RunningGateway) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable
-from typing import Final, Literal
+from typing import Final, Literal, get_args
 
 from policies.kv_index import KvIndex
 from policies.latency import LatencyConfig, LatencyTracker, Load
@@ -27,15 +27,7 @@ PolicyName = Literal[
     "precise_prefix",
     "predicted_latency",
 ]
-POLICY_NAMES: Final[tuple[PolicyName, ...]] = (
-    "least_load",
-    "round_robin",
-    "random",
-    "power_of_two",
-    "prefix_affinity",
-    "precise_prefix",
-    "predicted_latency",
-)
+POLICY_NAMES: Final[tuple[PolicyName, ...]] = get_args(PolicyName)
 
 
 def make_policy(

@@ -41,7 +41,7 @@ from gateway.rollout import Choice
 from gateway.router import Step
 from gateway.tracing import attempt_span, end_attempt, inject
 from policies import BackendSnapshot, LatencyTracker, Outcome
-from policies.latency import Load, Pending, Prediction, load_of, prompt_size
+from policies.latency import Load, Pending, Prediction, prompt_size
 
 T = TypeVar("T")
 log = structlog.get_logger("gateway.request")
@@ -165,7 +165,7 @@ def expected(tracker: LatencyTracker, step: Step, chosen: BackendSnapshot) -> Ex
     facts = step.facts
     held = getattr(step.policy, "cached_tokens", None)
     cached = held(facts, chosen.id) if held is not None else 0.0
-    load = load_of(chosen, prompt_size(facts), cached, tracker.ahead(chosen.id))
+    load = tracker.load(chosen, prompt_size(facts), cached)
     predicted = tracker.predict(chosen.id, load)
     return Expected(load, predicted, tracker.begin(chosen.id, load.uncached))
 

@@ -25,13 +25,7 @@ def latency_config(s: LatencySettings) -> LatencyConfig:
 
 
 def prediction_config(s: LatencySettings) -> PredictionConfig:
-    return PredictionConfig(
-        objective=s.objective,
-        prefix=s.prefix,
-        explore=s.explore,
-        balance_abs=s.balance_abs,
-        balance_rel=s.balance_rel,
-    )
+    return PredictionConfig(**s.model_dump(exclude={"half_life", "ridge", "slo_header"}))
 
 
 def weights_of(w: WeightSettings) -> Weights:

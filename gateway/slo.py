@@ -27,7 +27,7 @@ from aiohttp import web
 from backends.errors import AdmissionRejected, InvalidRequest, NoBackendAvailable
 from gateway.keys import ADMISSION, LATENCY, METRICS, ROUTER, SETTINGS
 from gateway.router import Step
-from policies.latency import load_of, prompt_size
+from policies.latency import prompt_size
 
 OUTCOMES: Final = ("met", "unmet", "waited", "late", "shed")
 _MAX_SLO_MS: Final = 3_600_000.0
@@ -88,9 +88,7 @@ def best_predicted(app: web.Application, step: Step) -> float | None:
     except NoBackendAvailable:
         return None
     size = prompt_size(step.facts)
-    return min(
-        tracker.predict(c.id, load_of(c, size, 0.0, tracker.ahead(c.id))).ttft for c in candidates
-    )
+    return min(tracker.predict(c.id, tracker.load(c, size)).ttft for c in candidates)
 
 
 async def meet_slo(app: web.Application, step: Step, slo: float, priority: int) -> str:

@@ -85,12 +85,8 @@ def load_of(
     return Load(max(0.0, prompt_tokens - cached), queued, running, ahead)
 
 
-def dot(coef: Sequence[float], x: Sequence[float]) -> float:
-    return sum(c * v for c, v in zip(coef, x, strict=True))
-
-
 def _ttft(c: Sequence[float], load: Load) -> float:
-    # dot(c, load.ttft_x()) written out: a decision does this once per candidate.
+    # The coefficients times load.ttft_x(), written out: done once per candidate.
     t = (
         c[0]
         + c[1] * load.uncached / 1000.0
@@ -224,10 +220,6 @@ class Prediction:
     ttft: float  # seconds to the first token
     itl: float  # seconds per token after it
 
-    def e2e(self, tokens: float) -> float:
-        """Seconds to the whole answer of ``tokens`` tokens."""
-        return self.ttft + self.itl * max(0.0, tokens - 1.0)
-
 
 @dataclass(slots=True)
 class _Fits:
@@ -335,15 +327,21 @@ class LatencyTracker:
     def backends(self) -> list[str]:
         return list(self._models)
 
-    def weight(self, backend: str) -> float:
+    def weight(self, backend: str, now: float | None = None) -> float:
         """The recent observations behind ``backend``'s own fit, each counted as it has faded
         (0 for a backend never observed)."""
         m = self._models.get(backend)
         if m is None:
             return 0.0
         fit = m.recent.ttft
-        faded: float = 0.5 ** (max(0.0, self.clock() - fit.at) / self.config.half_life)
+        age = max(0.0, (self.clock() if now is None else now) - fit.at)
+        faded: float = 0.5 ** (age / self.config.half_life)
         return fit.weight * faded
+
+    def load(self, snap: BackendSnapshot, prompt_tokens: float, cached: float = 0.0) -> Load:
+        """``snap``'s backend's load for a prompt of ``prompt_tokens`` (``cached`` of them
+        expected in its cache), with what this gateway has pending on it (``ahead``)."""
+        return load_of(snap, prompt_tokens, cached, self.ahead(snap.id))
 
     def ahead(self, backend: str) -> float:
         """Prompt tokens sent to ``backend`` that await their first token (``begin``)."""
@@ -374,13 +372,8 @@ class LatencyTracker:
     def weigh(self, backend: str, load: Load, now: float) -> tuple[float, float, float]:
         """What a decision weighs per candidate, at ``now`` (one clock read per decision):
         the predicted TTFT, the predicted ITL, and the recent observations behind it."""
-        m = self._models.get(backend)
         f = self._coefs(backend, now)
-        w = 0.0
-        if m is not None:
-            fit = m.recent.ttft
-            w = fit.weight * 0.5 ** (max(0.0, now - fit.at) / self.config.half_life)
-        return _ttft(f.ttft_coef, load), _itl(f.itl_coef, load), w
+        return _ttft(f.ttft_coef, load), _itl(f.itl_coef, load), self.weight(backend, now)
 
     def _due(self, solved_at: float, dirty: bool, now: float) -> bool:
         # Data grows old even without new observations: solve now and then anyway, so that a

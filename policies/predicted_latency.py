@@ -32,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
-from policies.latency import LatencyTracker, Prediction, load_of, prompt_size
+from policies.latency import LatencyTracker, prompt_size
 from policies.precise_prefix import PrecisePrefix
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity, not_overloaded
 from policies.scoring import Weights
@@ -127,7 +127,7 @@ class PredictedLatency:
         after_first = max(0.0, answer - 1.0)
         for snap in eligible:
             b = snap.id
-            load = load_of(snap, size, held.get(b, 0.0), tracker.ahead(b))
+            load = tracker.load(snap, size, held.get(b, 0.0))
             t, itl, w = tracker.weigh(b, load, now)
             if e2e:
                 t += itl * after_first
@@ -152,12 +152,6 @@ class PredictedLatency:
         """The prompt tokens ``backend`` was expected to hold when this policy chose."""
         fid, held = self._last
         return held.get(backend, 0.0) if fid == id(facts) else 0.0
-
-    def predict(self, facts: RouteFacts, snap: BackendSnapshot) -> Prediction:
-        """What the tracker predicts for this request on ``snap``'s backend now."""
-        held = self._held(facts, [snap]).get(snap.id, 0.0)
-        load = load_of(snap, prompt_size(facts), held, self.tracker.ahead(snap.id))
-        return self.tracker.predict(snap.id, load)
 
     def _held(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> dict[str, float]:
         held = {} if self.prefix is None else self.prefix.held_tokens(facts, candidates)

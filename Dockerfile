@@ -1,6 +1,10 @@
 # The gateway image: `docker build -t llm-gateway .` then `docker run -p 8080:8080 llm-gateway`
 # with GATEWAY_BACKENDS or GATEWAY_DISCOVERY__DNS set. compose.yaml and deploy/k8s use it.
 # The same image runs the simulator: `docker run llm-gateway sim --host 0.0.0.0 --port 8000`.
+#
+# PYTHON_IMAGE names another base with Python 3.11 (a local one where no registry is reachable,
+# as scripts/compose_env.sh makes). Wheels found in deploy/wheelhouse/ are installed offline,
+# without PyPI; with none there (the usual case), pip fetches the dependencies.
 
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -11,16 +15,20 @@ COPY gateway ./gateway
 COPY backends ./backends
 COPY policies ./policies
 COPY loadtest ./loadtest
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+COPY deploy/wheelhouse ./wheelhouse
+RUN python3 -m venv /opt/llm-gateway \
+    && if ls wheelhouse/*.whl >/dev/null 2>&1; then \
+         offline="--no-index --find-links wheelhouse"; \
+       fi \
+    && /opt/llm-gateway/bin/pip install --no-cache-dir --disable-pip-version-check $offline .
 
 FROM ${PYTHON_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1
+    PATH=/opt/llm-gateway/bin:$PATH
 RUN groupadd --system --gid 10001 gateway \
     && useradd --system --uid 10001 --gid gateway --home-dir /home/gateway --create-home gateway
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+COPY --from=build /opt/llm-gateway /opt/llm-gateway
 USER 10001:10001
 WORKDIR /home/gateway
 # Listen on every interface inside the container; logs as JSON lines for the log collector.

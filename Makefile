@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 
 .PHONY: test install lint typecheck pytest run bench benchmarks clean
 
-test: install vllm lint typecheck pytest
+test: install vllm browser prometheus lint typecheck pytest
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -22,6 +22,8 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	@# the console's script (no build step): at least it parses, where Node.js is at hand
+	@if command -v node >/dev/null; then node --check gateway/console/console.js; fi
 
 typecheck:
 	$(BIN)/mypy
@@ -47,10 +49,25 @@ clean:
 # Real vLLM (CPU build) in its own virtualenv, .venv-vllm, for tests/e2e; does nothing when
 # already installed. `e2e` runs only the end-to-end tests (two vLLM servers, about a minute
 # to start).
-.PHONY: vllm e2e
+.PHONY: vllm e2e browser prometheus compose-test
 
 vllm:
 	scripts/install_vllm.sh
+
+# Chromium for the console's browser tests (Debian's package where apt is at hand).
+browser:
+	scripts/install_browser.sh
+
+# Prometheus and promtool for the alert rules' and dashboard's tests (Debian's package).
+prometheus:
+	scripts/install_prometheus.sh
+
+# compose.yaml for real (tests/compose): installs and starts what it needs when missing (the
+# Docker engine, the compose plugin, local base images made with debootstrap; see
+# scripts/compose_env.sh), builds the image, then starts, scales, breaks and stops the sim
+# profile. Removes every container, network and volume it made. About 5 minutes here.
+compose-test: install
+	$(BIN)/pytest -m compose tests/compose $(PYTEST_ARGS)
 
 e2e: install vllm
 	$(BIN)/pytest tests/e2e $(PYTEST_ARGS)

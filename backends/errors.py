@@ -11,6 +11,11 @@ answers a client with is here:
     ├── AuthenticationError           401 authentication_error / invalid_api_key
     ├── NotFound                      404 not_found_error (an admin object: backend, alias, pool)
     ├── ModelNotFound                 404 invalid_request_error / model_not_found
+    ├── EndpointNotServed             404 invalid_request_error / endpoint_not_served (every
+    │                                     backend of the model lacks the endpoint)
+    ├── ResponseNotFound              404 invalid_request_error / response_not_found (a stored
+    │   │                                 response no backend is known to hold)
+    │   └── ResponseBackendGone           / response_backend_gone (its backend left the fleet)
     ├── RateLimited                   429 requests|tokens / rate_limit_exceeded
     │                                     (+ Retry-After, x-ratelimit-*)
     ├── ShuttingDown                  503 service_unavailable (connection closed after it)
@@ -27,6 +32,8 @@ answers a client with is here:
         ├── UpstreamTimeout           504 gateway_timeout (no byte within the idle timeout)
         │   └── BackendStalled        504 gateway_timeout (none of its streams moved)
         ├── EngineFailed              502 bad_gateway (an error event, or an abort, mid-stream)
+        ├── BackendLacksEndpoint      404 (as EndpointNotServed) the backend has no such route:
+        │                                 another backend of the model is tried
         └── BackendRefused            the backend's own 429/502/503/504 answer, passed on as
                                       it came (+ Retry-After) when no other backend could help
 
@@ -119,6 +126,29 @@ class ModelNotFound(GatewayError):
     default_code = "model_not_found"
 
 
+class EndpointNotServed(GatewayError):
+    """Every backend serving the model lacks the endpoint (generation against pooling)."""
+
+    status = 404
+    type = "invalid_request_error"
+    default_code = "endpoint_not_served"
+
+
+class ResponseNotFound(GatewayError):
+    """A Responses API id (``previous_response_id``, ``GET /v1/responses/{id}``) that no
+    backend is known to hold."""
+
+    status = 404
+    type = "invalid_request_error"
+    default_code = "response_not_found"
+
+
+class ResponseBackendGone(ResponseNotFound):
+    """The response was stored by a backend that is no longer in the fleet: it is lost."""
+
+    default_code = "response_backend_gone"
+
+
 class Unavailable(GatewayError):
     """503: the gateway cannot take the request now; ``Retry-After`` says when to come back."""
 
@@ -173,6 +203,15 @@ class BackendDown(UpstreamUnreachable):
     default_code = "backend_down"
 
 
+class FirstTokenLate(UpstreamError):
+    """No first token came by the deadline the policy set (``predicted_latency``'s rescue):
+    the request, of which nothing reached the client yet, is sent to another backend."""
+
+    status = 504
+    type = "gateway_timeout"
+    default_code = "first_token_late"
+
+
 class UpstreamProtocolError(UpstreamError):
     default_code = "backend_protocol_error"
 
@@ -193,6 +232,16 @@ class EngineFailed(UpstreamError):
     """The engine said, inside a stream that had begun, that it could not go on."""
 
     default_code = "backend_engine_error"
+
+
+class BackendLacksEndpoint(UpstreamError):
+    """The backend answered the endpoint with "no such route" (FastAPI's 404): it is the
+    other kind of vLLM server. Another backend of the model is tried; if none is left, the
+    client is told as ``EndpointNotServed`` would tell it."""
+
+    status = 404
+    type = "invalid_request_error"
+    default_code = "endpoint_not_served"
 
 
 class BackendRefused(UpstreamError):

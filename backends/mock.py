@@ -28,7 +28,14 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.idle import IdleWatch
 from backends.state import BackendSpec
-from backends.upstream import CLIENT_ERRORS, Interrupt, Upstream, head_wait, translate
+from backends.upstream import (
+    CLIENT_ERRORS,
+    Interrupt,
+    RequestBody,
+    Upstream,
+    head_wait,
+    translate,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,11 +127,13 @@ class MockTransport:
         self,
         backend: BackendSpec,
         path: str,
-        body: bytes,
+        body: RequestBody,
         headers: Mapping[str, str],
         *,
         interrupt: Interrupt | None = None,
     ) -> Upstream:
+        if not isinstance(body, bytes):  # what the real client would have sent, whole
+            body = b"".join([chunk async for chunk in body.chunks()])
         request = MockRequest(backend, "POST", path, body, CIMultiDict(headers))
         self.requests.append(request)
         async with head_wait(backend, self.idle_timeout, interrupt):

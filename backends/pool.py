@@ -13,8 +13,9 @@ from collections.abc import Callable, Collection, Iterable
 import structlog
 
 from backends.circuit import Circuit, CircuitBreaker, CircuitPolicy
-from backends.errors import ModelNotFound, NoBackendAvailable
+from backends.errors import EndpointNotServed, ModelNotFound, NoBackendAvailable
 from backends.health import Health, HealthPolicy, HealthTracker
+from backends.shared_inflight import SharedInFlight
 from backends.state import BackendSpec, BackendState
 from backends.vllm_metrics import LoadReading
 from policies import BackendSnapshot
@@ -40,6 +41,8 @@ class Lease:
         self._down: Callable[[], None] | None = None
         backend.in_flight += 1
         backend.sent_total += 1
+        if pool.shared is not None:
+            pool.shared.set(backend.id, backend.in_flight)
 
     def on_down(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` if the backend's probes mark it down while this lease is held
@@ -81,6 +84,9 @@ class Lease:
         if self._verdict is None:
             self.backend.circuit.on_abandoned()
         self.backend.in_flight -= 1
+        shared = self._pool.shared
+        if shared is not None:
+            shared.set(self.backend.id, self.backend.in_flight)
         if self.backend.removed and self.backend.in_flight == 0:
             self._pool.forget(self.backend.id)
         self._pool.changed()
@@ -96,7 +102,11 @@ class BackendPool:
         health: HealthPolicy | None = None,
         circuit: CircuitPolicy | None = None,
         clock: Clock = time.monotonic,
+        shared: SharedInFlight | None = None,
     ) -> None:
+        # With several worker processes (``serve --workers``): the host's in-flight counts,
+        # this process's written there and the others' added to every snapshot.
+        self.shared = shared
         self._stale_after = stale_after
         self._retry_after = retry_after
         self._health_policy = health or HealthPolicy()
@@ -104,6 +114,7 @@ class BackendPool:
         self._clock = clock
         self._backends: dict[str, BackendState] = {}
         self._by_model: dict[str, list[BackendState]] = {}
+        self._lacking = 0  # backends that lack some endpoint: 0 spares the filter below
         self._roles: dict[str, frozenset[str]] = {}  # model -> roles of backends serving it
         self._listeners: list[Callable[[], None]] = []
         for spec in specs:
@@ -151,13 +162,21 @@ class BackendPool:
         now = self._clock()
         return any(self.routable(b, now) for b in self._backends.values())
 
+    def in_flight(self, backend: BackendState) -> int:
+        """Requests in flight to ``backend`` from this host: this process's, and its other
+        workers' when there are some."""
+        if self.shared is None:
+            return backend.in_flight
+        return backend.in_flight + self.shared.others(backend.id)
+
     def snapshot(self, backend: BackendState, now: float) -> BackendSnapshot:
         load = backend.load
+        in_flight = self.in_flight(backend)
         if load is None or now - backend.load_at > self._stale_after:
-            return BackendSnapshot(id=backend.id, in_flight=backend.in_flight)
+            return BackendSnapshot(id=backend.id, in_flight=in_flight)
         return BackendSnapshot(
             id=backend.id,
-            in_flight=backend.in_flight,
+            in_flight=in_flight,
             # Sent after the scrape began and, at most, still in flight: a finished request
             # is in no queue, whatever the last scrape says.
             sent_since_scrape=min(backend.sent_total - backend.sent_at_scrape, backend.in_flight),
@@ -184,19 +203,31 @@ class BackendPool:
         exclude: Collection[str] = (),
         role: str | None = None,
         only: Collection[str] | None = None,
+        endpoint: str | None = None,
     ) -> list[BackendSnapshot]:
         """Snapshots of the routable backends serving ``model``, less ``exclude``.
 
         ``only``: if given, just these backends (a model pool's, ``gateway.rollout``).
+        ``endpoint``: if given, not the backends known to lack it (``record_lacks``).
 
         ``role`` None: every backend but prefill-only ones (normal routing); otherwise only
         the backends of that role (the steps of a disaggregated request).
-        Raises ``ModelNotFound`` if no backend serves it, ``NoBackendAvailable`` if those that
-        do cannot take a request now.
+        Raises ``ModelNotFound`` if no backend serves it, ``EndpointNotServed`` if every one
+        that does lacks the endpoint, ``NoBackendAvailable`` if those left cannot take a
+        request now.
         """
         serving = self._by_model.get(model)
         if not serving:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
+        if endpoint is not None and self._lacking:
+            serving = [b for b in serving if endpoint not in b.lacks]
+            if not serving:
+                raise EndpointNotServed(
+                    f"No backend serving `{model}` offers the {endpoint} endpoint (vLLM serves "
+                    "generation with --runner generate, embeddings, pooling, scoring and "
+                    "reranking with --runner pooling).",
+                    param="model",
+                )
         now = self._clock()
         snaps = [
             self.snapshot(b, now)
@@ -249,6 +280,7 @@ class BackendPool:
             b.circuit = CircuitBreaker(self._circuit_policy)
             b.load, b.load_at, b.scrape_failing = None, float("-inf"), False
             b.models, b.models_known = frozenset(), False
+            self._forget_lacks(b)
         log.info(
             "backend_changed",
             backend=spec.id,
@@ -269,7 +301,9 @@ class BackendPool:
             self.forget(backend_id)
 
     def forget(self, backend_id: str) -> None:
-        if self._backends.pop(backend_id, None) is not None:
+        b = self._backends.pop(backend_id, None)
+        if b is not None:
+            self._lacking -= bool(b.lacks)
             self._reindex()
 
     def set_draining(self, backend_id: str, draining: bool) -> bool:
@@ -289,7 +323,22 @@ class BackendPool:
         b.models = new
         b.models_known = True
         if changed:
+            self._forget_lacks(b)
             self._reindex()
+
+    def record_lacks(self, backend_id: str, endpoint: str) -> None:
+        """The backend answered ``endpoint`` with "no such route": send it no more of those."""
+        b = self._backends.get(backend_id)
+        if b is None or endpoint in b.lacks:
+            return
+        b.lacks = b.lacks | {endpoint}
+        self._lacking += b.lacks == {endpoint}
+        log.info("backend_lacks_endpoint", backend=backend_id, endpoint=endpoint)
+
+    def _forget_lacks(self, b: BackendState) -> None:
+        if b.lacks:
+            b.lacks = frozenset()
+            self._lacking -= 1
 
     def record_probe(self, backend_id: str, ok: bool, error: str = "") -> tuple[Health, Health]:
         """Feed one health probe's result; return the state before and after."""
@@ -306,6 +355,8 @@ class BackendPool:
             if after is Health.DOWN:
                 for callback in list(b.down_watchers):
                     callback()
+            elif after is Health.UP:
+                self._forget_lacks(b)  # back, perhaps restarted as the other kind of server
             self.changed()
         return before, after
 

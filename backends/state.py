@@ -30,6 +30,10 @@ class BackendState:
     circuit: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(CircuitPolicy()))
     models: frozenset[str] = frozenset()
     models_known: bool = False
+    # Endpoints (``gateway.endpoints`` names) it answered with "no such route": a generation
+    # server asked to embed, a pooling one asked to chat. Forgotten when it comes back up or
+    # its models change (it may have been restarted as the other kind).
+    lacks: frozenset[str] = frozenset()
     draining: bool = False
     removed: bool = False  # gone from discovery: no new requests, in-flight ones finish
     in_flight: int = 0

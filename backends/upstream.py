@@ -9,7 +9,8 @@ otherwise, which is what makes vLLM abort a generation nobody is waiting for.
 
 Timeouts: connecting has its own; waiting for the response head is bounded by the idle timeout;
 after that an ``IdleWatchdog`` cuts a body that stops moving (see ``backends.idle``). An
-``Interrupt`` ends the wait at once when the backend's probes mark it down.
+``Interrupt`` ends the wait at once when the backend's probes mark it down, or when the first
+token is later than the policy allows (``Interrupt.deadline``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from backends.errors import (
     BackendDown,
     BackendStalled,
+    FirstTokenLate,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
@@ -40,6 +42,10 @@ from backends.supervise import Supervisor
 
 class MarkedDown(aiohttp.ClientConnectionError):
     """Set on a response body whose backend the probes marked down (``Interrupt``)."""
+
+
+class Late(aiohttp.ClientConnectionError):
+    """Set on a response body whose first bytes did not come by the attempt's deadline."""
 
 
 class Stalled(aiohttp.ClientConnectionError):
@@ -56,6 +62,8 @@ def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
     where = f"backend {backend.id}"
     if isinstance(exc, MarkedDown):
         return BackendDown(f"{where}: marked down by its health probes while the request waited")
+    if isinstance(exc, Late):
+        return FirstTokenLate(f"{where}: no first token within {exc}")
     if isinstance(exc, Stalled):
         return BackendStalled(f"{where}: stalled, none of its streams moved for {exc}")
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
@@ -86,39 +94,72 @@ class Body(Protocol):
     def set_exception(self, exc: BaseException) -> None: ...
 
 
+class Replayable(Protocol):
+    """A request body sent from where it is kept (a spooled upload), once per attempt:
+    ``chunks`` starts a new pass over its ``size`` bytes each time it is called."""
+
+    size: int
+
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+
+RequestBody = bytes | Replayable
+
+
 class Interrupt:
-    """Ends an attempt's wait for its backend (head or first bytes) when ``fire()`` is called.
+    """Ends an attempt's wait for its backend (head or first bytes) when ``fire()`` is called
+    (its backend was marked down) or at its ``deadline`` (the first token is late).
 
     The request path arms one per attempt and hands ``fire`` to the lease (``Lease.on_down``);
     once anything has been sent to the client it is disarmed: from then on the stream is the
     client's, and only the idle watchdog cuts it.
     """
 
-    __slots__ = ("_body", "_timeout", "armed", "fired")
+    __slots__ = ("_body", "_late", "_timeout", "armed", "cause")
 
     def __init__(self) -> None:
         self._timeout: asyncio.Timeout | None = None
         self._body: Body | None = None
+        self._late: asyncio.TimerHandle | None = None
         self.armed = True
-        self.fired = False
+        self.cause: aiohttp.ClientConnectionError | None = None  # set once fired
 
     def fire(self) -> None:
-        if not self.armed or self.fired:
+        self._end(MarkedDown())
+
+    def deadline(self, within: float, confirm: Callable[[float], bool]) -> None:
+        """End the wait ``within`` seconds from now unless the first bytes came first and
+        ``confirm`` agrees then (told how late the event loop ran the deadline: a busy
+        gateway, not its backend, may be what delayed the first token)."""
+        loop = asyncio.get_running_loop()
+        self._late = loop.call_at(loop.time() + within, self._too_late, within, confirm)
+
+    def _too_late(self, within: float, confirm: Callable[[float], bool]) -> None:
+        handle, self._late = self._late, None
+        lag = asyncio.get_running_loop().time() - handle.when() if handle is not None else 0.0
+        if confirm(lag):
+            self._end(Late(f"{within:.2f} s"))
+
+    def _end(self, cause: aiohttp.ClientConnectionError) -> None:
+        if not self.armed or self.cause is not None:
             return
-        self.fired = True
+        self.cause = cause
         if self._body is not None:
-            self._body.set_exception(MarkedDown())
+            self._body.set_exception(cause)
         elif self._timeout is not None:
             self._timeout.reschedule(asyncio.get_running_loop().time())
 
     def disarm(self) -> None:
         self.armed = False
+        if self._late is not None:
+            self._late.cancel()
+            self._late = None
 
     def watch(self, body: Body) -> None:
         """The head has arrived: from now on an interrupt fails the body's reads."""
         self._body = body
-        if self.fired:  # marked down as the head arrived: nothing was read yet
-            body.set_exception(MarkedDown())
+        if self.cause is not None:  # fired as the head arrived: nothing was read yet
+            body.set_exception(self.cause)
 
 
 @asynccontextmanager
@@ -133,8 +174,8 @@ async def head_wait(
                 interrupt._timeout = timeout
             yield
     except CLIENT_ERRORS as exc:
-        if interrupt is not None and interrupt.fired:
-            raise translate(MarkedDown(), backend) from exc
+        if interrupt is not None and interrupt.cause is not None:
+            raise translate(interrupt.cause, backend) from exc
         raise translate(exc, backend) from exc
     finally:
         if interrupt is not None:
@@ -165,7 +206,7 @@ class Transport(Protocol):
         self,
         backend: BackendSpec,
         path: str,
-        body: bytes,
+        body: RequestBody,
         headers: Mapping[str, str],
         *,
         interrupt: Interrupt | None = None,
@@ -221,7 +262,7 @@ class UpstreamClient:
         self,
         backend: BackendSpec,
         path: str,
-        body: bytes,
+        body: RequestBody,
         headers: Mapping[str, str],
         *,
         interrupt: Interrupt | None = None,
@@ -230,8 +271,11 @@ class UpstreamClient:
         hdrs = CIMultiDict(headers)
         if backend.api_key:
             hdrs["Authorization"] = f"Bearer {backend.api_key}"
+        data: bytes | AsyncIterator[bytes] = body if isinstance(body, bytes) else body.chunks()
+        if not isinstance(body, bytes):  # sent as it is read, with its length (not chunked)
+            hdrs["Content-Length"] = str(body.size)
         async with head_wait(backend, self._idle_timeout, interrupt):
-            resp = await self._session.post(backend.url + path, data=body, headers=hdrs)
+            resp = await self._session.post(backend.url + path, data=data, headers=hdrs)
         if interrupt is not None:
             interrupt.watch(resp.content)
 

@@ -1,43 +1,78 @@
 """The admin API: its own app on its own listener, and only with a bearer token.
 
-Never open by default: without ``admin.token`` in the settings it is not served at all.
+Never open by default: without ``admin.token`` in the settings it is not served at all. The
+operator's console (``gateway.console``) is served on the same listener at ``/``: its assets
+hold no data and are the only paths answered without the token. Every change made through the
+API (a POST or PUT) is logged as ``admin_action`` with its outcome; a refused token is logged as
+``admin_token_refused`` (never the token itself).
 """
 
 from __future__ import annotations
 
 import hmac
+import time
+from collections.abc import Collection, Sequence
+from pathlib import Path
 from typing import Any
 
+import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.errors import GatewayError, InvalidRequest, NotFound, error_envelope
 from backends.state import BackendState
+from gateway import lora
+from gateway.admin_fanout import fanout_middleware
+from gateway.admin_stats import stats_document
 from gateway.app import server_header
+from gateway.console import PUBLIC_PATHS, add_console_routes
 from gateway.keys import GATEWAY, KV_FEEDS, KV_INDEX, LATENCY, METRICS, POOL, ROUTER
 from gateway.latency_metrics import latency_views
 from gateway.reload import change_policy, describe_policy, reload_settings
 from gateway.rollout import ROLLOUT
-from policies import score
+from policies import POLICY_NAMES, score
 from policies.latency import BackendLatency
 
+log = structlog.get_logger("gateway.admin")
 
-def _token_middleware(token: str) -> Middleware:
+
+def _token_middleware(token: str, public: Collection[str] = ()) -> Middleware:
     expected = f"Bearer {token}".encode()
 
     @web.middleware
     async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.method in ("GET", "HEAD") and request.path in public:
+            return await handler(request)
         given = request.headers.get("Authorization", "").encode()
         if not hmac.compare_digest(given, expected):
+            log.warning(
+                "admin_token_refused",
+                method=request.method,
+                path=request.path,
+                peer=request.remote,
+                given="none" if not given else "wrong",
+            )
             return web.json_response(
                 error_envelope("A valid admin bearer token is required.", "authentication_error"),
                 status=401,
             )
+        error: GatewayError | None = None
         try:
-            return await handler(request)
+            response = await handler(request)
         except GatewayError as err:
-            return web.json_response(err.envelope(), status=err.status)
+            error = err
+            response = web.json_response(err.envelope(), status=err.status)
+        if request.method not in ("GET", "HEAD"):  # a change (or an attempt at one)
+            (log.warning if error else log.info)(
+                "admin_action",
+                method=request.method,
+                path=request.path,
+                peer=request.remote,
+                status=response.status,
+                **({"error": error.message} if error else {}),
+            )
+        return response
 
     return check
 
@@ -57,7 +92,8 @@ def backend_view(
         "draining": b.draining,
         "removed": b.removed,
         "models": sorted(b.models),
-        "in_flight": b.in_flight,
+        # the host's (every worker's, ``serve --workers``) when the snapshot is at hand
+        "in_flight": b.in_flight if snapshot is None else snapshot.in_flight,
         "queue_depth": load.waiting if load else None,
         "running": load.running if load else None,
         "kv_cache_usage": load.kv_cache_usage if load else None,
@@ -98,11 +134,14 @@ def _set_draining(draining: bool) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         pool = request.app[GATEWAY][POOL]
         backend_id = request.match_info["backend_id"]
-        if not pool.set_draining(backend_id, draining):
-            raise NotFound(f"No backend {backend_id!r}.")
         b = pool.get(backend_id)
-        assert b is not None
-        return web.json_response(backend_view(b, pool.now()))
+        if b is None:
+            raise NotFound(f"No backend {backend_id!r}.")
+        was = b.draining
+        pool.set_draining(backend_id, draining)
+        log.info("backend_drain_changed", backend=backend_id, draining=draining, was=was)
+        now = pool.now()
+        return web.json_response(backend_view(b, now, pool.snapshot(b, now)))
 
     return handler
 
@@ -119,7 +158,14 @@ async def put_policy(request: web.Request) -> web.Response:
 
 
 async def get_policy(request: web.Request) -> web.Response:
-    return web.json_response(describe_policy(request.app[GATEWAY]))
+    """The running policy, and the names ``PUT /admin/policy`` accepts."""
+    return web.json_response({**describe_policy(request.app[GATEWAY]), "policies": POLICY_NAMES})
+
+
+async def get_stats(request: web.Request) -> web.Response:
+    """The cumulative counters a console diffs between polls (``gateway.admin_stats``)."""
+    registry = request.app[GATEWAY][METRICS].registry
+    return web.json_response(stats_document(registry.collect(), time.time()))
 
 
 async def post_reload(request: web.Request) -> web.Response:
@@ -209,10 +255,19 @@ async def admin_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_admin_app(gateway: web.Application, token: str) -> web.Application:
-    app = web.Application(middlewares=[_token_middleware(token)])
+def create_admin_app(
+    gateway: web.Application, token: str, peers: Sequence[Path] = ()
+) -> web.Application:
+    """The admin API on ``gateway``; ``peers``: the other workers' admin sockets, which every
+    change is sent on to (``gateway.admin_fanout``)."""
+    middlewares = [_token_middleware(token, PUBLIC_PATHS)]
+    if peers:
+        middlewares.append(fanout_middleware(peers))
+    app = web.Application(middlewares=middlewares)
     app.on_response_prepare.append(server_header)
     app[GATEWAY] = gateway
+    add_console_routes(app)
+    app.router.add_get("/admin/stats", get_stats)
     app.router.add_get("/admin/backends", list_backends)
     app.router.add_get("/admin/policy", get_policy)
     app.router.add_put("/admin/policy", put_policy)
@@ -227,4 +282,6 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_post("/admin/aliases/{alias}/rollback", rollback_alias)
     app.router.add_post("/admin/pools/{pool}/drain", _drain_pool(True))
     app.router.add_post("/admin/pools/{pool}/undrain", _drain_pool(False))
+    app.router.add_post("/admin/lora/load", lora.load_adapter)
+    app.router.add_post("/admin/lora/unload", lora.unload_adapter)
     return app

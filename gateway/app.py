@@ -17,13 +17,16 @@ from backends.discovery import DnsDiscovery, Resolver
 from backends.health import HealthPolicy
 from backends.monitor import BackendMonitor, MonitorSettings
 from backends.pool import BackendPool
+from backends.shared_inflight import SharedInFlight
 from backends.supervise import Supervisor
 from backends.tap import internals_problem
 from backends.upstream import Transport, UpstreamClient
-from gateway import proxy
+from gateway import host_metrics, info, proxy, stored
 from gateway.disagg import role_policies
+from gateway.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
 from gateway.keys import (
     ADMISSION,
+    GATEWAY,
     KV_FEEDS,
     KV_INDEX,
     LATENCY,
@@ -33,6 +36,7 @@ from gateway.keys import (
     MONITOR,
     POOL,
     RELAY_FAST,
+    RESPONSE_HOMES,
     RETRY,
     ROUTER,
     SETTINGS,
@@ -40,6 +44,7 @@ from gateway.keys import (
     TOKENIZERS,
     TRACER,
     UPSTREAM,
+    WORKER,
     Lifecycle,
 )
 from gateway.kv_metrics import KvEventsCollector
@@ -51,12 +56,14 @@ from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_context
 from gateway.policy_config import build_policy, latency_config, weights_of
 from gateway.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
+from gateway.responses import open_homes, peer_home
 from gateway.retry import RetryPolicy
 from gateway.rollout import ROLLOUT, Rollout
 from gateway.router import Router
 from gateway.settings import Settings
 from gateway.slo import CHANGES, ChangeSignal
 from gateway.tracing import provider_from_settings, tracer_from
+from gateway.workers import Worker
 from policies import KvIndex, LatencyTracker
 
 if TYPE_CHECKING:
@@ -70,10 +77,11 @@ async def _shutdown_tracing(provider: TracerProvider) -> None:
     await asyncio.to_thread(provider.shutdown)
 
 
-def _pool(settings: Settings) -> BackendPool:
+def _pool(settings: Settings, shared: SharedInFlight | None) -> BackendPool:
     h = settings.health
     pool = BackendPool(
         backend_specs(settings),
+        shared=shared,
         stale_after=settings.scrape.stale_after,
         retry_after=settings.retry_after_seconds,
         health=HealthPolicy(fall=h.fall, rise=h.rise),
@@ -227,6 +235,16 @@ def _admission(settings: Settings, pool: BackendPool) -> AdmissionQueue | None:
     )
 
 
+async def _responses_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Where stored responses' homes are kept: this process, or the limits' Redis too."""
+    s = app[SETTINGS]
+    worker = app.get(WORKER)
+    homes = open_homes(s.responses, s.limits.redis, worker.private_peers if worker else ())
+    app[RESPONSE_HOMES] = homes
+    yield
+    await homes.close()
+
+
 async def _limits_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
     async with open_limiter(
@@ -245,8 +263,33 @@ async def server_header(_request: web.Request, response: web.StreamResponse) -> 
 
 
 async def metrics_endpoint(request: web.Request) -> web.Response:
+    """This process's figures, or with ``serve --workers`` the host's (``host_metrics``)."""
     body = generate_latest(request.app[METRICS].registry)
+    worker = request.app.get(WORKER)
+    if worker is not None:
+        texts = await host_metrics.gather(body.decode(), worker.private_peers)
+        body = host_metrics.combine(texts)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def own_metrics(request: web.Request) -> web.Response:
+    """A worker's own figures, on its private socket, for the worker that answers a scrape."""
+    body = generate_latest(request.app[GATEWAY][METRICS].registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def own_response_home(request: web.Request) -> web.Response:
+    return await peer_home(request, request.app[GATEWAY][RESPONSE_HOMES])
+
+
+def worker_private_app(gateway: web.Application) -> web.Application:
+    """What a worker answers the other workers of its host (``serve --workers``), on its
+    private socket: its own figures and the stored responses it knows the home of."""
+    app = web.Application()
+    app[GATEWAY] = gateway
+    app.router.add_get("/metrics", own_metrics)
+    app.router.add_get("/responses/home", own_response_home)
+    return app
 
 
 def create_app(
@@ -257,6 +300,7 @@ def create_app(
     loader: SettingsLoader | None = None,
     transport: Transport | None = None,
     relay_check: Callable[[], str | None] = internals_problem,
+    worker: Worker | None = None,
 ) -> web.Application:
     """The gateway app.
 
@@ -264,6 +308,7 @@ def create_app(
     ``resolver``, ``tracer_provider`` and ``transport`` (how backends are reached:
     ``backends.mock.MockTransport`` in tests) replace the real ones. ``relay_check`` says
     whether the stream relay's fast path (``backends.tap``) can be trusted with this aiohttp.
+    ``worker``: this process is one of ``serve --workers``' (its in-flight counts shared).
     """
     app = web.Application(
         client_max_size=settings.max_body_bytes,
@@ -276,10 +321,12 @@ def create_app(
     )
     app.on_response_prepare.append(server_header)
     app[SETTINGS] = settings
+    if worker is not None:
+        app[WORKER] = worker
     app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)
     app[LIFECYCLE] = Lifecycle()
     supervisor = app[SUPERVISOR] = Supervisor()  # every background loop runs under it
-    pool = _pool(settings)
+    pool = _pool(settings, worker.table if worker is not None else None)
     app[POOL] = pool
     kv_index = app[KV_INDEX] = KvIndex(settings.kv_events.capacity)
     tracker = app[LATENCY] = LatencyTracker(latency_config(settings.latency), clock=pool.now)
@@ -322,7 +369,7 @@ def create_app(
         )
     )
     metrics.registry.register(LatencyCollector(tracker, pool, lambda: app[ROUTER].policy))
-    metrics.watch_limits(lambda: app[LIMITER].rejections, admission)
+    metrics.watch_limits(lambda: app[LIMITER], admission)
     metrics.watch_supervisor(supervisor)
     tap_problem = relay_check()
     app[RELAY_FAST] = tap_problem is None
@@ -336,15 +383,24 @@ def create_app(
         )
     app[METRICS] = metrics
     app.cleanup_ctx.append(_limits_ctx)
+    app.cleanup_ctx.append(_responses_ctx)
     provider = tracer_provider or provider_from_settings(settings.tracing)
     app[TRACER] = tracer_from(provider)
     if provider is not None and tracer_provider is None:
         app.on_cleanup.append(lambda _: _shutdown_tracing(provider))
     app.cleanup_ctx.append(_backends_ctx(resolver, transport))
-    app.router.add_post("/v1/completions", proxy.completions)
-    app.router.add_post("/v1/chat/completions", proxy.chat_completions)
-    app.router.add_get("/v1/models", proxy.list_models)
-    app.router.add_get("/health", proxy.health)
-    app.router.add_get("/ready", proxy.ready)
-    app.router.add_get("/metrics", metrics_endpoint)
+    _add_routes(app)
     return app
+
+
+def _add_routes(app: web.Application) -> None:
+    for endpoint in (*JSON_ENDPOINTS, *FORM_ENDPOINTS):
+        for path in endpoint.paths:
+            app.router.add_post(path, proxy.route_endpoint(endpoint))
+    app.router.add_post("/v1/responses", proxy.route_endpoint(RESPONSES))
+    app.router.add_get("/v1/responses/{response_id}", stored.get_response)
+    app.router.add_post("/v1/responses/{response_id}/cancel", stored.cancel_response)
+    app.router.add_get("/v1/models", info.list_models)
+    app.router.add_get("/health", info.health)
+    app.router.add_get("/ready", info.ready)
+    app.router.add_get("/metrics", metrics_endpoint)

@@ -16,7 +16,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 import structlog
 from aiohttp import web
@@ -26,13 +26,15 @@ from opentelemetry.trace import Span, set_span_in_context
 from backends.errors import (
     BackendDown,
     BackendRefused,
+    FirstTokenLate,
     NoBackendAvailable,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
 from backends.pool import Lease
-from backends.upstream import Interrupt, Upstream
+from backends.upstream import Interrupt, RequestBody, Upstream
+from gateway.endpoints import CHAT, Endpoint
 from gateway.keys import LATENCY, LIFECYCLE, METRICS, RETRY, ROUTER, TRACER, UPSTREAM
 from gateway.record import RequestRecord
 from gateway.relay import StreamBroken
@@ -54,7 +56,7 @@ class Call:
 
     request: web.Request
     path: str
-    body: bytes
+    body: RequestBody  # bytes, or a spooled upload (``gateway.form``) sent again per attempt
     headers: CIMultiDict[str]
     record: RequestRecord
     strip_usage: bool = False
@@ -63,10 +65,16 @@ class Call:
     # The request as parsed, when its stream may be continued on another backend if its own
     # fails mid-way (``gateway.continuation``); None when it may not.
     resumable: dict[str, Any] | None = None
+    endpoint: Endpoint = CHAT
+    # A Responses API request's id, when its response is stored: remembered with the backend
+    # that answers it (``gateway.responses``)
+    response_id: str | None = None
+    # Its answer streams tokens: the first one is awaited apart (a policy may set a deadline)
+    streamed: bool = False
 
     @property
     def chat(self) -> bool:
-        return self.path.endswith("/chat/completions")
+        return self.endpoint is CHAT
 
 
 @dataclass(slots=True)
@@ -92,6 +100,8 @@ class Tally:
             elif not 200 <= self.status < 300:
                 error = "status"
         first = None if self.first_token_at is None else self.first_token_at - self.sent_at
+        if error == "late":  # taken back unanswered: its TTFT is at least what it waited
+            first = time.monotonic() - self.sent_at
         return Outcome(
             ok=error is None,
             status=self.status,
@@ -106,7 +116,9 @@ class Tally:
         of the backend is a failure; "busy" (429) and a client that left are neither."""
         if outcome.ok or (outcome.error == "status" and outcome.status < 500):
             lease.succeeded()
-        elif outcome.error == "abandoned" or (outcome.error == "refused" and outcome.status == 429):
+        elif outcome.error in ("abandoned", "late") or (
+            outcome.error == "refused" and outcome.status == 429
+        ):
             return
         else:
             lease.failed()
@@ -116,6 +128,8 @@ def error_kind(exc: BaseException) -> str:
     """``Outcome.error``'s name for what an attempt raised."""
     if isinstance(exc, BackendDown):
         return "down"
+    if isinstance(exc, FirstTokenLate):
+        return "late"  # slow, not broken: sent elsewhere
     if isinstance(exc, UpstreamTimeout):
         return "timeout"
     if isinstance(exc, BackendRefused):
@@ -143,6 +157,8 @@ class Try:
     span: Span | None = None
     stream_error: UpstreamError | None = None  # what cut a stream after it began
     expected: Expected | None = None  # what the latency tracker expects of it
+    first_token_within: float | None = None  # else sent elsewhere (the policy's rescue)
+    interrupt: Interrupt | None = None  # ends its wait early (backend down, first token late)
 
 
 # An attempt: returns what its step produces, or raises ``UpstreamError`` if it failed before
@@ -170,12 +186,36 @@ def expected(tracker: LatencyTracker, step: Step, chosen: BackendSnapshot) -> Ex
     return Expected(load, predicted, tracker.begin(chosen.id, load.uncached))
 
 
+def first_token_deadline(step: Step, backend: str, exp: Expected | None) -> float | None:
+    """Seconds the step's policy lets a streamed attempt on ``backend`` wait for its first
+    token before it is sent elsewhere (``predicted_latency``'s rescue), from what was
+    predicted of it."""
+    deadline = getattr(step.policy, "first_token_deadline", None)
+    if deadline is None or exp is None:
+        return None
+    within: float | None = deadline(backend, exp.predicted.ttft)
+    return within
+
+
+# The event loop ran the deadline this much late or more: the gateway itself is saturated, and
+# what delayed the first token may be its own queue, which another backend would not shorten.
+RESCUE_MAX_LAG_S: Final = 0.02
+
+
+def _rescue_now(t: Try, lag: float) -> bool:
+    """At its deadline, whether to take ``t`` back: only if the gateway is keeping up and
+    another backend could take the request (else it waits on: a late answer beats none)."""
+    if lag >= RESCUE_MAX_LAG_S:
+        return False
+    return bool(t.call.request.app[ROUTER].has_other(t.step, t.lease.backend.id))
+
+
 def cancel_reason(app: web.Application) -> str:
     """Why a handler was cancelled: its client left, or the gateway is shutting down."""
     return "shutdown" if app[LIFECYCLE].stopping else "client_disconnect"
 
 
-async def open_upstream(t: Try, body: bytes) -> Upstream:
+async def open_upstream(t: Try, body: RequestBody) -> Upstream:
     """Send ``body`` on ``t``'s backend and return once its answer's head is in.
 
     Until something reaches the client, and if another backend could take the request, the
@@ -196,6 +236,9 @@ async def open_upstream(t: Try, body: bytes) -> Upstream:
     if t.may_retry:  # only worth it if another backend could take the request instead
         interrupt = Interrupt()
         t.lease.on_down(interrupt.fire)
+        if t.first_token_within is not None:
+            interrupt.deadline(t.first_token_within, lambda lag: _rescue_now(t, lag))
+        t.interrupt = interrupt
     t.tally.sent_at = time.monotonic()
     try:
         upstream = await app[UPSTREAM].open(
@@ -212,6 +255,8 @@ async def open_upstream(t: Try, body: bytes) -> Upstream:
 def _settle(t: Try, error: BaseException | None, tracker: LatencyTracker) -> None:
     """An attempt is over: its outcome judged (the circuit), the lease released, the policy
     and the latency tracker told, its span ended."""
+    if t.interrupt is not None:
+        t.interrupt.disarm()  # its deadline, if any, is moot now
     if error is not None:
         t.tally.failed(error)
     outcome = t.tally.outcome()
@@ -266,6 +311,8 @@ async def attempts(
         elapsed = time.monotonic() - since
         may_retry = len(candidates) > 1 and retry.allows(n, elapsed)
         t = Try(call, step, lease, n, may_retry, parent, expected=expected(tracker, step, chosen))
+        if may_retry and n == 1 and call.streamed and step.role != "prefill":
+            t.first_token_within = first_token_deadline(step, backend, t.expected)
         error: BaseException | None = None
         try:
             return await attempt(t)
@@ -282,6 +329,8 @@ async def attempts(
         wait = retry.next_wait(n, time.monotonic() - since, _rng)
         if not may_retry or wait is None:
             raise last
+        if isinstance(last, FirstTokenLate):
+            wait = 0.0  # the backend is slow, not failing: nothing to back off from
         metrics.retries.labels(backend, reason).inc()
         log.info(
             "upstream_retry",

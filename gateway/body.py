@@ -2,7 +2,7 @@
 
 Everything a client can send that the rest of the gateway could not handle stops here with a
 400 (or 408, 413) in OpenAI's envelope; what passes is a JSON object of valid Unicode text
-with a model name.
+with a model name, or an audio endpoint's multipart form (``gateway.form``) with its file.
 """
 
 from __future__ import annotations
@@ -10,11 +10,34 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
 from backends.errors import BodyTimeout, BodyTooLarge, InvalidRequest
+from gateway.endpoints import Endpoint
+from gateway.form import Upload, form_doc, read_form
+
+if TYPE_CHECKING:  # gateway.settings imports the limits, which use this module
+    from gateway.settings import Settings
+
+
+async def read_body(
+    request: web.Request, endpoint: Endpoint, settings: Settings
+) -> tuple[bytes | Upload, dict[str, Any]]:
+    """The body as it is forwarded (bytes, or a spooled upload, ``gateway.form``) and as the
+    gateway reads it (a JSON endpoint's object; an audio form's fields)."""
+    within = settings.client.body_timeout
+    if not endpoint.form:
+        return await read_json_body(request, settings.max_body_bytes, within)
+    upload = await read_form(request, settings.max_upload_bytes, within)
+    if "file" not in upload.files:  # vLLM would refuse it too, after the upload
+        upload.close()
+        raise InvalidRequest(
+            f"The {endpoint.name} endpoint needs the audio as a file part named `file`.",
+            param="file",
+        )
+    return upload, form_doc(upload.fields)
 
 
 async def read_json_body(
@@ -70,6 +93,16 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
                 code="invalid_json",
             ) from exc
     return doc
+
+
+def with_field(doc: dict[str, Any], raw: bytes, name: str, value: Any) -> bytes:
+    """The body with ``name: value`` added: appended to ``raw`` when ``doc`` lacks it, so a long
+    prompt is not serialised again; else ``doc`` serialised with it."""
+    body = raw.rstrip()
+    if doc and name not in doc and body.endswith(b"}"):
+        field = json.dumps({name: value}, separators=(",", ":")).encode()
+        return body[:-1] + b"," + field[1:]
+    return json.dumps({**doc, name: value}, separators=(",", ":")).encode()
 
 
 def request_model(doc: dict[str, Any]) -> str:

@@ -39,6 +39,11 @@ def _setup_serve(p: argparse.ArgumentParser) -> None:
         choices=POLICY_NAMES,
         help="routing policy (default least_load)",
     )
+    p.add_argument(
+        "--workers",
+        help="gateway processes sharing the port and one view of the fleet (default 1; "
+        "auto: one per core this process may use)",
+    )
     p.set_defaults(func=_serve)
 
 
@@ -51,6 +56,7 @@ def _serve(args: argparse.Namespace) -> int:
         "port": args.port,
         "backends": args.backends,
         "policy": args.policy,
+        "workers": args.workers,
     }
     try:
         settings = load_settings(args.config, **overrides)
@@ -72,12 +78,14 @@ def _serve(args: argparse.Namespace) -> int:
         except ValueError as exc:
             print(f"llm-gateway: bad configuration: tokenizers.{model}: {exc}", file=sys.stderr)
             return 2
+    if settings.worker_count > 1 and (why := settings.per_process_limits()) is not None:
+        print(f"llm-gateway: bad configuration: {why}", file=sys.stderr)
+        return 2
     try:
-        serve(settings, loader=lambda: load_settings(args.config, **overrides))
+        return serve(settings, loader=lambda: load_settings(args.config, **overrides))
     except ListenError as exc:
         print(f"llm-gateway: {exc}", file=sys.stderr)
         return 2
-    return 0
 
 
 def _setup_sim(p: argparse.ArgumentParser) -> None:

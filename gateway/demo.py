@@ -1,7 +1,8 @@
 """``llm-gateway demo``: simulated backends and the gateway in one process, for a first look.
 
 It also starts the admin API on 127.0.0.1 with a token made for the run and printed (to the
-terminal, not to the logs), so that ``llm-gateway top`` works from the quickstart.
+terminal, not to the logs), so that the console (the admin listener's ``/``) and
+``llm-gateway top`` work from the quickstart.
 """
 
 from __future__ import annotations
@@ -55,6 +56,7 @@ def _banner(d: Demo, token: str) -> str:
             f"    curl -N {base}/v1/chat/completions -H 'content-type: application/json' \\",
             f"      -d '{body}'",
             f"  the admin API on {admin}, with a token made for this run:",
+            f"    the console: open {admin}/ in a browser and sign in with {token}",
             f"    .venv/bin/llm-gateway top --admin {admin} --token {token}",
             f"    curl -H 'Authorization: Bearer {token}' {admin}/admin/backends",
             "",

@@ -39,7 +39,8 @@ from gateway.headers import downstream_headers
 from gateway.keys import METRICS, UPSTREAM
 from gateway.policy_config import build_policy, weights_of
 from gateway.retry import RETRYABLE_STATUS
-from gateway.settings import RolePoolSettings, Settings
+from gateway.routing_settings import RolePoolSettings
+from gateway.settings import Settings
 from policies import KvIndex, LatencyTracker, Policy
 
 log = structlog.get_logger("gateway.disagg")

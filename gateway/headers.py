@@ -25,9 +25,16 @@ _HOP_BY_HOP: Final = frozenset(
         "content-length",
     }
 )
-# Never sent upstream: the client's credentials (a backend has its own key) and encodings the
-# gateway would then have to undo.
-_NOT_UPSTREAM: Final = _HOP_BY_HOP | {"authorization", "cookie", "accept-encoding", "x-api-key"}
+# Never sent upstream: the client's credentials (a backend has its own key), encodings the
+# gateway would then have to undo, and ``Expect: 100-continue`` (the gateway has the body
+# already; asking the backend would cost a round trip per attempt).
+_NOT_UPSTREAM: Final = _HOP_BY_HOP | {
+    "authorization",
+    "cookie",
+    "accept-encoding",
+    "x-api-key",
+    "expect",
+}
 _NOT_DOWNSTREAM: Final = _HOP_BY_HOP | {"server", "date", "set-cookie"}
 
 REQUEST_ID: Final = "X-Request-Id"

@@ -15,9 +15,11 @@ from backends.upstream import Transport
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
 from gateway.metrics import GatewayMetrics
+from gateway.responses import ResponseHomes
 from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
+from gateway.workers import Worker
 from policies.kv_index import KvIndex
 from policies.latency import LatencyTracker
 
@@ -49,8 +51,11 @@ GATEWAY: Final = web.AppKey("gateway", web.Application)
 # False when the tap's aiohttp internals are not as expected: streams use plain reads.
 RELAY_FAST: Final = web.AppKey("relay_fast", bool)  # on the admin app: the main app
 KV_INDEX: Final = web.AppKey("kv_index", KvIndex)  # what each engine caches (its KV events)
+WORKER: Final = web.AppKey("worker", Worker)  # one of ``serve --workers``' processes
 LATENCY: Final = web.AppKey("latency", LatencyTracker)  # each backend's learned speed
 KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not followed
 TOKENIZERS: Final = web.AppKey["Tokenizers | None"]("tokenizers")  # None: none configured
+# the Responses API: which backend holds each stored response (``gateway.responses``)
+RESPONSE_HOMES: Final = web.AppKey[ResponseHomes]("response_homes")
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -43,6 +43,9 @@ def configure_logging(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        # One write per line (message and newline together): with PYTHONUNBUFFERED (usual in
+        # containers) print() writes them apart, and the workers of ``serve --workers``,
+        # sharing stderr, would splice each other's lines into lines no collector can parse.
+        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )

@@ -7,7 +7,7 @@ by a collector, so they cost the request path nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from typing import Final
 
@@ -20,6 +20,7 @@ from backends.health import Health
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
 from gateway.limits.admission import AdmissionQueue
+from gateway.limits.limiter import Limiter
 from policies import Policy, PrecisePrefix, PrefixAffinity, Weights, score
 from policies.prefix_affinity import REASONS
 
@@ -65,7 +66,7 @@ class BackendCollector(Collector):
         g = {
             name: GaugeMetricFamily(f"llm_gateway_backend_{name}", doc, labels=labels)
             for name, doc, labels in (
-                ("in_flight", "Requests in flight from this gateway.", ["backend"]),
+                ("in_flight", "Requests in flight from this gateway, all workers.", ["backend"]),
                 ("queue_depth", "Scraped vllm:num_requests_waiting.", ["backend"]),
                 ("running", "Scraped vllm:num_requests_running.", ["backend"]),
                 ("kv_cache_usage", "Scraped vllm:kv_cache_usage_perc (0..1).", ["backend"]),
@@ -78,9 +79,11 @@ class BackendCollector(Collector):
             )
         }
         fleet_waiting = 0
+        routable = 0
         for b in pool.all():
             bid = [b.id]
-            g["in_flight"].add_metric(bid, b.in_flight)
+            routable += pool.routable(b, now)
+            g["in_flight"].add_metric(bid, pool.in_flight(b))
             if b.load is not None:
                 g["queue_depth"].add_metric(bid, b.load.waiting)
                 g["running"].add_metric(bid, b.load.running)
@@ -96,6 +99,11 @@ class BackendCollector(Collector):
             g["draining"].add_metric(bid, 1.0 if b.draining else 0.0)
             g["score"].add_metric(bid, score(pool.snapshot(b, now), weights))
         yield from g.values()
+        yield GaugeMetricFamily(
+            "llm_gateway_routable_backends",
+            "Backends a request could be sent to now: healthy, circuit not open, not draining.",
+            value=routable,
+        )
         yield GaugeMetricFamily(
             FLEET_ENGINE_QUEUE_METRIC,
             "Requests waiting inside every backend engine (scraped), without the gateway's own "
@@ -158,10 +166,10 @@ class LimitsCollector(Collector):
 
     def __init__(
         self,
-        rejections: Callable[[], Mapping[tuple[str, str], int]],
+        limiter: Callable[[], Limiter],
         admission: AdmissionQueue | None,
     ) -> None:
-        self._rejections = rejections
+        self._limiter = limiter
         self._admission = admission
 
     def describe(self) -> list[Metric]:
@@ -174,12 +182,25 @@ class LimitsCollector(Collector):
             labels=["key", "reason"],
         )
         try:
-            counts = self._rejections()
+            limiter: Limiter | None = self._limiter()
         except KeyError:  # the limiter is not up yet
-            counts = {}
-        for (key, reason), n in counts.items():
+            limiter = None
+        for (key, reason), n in (limiter.rejections if limiter else {}).items():
             rejected.add_metric([key, reason], n)
         yield rejected
+        if limiter is not None:
+            yield GaugeMetricFamily(
+                "llm_gateway_limits_store_up",
+                "1 while the limits' store answers (always, in memory); 0 while Redis cannot be "
+                "reached and its failure mode (open: no limits; closed: 503) applies.",
+                value=1.0 if limiter.store.available else 0.0,
+            )
+            yield CounterMetricFamily(
+                "llm_gateway_limits_degraded_admissions",
+                "Requests admitted without their limits checked: the shared store could not "
+                "be reached and failure_mode is open.",
+                value=limiter.degraded_admissions,
+            )
         queue = self._admission
         yield GaugeMetricFamily(
             ADMISSION_QUEUE_METRIC,
@@ -229,8 +250,10 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "llm_gateway_requests",
-            "Requests by model, backend (the last one tried) and status.",
-            ["model", "backend", "status"],
+            "Requests by model, backend (the last one tried), status and endpoint (chat, "
+            "completions, responses, embeddings, pooling, classify, score, rerank, tokenize, "
+            "detokenize).",
+            ["model", "backend", "status", "endpoint"],
             registry=r,
         )
         self.duration = Histogram(
@@ -400,10 +423,10 @@ class GatewayMetrics:
 
     def watch_limits(
         self,
-        rejections: Callable[[], Mapping[tuple[str, str], int]],
+        limiter: Callable[[], Limiter],
         admission: AdmissionQueue | None,
     ) -> None:
-        self.registry.register(LimitsCollector(rejections, admission))
+        self.registry.register(LimitsCollector(limiter, admission))
 
     def watch_supervisor(self, supervisor: Supervisor) -> None:
         self.registry.register(SupervisorCollector(supervisor))

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.settings import AffinitySettings, LatencySettings, Settings, WeightSettings
+from gateway.routing_settings import AffinitySettings, LatencySettings, WeightSettings
+from gateway.settings import Settings
 from policies import (
     AffinityConfig,
     KvIndex,

@@ -24,29 +24,33 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from opentelemetry.trace import Span, SpanKind
 
 from backends.errors import (
+    BackendLacksEndpoint,
     BackendRefused,
     GatewayError,
     UpstreamTimeout,
 )
 from backends.upstream import Upstream
 from gateway.attempt import Call, Try, attempts, cancel_reason, open_upstream
-from gateway.body import read_json_body, request_model
+from gateway.body import read_body, request_model
 from gateway.continuation import Keep, refusal
 from gateway.disagg import decode_body, prefill_attempt, prefill_body
+from gateway.endpoints import CHAT, COMPLETIONS, RESPONSES, Endpoint, is_route_missing
+from gateway.form import Upload
 from gateway.headers import downstream_headers, upstream_headers
 from gateway.keys import (
     ADMISSION,
-    LIFECYCLE,
     LIMITER,
     METRICS,
     RELAY_FAST,
     REQUEST_ID_KEY,
+    RESPONSE_HOMES,
     ROUTER,
     SETTINGS,
     TOKENIZERS,
@@ -57,7 +61,13 @@ from gateway.limits.admission import AdmissionTicket
 from gateway.limits.fairqueue import parse_priority
 from gateway.limits.keys import Principal
 from gateway.limits.limiter import Grant
-from gateway.limits.tokens import UsageFilter, usage_from_body, usage_plan, with_include_usage
+from gateway.limits.tokens import (
+    UsageFilter,
+    UsagePlan,
+    usage_from_body,
+    usage_plan,
+    with_include_usage,
+)
 from gateway.record import RequestRecord, finish
 from gateway.relay import (
     EVENT_STREAM,
@@ -67,36 +77,49 @@ from gateway.relay import (
     relay_body,
     relay_stream,
 )
+from gateway.responses import with_response_id
 from gateway.resume import resume
 from gateway.retry import RETRYABLE_STATUS
 from gateway.rollout import ROLLOUT, Choice
 from gateway.router import Route, Step
 from gateway.slo import meet_slo, parse_slo
+from gateway.stored import home_of
 from gateway.tracing import annotate, parent_context
 
 _BUSY: Final = frozenset({429, 503})  # answers that tell the client when to come back
+_NO_USAGE_PLAN: Final = UsagePlan(inject=False, strip=False)
+_TOKEN_STREAMS: Final = (CHAT, COMPLETIONS, RESPONSES)  # "stream": true streams tokens
 
 
-async def forward(request: web.Request, path: str) -> web.StreamResponse:
+async def forward(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+    """Route one model-addressed JSON request (``endpoint``: what it is, ``gateway.endpoints``)
+    to a backend serving its model, under the limits, and relay the answer."""
     app = request.app
-    record = RequestRecord(request[REQUEST_ID_KEY], started=time.monotonic())
+    record = RequestRecord(
+        request[REQUEST_ID_KEY], started=time.monotonic(), endpoint=endpoint.name
+    )
     limiter = app[LIMITER]
     grant: Grant | None = None
+    upload: Upload | None = None
     try:
         principal = limiter.authenticate(request.headers)
         record.key = principal.id
         settings = app[SETTINGS]
-        raw, doc = await read_json_body(
-            request, settings.max_body_bytes, settings.client.body_timeout
-        )
+        raw, doc = await read_body(request, endpoint, settings)
+        upload = raw if isinstance(raw, Upload) else None
         asked = record.model = request_model(doc)
-        chat = path.endswith("/chat/completions")
+        response_id = pin = None
+        if endpoint is RESPONSES:
+            assert isinstance(raw, bytes)  # a JSON endpoint
+            response_id, pin, doc, raw = await _stored_response(app, doc, raw)
         pool = app[ROUTER].pool
-        routed = await _routed(request, asked, doc, raw, chat=chat, objective=principal.objective)
+        routed = await _routed(
+            request, asked, doc, raw, endpoint, objective=principal.objective, pin=pin
+        )
         record.pool = routed.choice.pool.name if routed.choice is not None else None
         slo_header = settings.latency.slo_header
         slo = parse_slo(request.headers.get(slo_header)) if slo_header else None
-        grant = await limiter.admit(principal, doc)
+        grant = await limiter.admit(principal, doc, generates=endpoint.generates)
         if slo is not None:
             await meet_slo(app, routed.route.serve, slo, _priority(app, request, principal))
         ticket = await _wait_for_capacity(app, principal.id, principal.max_priority, request)
@@ -108,21 +131,11 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
                 # The chosen pool lost its last usable backend while the request waited (for
                 # its limits, in the admission queue): choose among the alias's pools again.
                 routed = await _routed(
-                    request, asked, doc, raw, chat=chat, objective=principal.objective
+                    request, asked, doc, raw, endpoint, objective=principal.objective, pin=pin
                 )
                 record.pool = routed.choice.pool.name if routed.choice is not None else None
-            plan = usage_plan(routed.doc)
-            resumable = settings.continuation.enabled and refusal(routed.doc, chat) is None
-            call = Call(
-                request,
-                path,
-                with_include_usage(routed.doc, routed.raw) if plan.inject else routed.raw,
-                upstream_headers(request.headers, record.request_id),
-                record,
-                strip_usage=plan.strip,
-                extra_headers=grant.headers,
-                choice=routed.choice,
-                resumable=routed.doc if resumable else None,
+            call = _call(
+                request, endpoint, routed, record=record, grant=grant, response_id=response_id
             )
             return await _traced(call, routed.route, routed.doc)
         finally:
@@ -139,14 +152,27 @@ async def forward(request: web.Request, path: str) -> web.StreamResponse:
                 spent = record.usage if record.sent else 0
                 await asyncio.shield(limiter.finish(grant, spent))
         finally:
+            if upload is not None:
+                upload.close()
             finish(app, record)  # counted and logged even if cancelled while settling
+
+
+async def _stored_response(
+    app: web.Application, doc: dict[str, Any], raw: bytes
+) -> tuple[str | None, str | None, dict[str, Any], bytes]:
+    """A Responses request: the id to remember its backend under (None when not stored),
+    the backend it must go to (the one holding its ``previous_response_id``), and the body
+    that names the id."""
+    response_id, doc, raw = with_response_id(doc, raw)
+    pin = await home_of(app, doc.get("previous_response_id"), "previous_response_id")
+    return (None if doc.get("store", True) is False else response_id), pin, doc, raw
 
 
 @dataclass(frozen=True, slots=True)
 class _Routed:
     choice: Choice | None  # the alias's pool, if the model named one
     doc: dict[str, Any]  # the body as the backend gets it (renamed for a pool if opted in)
-    raw: bytes
+    raw: bytes | Upload
     route: Route
 
 
@@ -154,10 +180,11 @@ async def _routed(
     request: web.Request,
     asked: str,
     doc: dict[str, Any],
-    raw: bytes,
+    raw: bytes | Upload,
+    endpoint: Endpoint,
     *,
-    chat: bool,
     objective: str | None = None,
+    pin: str | None = None,
 ) -> _Routed:
     """Where the request for ``asked`` goes: an alias's pool (and the model it serves), the
     route's steps, and the facts its policy asked for. Raises ``ModelNotFound`` early."""
@@ -172,17 +199,70 @@ async def _routed(
         model = choice.pool.model
         if choice.rename is not None:  # opt-in, so serialising the body again is fine
             doc = {**doc, "model": model}
-            raw = json.dumps(doc, separators=(",", ":")).encode()
+            if isinstance(raw, Upload):
+                raw = raw.replaced("model", model)
+            else:
+                raw = json.dumps(doc, separators=(",", ":")).encode()
     tokens = None
     # precise_prefix: the prompt's blocks as the engine keys them. A salted request's blocks
     # are hashed with its salt: no other request's blocks are its prefix.
     tokenizers = app[TOKENIZERS]
-    if router.wants_tokens and tokenizers is not None and "cache_salt" not in doc:
-        tokens = await tokenizers.tokens(model, "chat" if chat else "completions", doc)
+    if (
+        router.wants_tokens
+        and tokenizers is not None
+        and endpoint in (CHAT, COMPLETIONS)
+        and "cache_salt" not in doc
+    ):
+        tokens = await tokenizers.tokens(model, "chat" if endpoint is CHAT else "completions", doc)
     route = router.route(
-        model, doc, request.headers, choice=choice, tokens=tokens, objective=objective
+        model,
+        doc,
+        request.headers,
+        choice=choice,
+        tokens=tokens,
+        objective=objective,
+        endpoint=endpoint.name,
+        pin=pin,
     )
     return _Routed(choice, doc, raw, route)
+
+
+def _call(
+    request: web.Request,
+    endpoint: Endpoint,
+    routed: _Routed,
+    *,
+    record: RequestRecord,
+    grant: Grant,
+    response_id: str | None,
+) -> Call:
+    """What each attempt sends: the body (asking for usage where a JSON stream can carry it)
+    and whether the stream may be continued on another backend (chat and completions)."""
+    doc, body = routed.doc, routed.raw
+    plan = _NO_USAGE_PLAN
+    if endpoint.stream == "data" and isinstance(body, bytes):
+        plan = usage_plan(doc)
+        if plan.inject:
+            body = with_include_usage(doc, body)
+    resumable = (
+        endpoint in (CHAT, COMPLETIONS)
+        and request.app[SETTINGS].continuation.enabled
+        and refusal(doc, endpoint is CHAT) is None
+    )
+    return Call(
+        request,
+        request.path,
+        body,
+        upstream_headers(request.headers, record.request_id),
+        record,
+        strip_usage=plan.strip,
+        extra_headers=grant.headers,
+        choice=routed.choice,
+        resumable=doc if resumable else None,
+        endpoint=endpoint,
+        response_id=response_id,
+        streamed=endpoint in _TOKEN_STREAMS and doc.get("stream") is True,
+    )
 
 
 def _classify(app: web.Application, record: RequestRecord, exc: BaseException) -> None:
@@ -254,6 +334,7 @@ async def _serve(
     if isinstance(prefilled, web.StreamResponse):  # the prefill refused the request (a 4xx)
         return prefilled
     answered = time.monotonic()
+    assert isinstance(call.body, bytes)  # chat and completions only (``Router.route``)
     decode = replace(call, body=decode_body(doc, call.body, prefilled))
     sent = time.monotonic()
     metrics.disagg_handoff.labels(record.model).observe(sent - answered)
@@ -287,13 +368,22 @@ async def _answer(t: Try) -> web.StreamResponse:
     complete = False
     try:
         status = upstream.status
+        read: bytes | None = None
+        if status == 404:  # no such model or response, or no such route: the body tells
+            read = await client.read_body(upstream)
+            complete = True
+            if is_route_missing(status, read):  # the other kind of vLLM server
+                _lacks(t)
         if status in RETRYABLE_STATUS and t.may_retry:  # "not now": another may take it
             body = await client.read_body(upstream)
             complete = True
             retry_after = upstream.headers.get("Retry-After")
             raise BackendRefused(t.lease.backend.id, status, body, retry_after=retry_after)
         call.record.status = status
-        resp, complete = await _relay(t, upstream)
+        if call.response_id is not None and status == 200:  # follow-ups must come back here
+            await call.request.app[RESPONSE_HOMES].remember(call.response_id, t.lease.backend.id)
+        resp, done = await _relay(t, upstream, read)
+        complete = complete or done
         call.record.ended_at = time.monotonic()
         return resp
     except asyncio.CancelledError:  # the client left: closing the upstream aborts it
@@ -303,8 +393,11 @@ async def _answer(t: Try) -> web.StreamResponse:
         client.finish(upstream, complete=complete)
 
 
-async def _relay(t: Try, upstream: Upstream) -> tuple[web.StreamResponse, bool]:
-    """Relay the answer; return the response and whether it completed.
+async def _relay(
+    t: Try, upstream: Upstream, read: bytes | None = None
+) -> tuple[web.StreamResponse, bool]:
+    """Relay the answer (``read``: its body, if already read); return the response and
+    whether it completed.
 
     Raises ``UpstreamError`` only if nothing reached the client; an error after that ends
     the stream with an error event and is kept in ``t.stream_error``.
@@ -317,8 +410,8 @@ async def _relay(t: Try, upstream: Upstream) -> tuple[web.StreamResponse, bool]:
     if call.extra_headers:
         headers.update(call.extra_headers)
     rename = call.choice.rename if call.choice is not None else None
-    if upstream.content_type != EVENT_STREAM:
-        whole = await relay_body(upstream, headers, app[UPSTREAM], rename)
+    if read is not None or upstream.content_type != EVENT_STREAM:
+        whole = await relay_body(upstream, headers, app[UPSTREAM], rename, read)
         record.ending = Ending.COMPLETE.value
         if isinstance(whole.body, bytes):
             record.usage = usage_from_body(whole.body)
@@ -369,36 +462,22 @@ async def _relay(t: Try, upstream: Upstream) -> tuple[web.StreamResponse, bool]:
     return resp, True
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await forward(request, "/v1/completions")
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await forward(request, "/v1/chat/completions")
-
-
-async def list_models(request: web.Request) -> web.Response:
-    names = set(request.app[ROUTER].pool.models()) | set(request.app[ROLLOUT].names())
-    data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "llm-gateway"} for m in sorted(names)
-    ]
-    return web.json_response({"object": "list", "data": data})
-
-
-async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def ready(request: web.Request) -> web.Response:
-    settings = request.app[SETTINGS]
-    if request.app[LIFECYCLE].stopping:
-        reason = "shutting down"
-    elif not request.app[ROUTER].pool.ready():
-        reason = "no routable backend"
-    else:
-        return web.json_response({"status": "ready"})
-    return web.json_response(
-        {"status": "not ready", "reason": reason},
-        status=503,
-        headers={"Retry-After": str(settings.retry_after_seconds)},
+def _lacks(t: Try) -> NoReturn:
+    """The backend has no route for the endpoint: remember it, and try another."""
+    call, backend = t.call, t.lease.backend.id
+    endpoint = call.endpoint.name
+    call.request.app[ROUTER].pool.record_lacks(backend, endpoint)
+    raise BackendLacksEndpoint(
+        f"No backend serving `{call.record.model}` offers the {endpoint} endpoint "
+        f"({backend} answered that it has no {call.path}).",
+        param="model",
     )
+
+
+def route_endpoint(endpoint: Endpoint) -> Handler:
+    """The request handler of one of ``gateway.endpoints``' JSON endpoints."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await forward(request, endpoint)
+
+    return handler

@@ -27,6 +27,7 @@ class RequestRecord:
     request_id: str
     started: float
     model: str = "unknown"
+    endpoint: str = "chat"  # ``gateway.endpoints``' name of what was asked
     pool: str | None = None  # the model pool chosen for an alias (gateway.rollout)
     key: str | None = None  # the API key's name (never the key)
     sent: bool = False  # an attempt reached a backend
@@ -75,6 +76,7 @@ class RequestRecord:
         fields: dict[str, Any] = {
             "request_id": self.request_id,
             "model": self.model[:_LOGGED_NAME_CHARS],
+            "endpoint": self.endpoint,
             "pool": self.pool,
             "backend": self.backend,
             "attempts": len(self.backends),
@@ -112,7 +114,7 @@ def finish(app: web.Application, record: RequestRecord) -> None:
     metrics = app[METRICS]
     backend = record.backend
     model = record.model if app[ROUTER].pool.serves(record.model) or record.pool else OTHER
-    metrics.requests.labels(model, backend, str(record.status)).inc()
+    metrics.requests.labels(model, backend, str(record.status), record.endpoint).inc()
     metrics.duration.labels(model, backend).observe(record.duration)
     ttft = record.ttft
     if ttft is not None:

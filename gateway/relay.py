@@ -450,7 +450,9 @@ async def relay_body(
     headers: CIMultiDict[str],
     client: Transport,
     rename: Rename | None = None,
+    read: bytes | None = None,
 ) -> web.Response:
-    """Read a whole (non-stream) answer, then send it: errors before any byte stay mappable."""
-    body = renamed(await client.read_body(upstream), rename)
+    """Read a whole (non-stream) answer (``read``: already read), then send it: errors
+    before any byte stay mappable."""
+    body = renamed(await client.read_body(upstream) if read is None else read, rename)
     return web.Response(status=upstream.status, body=body, headers=headers)

@@ -25,7 +25,8 @@ from gateway.policy_config import (
     weights_of,
 )
 from gateway.rollout import ROLLOUT
-from gateway.settings import AffinitySettings, LatencySettings, Settings, WeightSettings
+from gateway.routing_settings import AffinitySettings, LatencySettings, WeightSettings
+from gateway.settings import Settings
 from policies import (
     AffinityConfig,
     Policy,

@@ -12,15 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
-from backends.errors import NoBackendAvailable
+from backends.errors import GatewayError, NoBackendAvailable
 from backends.pool import BackendPool, Lease
 from gateway.rollout import Choice
 from policies import BackendSnapshot, Policy, RouteFacts
 from policies.facts import route_facts
 
 StepName = Literal["serve", "prefill", "decode"]
+# Endpoints whose generation is split into prefill and decode (None: a caller that names none);
+# any other (embeddings, audio...) goes to one backend of the model, a decode one where split.
+_DISAGGREGATED: Final = frozenset({None, "chat", "completions"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +35,8 @@ class Step:
     facts: RouteFacts
     role: Literal["prefill", "decode"] | None = None  # None: any backend but prefill-only ones
     only: frozenset[str] | None = None  # a model pool's backends (``gateway.rollout``)
+    endpoint: str | None = None  # the endpoint asked (``gateway.endpoints``): not to backends
+    # known to lack it
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,33 +86,48 @@ class Router:
         choice: Choice | None = None,
         tokens: Sequence[int] | None = None,
         objective: str | None = None,
+        endpoint: str | None = None,
+        pin: str | None = None,
     ) -> Route:
         """The route of a request for ``model`` (the served name; ``choice``: an alias's pool).
 
         ``tokens``: the prompt's token ids, for a policy that asked for them (``wants_tokens``);
         ``objective``: what the caller wants fastest (its key tier's), for
-        ``predicted_latency``. Every step's facts carry the prompt's size, which the latency
-        tracker learns from whatever the policy.
+        ``predicted_latency``; ``pin``: the only backend the request may go to (the one
+        holding the stored response it continues). Every step's facts carry the prompt's
+        size, which the latency tracker learns from whatever the policy.
         """
 
         def step(name: StepName, policy: Policy, **where: Any) -> Step:
             facts = route_facts(
                 policy.needs, model, doc, headers, tokens, objective=objective, size=True
             )
-            return Step(name, policy, facts, **where)
+            return Step(name, policy, facts, endpoint=endpoint, **where)
 
+        if pin is not None:  # the one backend that holds what the request builds on
+            return Route(step("serve", self.policy, only=frozenset({pin})))
         if choice is not None:
             return Route(step("serve", self.policy, only=choice.pool.backends))
-        if self.disaggregated(model):
+        if self.disaggregated(model) and endpoint in _DISAGGREGATED:
             return Route(
                 serve=step("decode", self.decode_policy, role="decode"),
                 prefill=step("prefill", self.prefill_policy, role="prefill"),
             )
         return Route(step("serve", self.policy))
 
-    def check(self, step: Step) -> None:
+    def check(self, step: Step, exclude: Collection[str] = ()) -> None:
         """Raise as ``pick`` would if no backend can take ``step`` now (nothing is leased)."""
-        self.pool.candidates(step.facts.model, role=step.role, only=step.only)
+        self.pool.candidates(
+            step.facts.model, exclude, role=step.role, only=step.only, endpoint=step.endpoint
+        )
+
+    def has_other(self, step: Step, backend: str) -> bool:
+        """Whether a backend other than ``backend`` could take ``step`` now."""
+        try:
+            self.check(step, exclude=(backend,))
+        except GatewayError:
+            return False
+        return True
 
     def pick(
         self, step: Step, exclude: Collection[str] = ()
@@ -118,7 +138,9 @@ class Router:
         backend is left to try) and the chosen one's snapshot (the load it was chosen under).
         """
         facts = step.facts
-        candidates = self.pool.candidates(facts.model, exclude, role=step.role, only=step.only)
+        candidates = self.pool.candidates(
+            facts.model, exclude, role=step.role, only=step.only, endpoint=step.endpoint
+        )
         choice = step.policy.choose(facts, candidates)
         if choice is None:
             where = f"{step.role} backend" if step.role else "backend"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import socket
 import ssl
 
 import structlog
@@ -17,11 +18,12 @@ from aiohttp import web
 
 from backends.errors import InvalidRequest
 from gateway.admin import create_admin_app
-from gateway.app import create_app
+from gateway.app import create_app, worker_private_app
 from gateway.keys import LIFECYCLE
 from gateway.logs import configure_logging
 from gateway.reload import SettingsLoader, reload_settings
 from gateway.settings import Settings, TlsSettings
+from gateway.workers import Supervisor, Worker
 
 log = structlog.get_logger("gateway.server")
 
@@ -89,8 +91,13 @@ async def listen(site: web.TCPSite, host: str, port: int, setting: str) -> None:
         ) from None
 
 
-async def run_until_signalled(settings: Settings, loader: SettingsLoader | None = None) -> None:
-    app = create_app(settings, loader=loader)
+async def run_until_signalled(
+    settings: Settings, loader: SettingsLoader | None = None, worker: Worker | None = None
+) -> None:
+    """One gateway process until SIGINT/SIGTERM; ``worker``: one of ``serve --workers``'
+    (its port shared, its in-flight counts in the host's table, its admin API worker 0's on
+    the admin port and the others' on their private sockets)."""
+    app = create_app(settings, loader=loader, worker=worker)
     runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
     await runner.setup()
     runners = [runner]
@@ -99,26 +106,40 @@ async def run_until_signalled(settings: Settings, loader: SettingsLoader | None 
         settings.host,
         settings.port,
         reuse_address=True,
+        reuse_port=worker is not None,
         backlog=settings.backlog,
         ssl_context=ssl_context(settings.tls),
     )
     admin_address = None
     try:
         await listen(site, settings.host, settings.port, "--port, GATEWAY_PORT or `port`")
+        if worker is not None:  # what the other workers ask it (its figures, response homes)
+            own = make_runner(worker_private_app(app), shutdown_timeout=1)
+            await own.setup()
+            runners.insert(0, own)
+            await web.UnixSite(own, str(worker.private_socket(worker.index))).start()
         if settings.admin.token is not None:
+            first = worker is None or worker.index == 0
+            peers = worker.peers if worker is not None and first else []
             admin = make_runner(
-                create_admin_app(app, settings.admin.token.get_secret_value()), shutdown_timeout=1
+                create_admin_app(app, settings.admin.token.get_secret_value(), peers),
+                shutdown_timeout=1,
             )
             await admin.setup()
             runners.insert(0, admin)
-            admin_site = web.TCPSite(admin, settings.admin.host, settings.admin.port)
-            await listen(
-                admin_site,
-                settings.admin.host,
-                settings.admin.port,
-                "GATEWAY_ADMIN__PORT or `admin.port`",
-            )
-            admin_address = admin_site.name
+            if worker is not None and not first:
+                path = worker.admin_socket(worker.index)
+                await web.UnixSite(admin, str(path)).start()
+                admin_address = str(path)
+            else:
+                admin_site = web.TCPSite(admin, settings.admin.host, settings.admin.port)
+                await listen(
+                    admin_site,
+                    settings.admin.host,
+                    settings.admin.port,
+                    "GATEWAY_ADMIN__PORT or `admin.port`",
+                )
+                admin_address = admin_site.name
     except ListenError:
         for r in runners:
             await r.cleanup()
@@ -145,7 +166,48 @@ async def run_until_signalled(settings: Settings, loader: SettingsLoader | None 
         await stop_gracefully(app, runners)
 
 
-def serve(settings: Settings, loader: SettingsLoader | None = None) -> None:
+def serve(settings: Settings, loader: SettingsLoader | None = None) -> int:
+    """Run the gateway: one process, or ``workers`` of them under a supervisor; the exit
+    code (2: the configuration or a listener was refused)."""
     configure_logging(settings.log_level, settings.log_format)
-    with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        runner.run(run_until_signalled(settings, loader))
+    count = settings.worker_count
+    if count == 1:
+        with asyncio.Runner(loop_factory=new_event_loop) as runner:
+            runner.run(run_until_signalled(settings, loader))
+        return 0
+    if settings.port == 0:  # every worker must take the same port: choose it once
+        settings = settings.model_copy(update={"port": free_port(settings.host)})
+    reserve_port(settings.host, settings.port)  # taken: say so once, not once per worker
+
+    def one(worker: Worker) -> int:
+        structlog.contextvars.bind_contextvars(worker=worker.index)
+        try:
+            with asyncio.Runner(loop_factory=new_event_loop) as runner:
+                runner.run(run_until_signalled(settings, loader, worker))
+        except ListenError as exc:
+            log.error("worker_cannot_listen", error=str(exc))
+            return 2
+        return 0
+
+    return Supervisor(count, one).run()
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def reserve_port(host: str, port: int) -> None:
+    """Fail early, with one line, if ``port`` cannot be shared by the workers."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            why = (exc.strerror or str(exc)).lower()
+            raise ListenError(
+                f"cannot listen on {host}:{port}: {why} (set --port, GATEWAY_PORT or `port`)"
+            ) from None

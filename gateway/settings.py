@@ -8,6 +8,7 @@ Sources, highest priority first: command-line overrides, ``GATEWAY_*`` environme
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,6 +22,14 @@ from pydantic_settings import (
 )
 
 from gateway.limits.settings import LimitsSettings
+from gateway.routing_settings import (
+    AffinitySettings,
+    DisaggSettings,
+    LatencySettings,
+    PoolSettings,
+    RolloutSettings,
+    WeightSettings,
+)
 from policies import PolicyName
 from policies.rollout import WeightsError, check_weights
 
@@ -49,151 +58,6 @@ class BackendSettings(BaseModel):
     @property
     def id(self) -> str:
         return self.name or self.url.split("://", 1)[1]
-
-
-class WeightSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    active: float = Field(2.0, ge=0)
-    queue: float = Field(3.0, ge=0)
-    kv: float = Field(0.0, ge=0)
-
-
-class RolePoolSettings(BaseModel):
-    """How one role pool (prefill or decode backends) is routed."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    policy: PolicyName = "least_load"
-    weights: WeightSettings = Field(default_factory=WeightSettings)
-
-
-class DisaggSettings(BaseModel):
-    """Disaggregated prefill/decode: a model served by backends with role ``prefill`` and
-    backends with role ``decode`` is answered in two steps, prefill then decode.
-
-    Prefill is compute-bound: its pool favours short engine queues (and, with
-    ``prefix_affinity``, a cached prefix; ``[affinity]`` configures it). Decode is
-    memory-bound: its pool favours few streams in flight and free KV cache.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    prefill: RolePoolSettings = Field(
-        default_factory=lambda: RolePoolSettings(
-            weights=WeightSettings(active=1.0, queue=4.0, kv=0.0)
-        )
-    )
-    decode: RolePoolSettings = Field(
-        default_factory=lambda: RolePoolSettings(
-            weights=WeightSettings(active=3.0, queue=1.0, kv=4.0)
-        )
-    )
-
-
-class AffinitySettings(BaseModel):
-    """The ``prefix_affinity`` policy: prompt hashing, its index, the balance guard, sessions."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    block_chars: int = Field(
-        64, ge=8, description="prompt characters per hashed block (about 16 tokens)"
-    )
-    max_blocks: int = Field(128, ge=1, description="leading blocks of a prompt that are hashed")
-    index_capacity: int = Field(
-        50_000, ge=128, description="block hashes remembered, least recently used dropped first"
-    )
-    balance_abs: float = Field(
-        8.0,
-        ge=0,
-        description="a backend one more request puts this far above the idlest loses affinity...",
-    )
-    balance_rel: float = Field(1.5, ge=1, description="...if also this many times above it")
-    balance_on: Literal["in_flight", "score"] = Field(
-        "in_flight", description="load for the guard: in-flight count or least_load score"
-    )
-    placement: Literal["room", "hash"] = Field(
-        "room",
-        description="a new prefix: least loaded, then most cache room; or hash (use with "
-        "several gateway replicas, so they agree)",
-    )
-    session_header: str | None = Field(
-        None, description="request header naming a session (e.g. x-session-id); None: off"
-    )
-
-    @model_validator(mode="after")
-    def _capacity(self) -> AffinitySettings:
-        if self.index_capacity < self.max_blocks:
-            raise ValueError("index_capacity must be at least max_blocks")
-        return self
-
-
-class LatencySettings(BaseModel):
-    """Learned per-backend speed (always learned) and the ``predicted_latency`` policy."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    half_life: float = Field(
-        5.0,
-        gt=0,
-        description="seconds for an observation's weight to halve: how fast a backend that "
-        "slows down or recovers is seen",
-    )
-    ridge: float = Field(
-        2.0, gt=0, description="observations' worth of pull toward the fleet's figures"
-    )
-    objective: Literal["ttft", "e2e"] = Field(
-        "ttft",
-        description="what predicted_latency minimises: ttft (first token) or e2e (whole "
-        "answer); a key tier's objective overrides it",
-    )
-    explore: float = Field(
-        0.5,
-        ge=0,
-        lt=1,
-        description="optimism for backends little observed lately: a prediction counts "
-        "(1 - explore / sqrt(1 + recent observations)) of itself, so they are tried again",
-    )
-    balance_abs: float = Field(
-        6.0,
-        ge=0,
-        description="predicted_latency's load guard: a backend one more request puts this far "
-        "above the least loaded (least_load score)...",
-    )
-    balance_rel: float = Field(1.5, ge=1, description="...and this many times, is not chosen")
-    slo_header: str | None = Field(
-        "x-ttft-slo-ms",
-        description="request header stating the TTFT the request needs, in ms (None: off); "
-        "with the admission queue, a request no backend is predicted to meet waits, then is "
-        "shed at priority 0",
-    )
-    prefix: Literal["none", "approximate", "precise"] = Field(
-        "approximate",
-        description="prefix knowledge predicted_latency uses for cached tokens: approximate "
-        "(prefix_affinity's, [affinity]), precise (KV events, [kv_events]) or none",
-    )
-
-
-class PoolSettings(BaseModel):
-    """A named group of configured backends serving one model (one version of it)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(min_length=1)
-    model: str = Field(min_length=1, description="the model name the backends serve")
-    backends: list[str] = Field(min_length=1, description="ids or URLs of [[backends]]")
-    labels: dict[str, str] = Field(default_factory=dict, description="e.g. version = 'v2'")
-
-
-class RolloutSettings(BaseModel):
-    """How requests for an alias are split between its pools (``[aliases]``)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    sticky_header: str | None = Field(
-        None, description="header keeping a client on one pool (e.g. x-session-id); None: off"
-    )
-    expose_pools: bool = Field(False, description="pool names are model names clients may use")
 
 
 class UpstreamSettings(BaseModel):
@@ -284,6 +148,22 @@ class ContinuationSettings(BaseModel):
     )
     tokenize_timeout: float = Field(
         2.0, gt=0, description="seconds for the backend's /tokenize to count what was sent"
+    )
+
+
+class ResponsesSettings(BaseModel):
+    """Where the Responses API's stored responses live (``gateway.responses``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    store: Literal["memory", "redis"] = Field(
+        "memory",
+        description="memory: this replica's; redis: every replica's, in the limits' Redis "
+        "(limits.redis.url)",
+    )
+    capacity: int = Field(100_000, ge=1, description="response ids kept in this process")
+    ttl: float = Field(
+        86_400.0, gt=0, description="seconds a response id is kept in Redis (store = redis)"
     )
 
 
@@ -439,6 +319,7 @@ class Settings(BaseSettings):
     retry: RetrySettings = Field(default_factory=RetrySettings)
     continuation: ContinuationSettings = Field(default_factory=ContinuationSettings)
     kv_events: KvEventsSettings = Field(default_factory=KvEventsSettings)
+    responses: ResponsesSettings = Field(default_factory=ResponsesSettings)
     tokenizers: dict[str, str] = Field(
         default_factory=dict,
         description="served model name -> its tokenizer: a model directory (tokenizer.json, "
@@ -453,10 +334,21 @@ class Settings(BaseSettings):
     backlog: int = Field(
         4096, ge=1, description="listen backlog: connections the kernel queues before accept"
     )
+    workers: int | Literal["auto"] = Field(
+        1,
+        description="gateway processes accepting on the port (SO_REUSEPORT), one view of the "
+        "fleet's in-flight counts per host; auto: the cores this process may use",
+    )
     shutdown_grace: float = Field(
         30.0, ge=0, description="seconds in-flight streams get to finish on SIGTERM"
     )
     max_body_bytes: int = Field(8 * 1024 * 1024, gt=0)
+    max_upload_bytes: int = Field(
+        25 * 1024 * 1024,
+        gt=0,
+        description="largest multipart body (an audio upload), spooled to a temporary file "
+        "above 1 MiB; larger is a 413 (vLLM's own audio limit is 25 MB)",
+    )
     retry_after_seconds: int = Field(1, ge=0, description="Retry-After sent with a 503")
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     log_format: Literal["auto", "json", "console"] = "auto"
@@ -482,6 +374,37 @@ class Settings(BaseSettings):
                 raise ValueError(f"backend {b.id!r} is listed twice")
             seen.add(b.id)
         return v
+
+    @field_validator("workers")
+    @classmethod
+    def _workers(cls, v: int | str) -> int | str:
+        if isinstance(v, int) and v < 1:
+            raise ValueError("workers must be at least 1 (or auto)")
+        return v
+
+    @property
+    def worker_count(self) -> int:
+        if self.workers == "auto":
+            return max(1, len(os.sched_getaffinity(0)))
+        return self.workers
+
+    def per_process_limits(self) -> str | None:
+        """Why these limits cannot hold across worker processes (None: they can): counted
+        in each process's memory, N workers would let N times through."""
+        if self.limits.store != "memory":
+            return None
+        limited = [
+            name
+            for name, t in self.limits.tiers.items()
+            if t.requests_per_minute or t.tokens_per_minute or t.max_concurrent
+        ]
+        if not limited:
+            return None
+        return (
+            f"limits.tiers {', '.join(sorted(limited))} set rate or concurrency limits, which "
+            "the memory store counts per process: with workers > 1 set limits.store = "
+            '"redis" (shared by every worker and replica), or run one worker'
+        )
 
     @property
     def follows_kv_events(self) -> bool:

@@ -20,6 +20,14 @@ gateway's own observations) how long each candidate would take. Each decision, i
    the backend lately (``explore``): a backend not chosen for a while (new, or slow a moment
    ago and perhaps recovered) is tried again and its figures renewed; exact ties at random.
 
+And after the decision, **the rescue** (``first_token_deadline``): a streamed request whose
+first token has not come ``rescue_factor`` times later than predicted (and at least
+``rescue_min`` seconds) is taken back from its backend, before anything reached its client,
+and sent to the best of the others, once. A backend that slows down while requests wait in
+its queue (a noisy neighbour, a long prefill ahead of them) then costs them a bounded delay
+instead of its whole slowness, and the wait it had reached is learned as its TTFT (a lower
+bound), so it is predicted slow until it shows otherwise.
+
 The choice is recorded with the prefix knowledge (tentatively, as its own policy would), so a
 burst of one new prefix is seen as cached where the first of it went.
 """
@@ -42,6 +50,9 @@ Objective = Literal["ttft", "e2e"]
 PrefixSource = Literal["none", "approximate", "precise"]
 OBJECTIVES: Final[tuple[Objective, ...]] = ("ttft", "e2e")
 PREFIX_SOURCES: Final[tuple[PrefixSource, ...]] = ("none", "approximate", "precise")
+# The rescue judges "late" against what is known: not before this many recent observations
+# of the backend (a new one's prediction is mostly the fleet's, and no promise).
+RESCUE_MIN_WEIGHT: Final = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,12 +72,18 @@ class PredictionConfig:
     # policy itself avoids, so this keeps a backend that just turned fast from taking a herd.
     balance_abs: float = 6.0
     balance_rel: float = 1.5
+    # The rescue: no first token rescue_factor x later than predicted (and after rescue_min
+    # seconds): sent elsewhere. 0: never.
+    rescue_factor: float = 3.0
+    rescue_min: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore < 1.0:
             raise ValueError("explore must be in [0, 1)")
         if not self.balance_abs >= 0 or not self.balance_rel >= 1:
             raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
+        if not (self.rescue_factor == 0 or self.rescue_factor >= 1) or not self.rescue_min >= 0:
+            raise ValueError("rescue_factor must be 0 (off) or at least 1, rescue_min >= 0")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}")
         if self.prefix not in PREFIX_SOURCES:
@@ -147,6 +164,16 @@ class PredictedLatency:
     def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
         if self.prefix is not None:
             self.prefix.on_result(facts, backend, outcome)
+
+    def first_token_deadline(self, backend: str, predicted_ttft: float) -> float | None:
+        """Seconds after sending by which a streamed request's first token must come from
+        ``backend``, else it is sent to another (None: it waits, however long)."""
+        factor = self.prediction.rescue_factor
+        if not factor or not math.isfinite(predicted_ttft):
+            return None
+        if self.tracker.weight(backend) < RESCUE_MIN_WEIGHT:
+            return None
+        return max(self.prediction.rescue_min, factor * predicted_ttft)
 
     def cached_tokens(self, facts: RouteFacts, backend: str) -> float:
         """The prompt tokens ``backend`` was expected to hold when this policy chose."""

@@ -30,6 +30,16 @@ def redis_url() -> Iterator[str]:
 @pytest.fixture
 def redis_prefix(redis_url: str) -> Iterator[str]:
     """A key prefix no other test uses; afterwards exactly its keys are deleted."""
+    yield from _own_prefix(redis_url)
+
+
+@pytest.fixture(scope="module")
+def module_redis_prefix(redis_url: str) -> Iterator[str]:
+    """``redis_prefix`` for a module's shared fixture."""
+    yield from _own_prefix(redis_url)
+
+
+def _own_prefix(redis_url: str) -> Iterator[str]:
     prefix = f"test-limits:{uuid.uuid4().hex}:"
     yield prefix
     client = redis.Redis.from_url(redis_url)

@@ -44,6 +44,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     eng.add_argument("--served-model-name", default=None, help="name clients use")
     eng.add_argument(
+        "--enable-lora",
+        action="store_true",
+        help="serve LoRA adapters (and /v1/load_lora_adapter, /v1/unload_lora_adapter)",
+    )
+    eng.add_argument(
+        "--lora-modules",
+        nargs="*",
+        default=[],
+        metavar="NAME=PATH",
+        help="adapters served from the start (needs --enable-lora)",
+    )
+    eng.add_argument(
+        "--audio",
+        action="store_true",
+        help="a speech-to-text model: /v1/audio/transcriptions and /v1/audio/translations",
+    )
+    eng.add_argument(
+        "--runner",
+        choices=("generate", "pooling"),
+        default=_D.runner,
+        help="generate (chat, completions) or pooling (embeddings, score, rerank), as vLLM's",
+    )
+    eng.add_argument(
         "--max-model-len", type=int, default=_D.max_model_len, help="longest prompt + output"
     )
     eng.add_argument(
@@ -169,10 +192,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flt.add_argument("--unhealthy", action="store_true", help="/health answers 503")
 
 
+def _lora_module(item: str) -> tuple[str, str]:
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise SystemExit(f"--lora-modules takes NAME=PATH, got {item!r}")
+    return name, path
+
+
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     return SimConfig(
         model=args.model,
         served_model_name=args.served_model_name,
+        runner=args.runner,
+        enable_lora=args.enable_lora,
+        audio=args.audio,
+        lora_modules=tuple(_lora_module(m) for m in args.lora_modules),
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -26,6 +26,8 @@ OutputMode = Literal["random", "echo"]
 # kv_transfer_params, the consumer takes them and skips the prefill; kv_both does either.
 KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_ROLES: Final[tuple[KvRole, ...]] = ("kv_producer", "kv_consumer", "kv_both")
+# vLLM's --runner: a server generates (chat, completions) or pools (embeddings, scoring)
+Runner = Literal["generate", "pooling"]
 
 DEFAULT_MODEL: Final = "sim-model"
 
@@ -38,6 +40,14 @@ class SimConfig:
     model: str = DEFAULT_MODEL
     served_model_name: str | None = None
     max_model_len: int = 4096
+    runner: Runner = "generate"
+    # -- LoRA adapters, as vLLM's --enable-lora (with VLLM_ALLOW_RUNTIME_LORA_UPDATING=1: the
+    # load/unload endpoints) and --lora-modules name=path
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 8
+    # -- a speech-to-text model (Whisper's kind): /v1/audio/transcriptions and /translations
+    audio: bool = False
 
     # -- scheduler, as vLLM's engine arguments
     max_num_seqs: int = 256
@@ -117,8 +127,19 @@ class SimConfig:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         if self.kv_transfer_us_per_token < 0:
             raise ValueError("kv_transfer_us_per_token must not be negative")
+        self._check_serving()
         if self.startup_delay_s < 0:
             raise ValueError("startup_delay_s must not be negative")
+
+    def _check_serving(self) -> None:
+        if self.runner not in ("generate", "pooling"):
+            raise ValueError(f"runner must be 'generate' or 'pooling', got {self.runner!r}")
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora")
+        if self.max_loras < 1:
+            raise ValueError("max_loras must be at least 1")
+        if self.audio and self.runner != "generate":
+            raise ValueError("audio needs runner 'generate'")
 
     @property
     def kv_producer(self) -> bool:

@@ -44,18 +44,23 @@ _ERROR_TYPES: Final = {
 class ApiError(Exception):
     """An error answered with vLLM's envelope ``{"error": {...}}``."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.kind = kind  # the envelope's type, when not the status's usual one
 
     def envelope(self) -> dict[str, Any]:
-        return error_envelope(self.status, self.message, self.param)
+        return error_envelope(self.status, self.message, self.param, self.kind)
 
 
-def error_envelope(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = _ERROR_TYPES.get(status)
+def error_envelope(
+    status: int, message: str, param: str | None = None, kind: str | None = None
+) -> dict[str, Any]:
+    kind = kind or _ERROR_TYPES.get(status)
     if kind is None:
         kind = HTTPStatus(status).phrase.replace(" ", "").replace("-", "") + "Error"
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}

@@ -17,8 +17,9 @@ from backends.sim.config import SimConfig
 from backends.sim.driver import EngineDriver
 from backends.sim.engine import Engine
 from backends.sim.faults import Faults
+from backends.sim.http import STATE
 from backends.sim.kvevents import KvEvents
-from backends.sim.server import KV_EVENTS, STATE, create_app
+from backends.sim.server import KV_EVENTS, create_app
 from backends.sim.state import SimState
 
 

@@ -19,16 +19,26 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from backends.sim import admin
+from backends.sim import admin, apis
 from backends.sim.config import SimConfig
 from backends.sim.driver import RequestHandle
 from backends.sim.faults import Faults, StreamStop
+from backends.sim.http import (
+    SSE_HEADERS,
+    STATE,
+    Handler,
+    check_model,
+    error_response,
+    json_body,
+    json_response,
+    refusal,
+)
 from backends.sim.kvevents import KvEvents
 from backends.sim.metrics import ServerCounters, SimCollector, make_registry, render
 from backends.sim.protocol import (
@@ -39,18 +49,14 @@ from backends.sim.protocol import (
     parse_tokenize,
 )
 from backends.sim.protocol import plan_output as plan
-from backends.sim.responses import DONE, ResponseFormat, dumps, error_event
+from backends.sim.responses import DONE, ResponseFormat, error_event
 from backends.sim.state import SimState
 from backends.sim.tokens import OutputText, tokenize
 
 VLLM_VERSION: Final = "0.32.0"
-STATE: Final = web.AppKey("sim_state", SimState)
 KV_EVENTS: Final = web.AppKey("sim_kv_events", KvEvents)
-_SSE_HEADERS: Final = {"Content-Type": "text/event-stream; charset=utf-8"}
 # What vLLM sends when the engine fails a request mid-stream (its GenerationError).
 _ENGINE_ERROR: Final = error_event(error_envelope(500, "Internal server error"))
-
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def create_app(
@@ -83,8 +89,10 @@ def create_app(
     app.router.add_get("/load", load)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/metrics", metrics)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
+    if config.runner == "generate":
+        app.router.add_post("/v1/completions", completions)
+        app.router.add_post("/v1/chat/completions", chat_completions)
+    apis.add_routes(app, config)
     app.router.add_post("/tokenize", tokenize_text)
     app.router.add_get("/kv_event_sources", kv_event_sources)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
@@ -138,9 +146,9 @@ async def _gate(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPNotFound:
-        return _json({"detail": "Not Found"}, status=404)
+        return json_response({"detail": "Not Found"}, status=404)
     except web.HTTPMethodNotAllowed:
-        return _json({"detail": "Method Not Allowed"}, status=405)
+        return json_response({"detail": "Method Not Allowed"}, status=405)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -149,13 +157,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def version(request: web.Request) -> web.Response:
-    return _json({"version": VLLM_VERSION})
+    return json_response({"version": VLLM_VERSION})
 
 
 async def load(request: web.Request) -> web.Response:
     state = request.app[STATE]
     n = state.in_flight if state.config.enable_server_load_tracking else 0
-    return _json({"server_load": n})
+    return json_response({"server_load": n})
 
 
 async def models(request: web.Request) -> web.Response:
@@ -187,7 +195,11 @@ async def models(request: web.Request) -> web.Response:
             }
         ],
     }
-    return _json({"object": "list", "data": [card]})
+    adapters = [  # as vLLM lists them: the adapter's name, its path, the base model
+        {**card, "id": lora, "root": path, "parent": name, "max_model_len": None}
+        for lora, path in request.app[STATE].adapters.items()
+    ]
+    return json_response({"object": "list", "data": [card, *adapters]})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
@@ -199,15 +211,16 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 
 
 async def tokenize_text(request: web.Request) -> web.Response:
-    config = request.app[STATE].config
+    state = request.app[STATE]
+    config = state.config
     try:
-        doc = await _json_body(request)
+        doc = await json_body(request)
         params = parse_tokenize(doc)
-        _check_model(params.model, config)
+        check_model(params.model, state)
     except ApiError as exc:
-        return _json(exc.envelope(), status=exc.status)
+        return json_response(exc.envelope(), status=exc.status)
     ids = tokenize(params.text)
-    return _json(
+    return json_response(
         {
             "count": len(ids),
             "max_model_len": config.max_model_len,
@@ -218,7 +231,7 @@ async def tokenize_text(request: web.Request) -> web.Response:
 
 
 async def kv_event_sources(request: web.Request) -> web.Response:
-    return _json(request.app[KV_EVENTS].sources())
+    return json_response(request.app[KV_EVENTS].sources())
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
@@ -229,9 +242,9 @@ async def reset_prefix_cache(request: web.Request) -> web.Response:
         running = _query_bool(request, "reset_running_requests")
         _query_bool(request, "reset_external")
     except ApiError as exc:
-        return _json(exc.envelope(), status=exc.status)
+        return json_response(exc.envelope(), status=exc.status)
     ok = request.app[STATE].driver.reset_prefix_cache(reset_running_requests=running)
-    return _json({"success": ok})
+    return json_response({"success": ok})
 
 
 def _query_bool(request: web.Request, name: str) -> bool:
@@ -247,29 +260,6 @@ def _query_bool(request: web.Request, name: str) -> bool:
     raise ApiError(400, f"{name} must be a boolean, got {raw!r}", name)
 
 
-async def _json_body(request: web.Request) -> Any:
-    """The request's JSON, or the 400 vLLM answers for anything else."""
-    if request.content_type != "application/json":
-        raise ApiError(400, "Unsupported Media Type: Only 'application/json' is allowed")
-    try:
-        return await request.json()
-    except ValueError as exc:
-        raise ApiError(400, f"JSON decode error: {exc}") from None
-
-
-def _check_model(model: str | None, config: SimConfig) -> None:
-    if model is not None and model != config.model_name:
-        raise ApiError(404, f"The model `{model}` does not exist.", "model")
-
-
-def _json(data: Any, *, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.json_response(data, status=status, headers=headers, dumps=dumps)
-
-
-def _error(status: int, message: str, param: str | None = None) -> web.Response:
-    return _json(error_envelope(status, message, param), status=status)
-
-
 async def _hang() -> None:
     """Wait until the client goes away (which cancels the handler)."""
     await asyncio.get_running_loop().create_future()
@@ -279,22 +269,21 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
         params = parse_generate(body, chat=chat)
-        _check_model(params.model, config)
+        check_model(params.model, state)
         output_len, reason, output = plan(params, config)
     except ApiError as exc:
-        return _json(exc.envelope(), status=exc.status)
+        return json_response(exc.envelope(), status=exc.status)
 
-    faults = state.faults
-    if faults.error_rate > 0 and state.rng.random() < faults.error_rate:
-        state.injected_errors += 1
-        return _error(faults.error_status, "Injected fault (simulator).")
-    if faults.hang_before_first_byte:
+    refused = refusal(state)
+    if refused is not None:
+        return refused
+    if state.faults.hang_before_first_byte:
         await _hang()
     limit = config.max_num_queued_reqs
     if limit is not None and len(state.engine.waiting) >= limit:
-        return _error(503, "The engine's request queue is full.")
+        return error_response(503, "The engine's request queue is full.")
 
     header_id = request.headers.get("X-Request-Id")
     base_id = header_id or uuid.uuid4().hex
@@ -329,7 +318,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         if remote_decode:
             kv = _handoff(request, state, handle, fmt, len(params.prompt_ids))
         full = fmt.full(output.text(n), handle.finish_reason or reason, n, kv)
-        return _json(full, headers=headers)
+        return json_response(full, headers=headers)
     finally:
         state.in_flight -= 1
         driver.release(handle)
@@ -374,7 +363,7 @@ async def _stream(
     output: OutputText,
     headers: dict[str, str],
 ) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={**_SSE_HEADERS, **headers})
+    resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
     await resp.prepare(request)
     continuous = params.continuous_usage_stats
     sent = 0

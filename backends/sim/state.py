@@ -14,6 +14,7 @@ from backends.sim.config import SimConfig
 from backends.sim.driver import EngineDriver
 from backends.sim.engine import Engine, EngineSnapshot
 from backends.sim.faults import Faults
+from backends.sim.responses_api import ResponseStore
 
 log = structlog.get_logger(__name__)
 
@@ -35,8 +36,11 @@ class SimState:
         self.rng = random.Random(config.seed)
         self.in_flight = 0
         self.injected_errors = 0
+        self.audio_bytes = 0  # audio uploads received whole (the speech-to-text endpoints)
         self.engine_id = str(uuid.uuid4())  # as a KV connector names its engine
         self.prefills_handed_off = 0  # prefill-only requests answered with kv_transfer_params
+        self.responses = ResponseStore()  # the Responses API's stored responses
+        self.adapters: dict[str, str] = dict(config.lora_modules)  # LoRA name -> path
         self.ready = asyncio.Event()
         self.engine_dead = False
         self._faults = Faults()
@@ -100,6 +104,7 @@ class SimState:
             "clock_lag_seconds": d.lag,
             "max_clock_lag_seconds": d.max_lag,
             "in_flight": self.in_flight,
+            "audio_bytes": self.audio_bytes,
             "num_preemptions": self.engine.stats.num_preemptions,
             "prefix_cache_queries": self.engine.stats.prefix_cache_queries,
             "prefix_cache_hits": self.engine.stats.prefix_cache_hits,

@@ -37,6 +37,12 @@ def tokenize(text: str) -> list[int]:
     return [word_id(w) for w in text.split()]
 
 
+def detokenize(ids: Sequence[int]) -> str:
+    """The text of token ids: vocabulary words joined by spaces (an id outside the
+    vocabulary, a hashed word, cannot be told back and is left out)."""
+    return " ".join(VOCAB[i] for i in ids if 0 <= i < VOCAB_SIZE)
+
+
 def render_chat(messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
     """One prompt string for a chat, the same for the same messages.
 

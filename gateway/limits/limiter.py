@@ -49,19 +49,23 @@ class Limiter:
     def authenticate(self, headers: Mapping[str, str]) -> Principal:
         return self.auth.authenticate(headers)
 
-    def reservation(self, doc: dict[str, Any]) -> int:
+    def reservation(self, doc: dict[str, Any], generates: bool = True) -> int:
         return reservation(
             doc,
             default_max_tokens=self.settings.default_max_tokens,
             chars_per_token=self.settings.chars_per_token,
+            generates=generates,
         )
 
-    async def admit(self, principal: Principal, doc: dict[str, Any]) -> Grant:
+    async def admit(
+        self, principal: Principal, doc: dict[str, Any], *, generates: bool = True
+    ) -> Grant:
         """Reserve the request's estimated tokens; ``RateLimited`` (429) when over a limit.
 
+        ``generates``: whether the endpoint generates (and so reserves a completion budget).
         ``LimitsUnavailable`` (503) when a fail-closed shared store cannot be reached.
         """
-        cost = self.reservation(doc)
+        cost = self.reservation(doc, generates)
         decision = await self.store.admit(principal.id, principal.limits, cost)
         if not decision.allowed:
             self.rejections[(principal.id, decision.reason or "unknown")] += 1
@@ -100,6 +104,7 @@ async def open_limiter(
 ) -> AsyncIterator[Limiter]:
     """A limiter and its store, closed on exit: for the app's cleanup context."""
     store = make_store(settings, retry_after=retry_after, supervisor=supervisor)
+    await store.open()
     try:
         yield Limiter(settings, store)
     finally:

@@ -12,6 +12,8 @@ from gateway.limits.store import Decision, Limits, Ticket
 
 
 class MemoryLimitStore:
+    available = True  # in this process: never out of reach
+
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._buckets: dict[str, tuple[bucket.Buckets, Limits]] = {}
@@ -65,6 +67,9 @@ class MemoryLimitStore:
 
     async def release(self, ticket: Ticket) -> None:
         self.release_now(ticket)
+
+    async def open(self) -> None:
+        pass  # nothing to connect to
 
     async def aclose(self) -> None:
         self._buckets.clear()

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import structlog
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -112,6 +112,11 @@ return 1
 _REASONS: Final[dict[int, Reason]] = {1: "requests", 2: "tokens", 3: "too_large", 4: "concurrency"}
 _FAILURES: Final = (RedisError, OSError, TimeoutError)
 
+_CLOSE_WAIT_S: Final = 2.0  # per step of aclose
+_OPEN_WAIT_S: Final = 5.0  # for the connections opened at start
+# Connecting may take longer than a call: a request's own ``timeout`` still bounds its wait.
+_CONNECT_TIMEOUT_S: Final = 1.0
+
 
 class _InRetryWindow(ConnectionError):
     """Redis failed moments ago; it is not tried again until the retry interval has passed."""
@@ -176,12 +181,17 @@ class RedisLimitStore:
     def from_settings(
         cls, s: RedisSettings, *, retry_after: int = 1, supervisor: Supervisor | None = None
     ) -> RedisLimitStore:
-        client = Redis.from_url(
+        # A capped pool: a burst shares the connections opened at start (``open``) instead of
+        # opening one each, which on a busy host outlasts ``timeout`` and fails the burst open.
+        pool = BlockingConnectionPool.from_url(
             s.url.get_secret_value(),
+            max_connections=s.max_connections,
+            timeout=None,  # waiting for a free connection counts against our own timeout
             socket_timeout=s.timeout,
-            socket_connect_timeout=s.timeout,
+            socket_connect_timeout=max(s.timeout, _CONNECT_TIMEOUT_S),
             retry=Retry(NoBackoff(), 0),  # our own timeout and failure mode decide, not retries
         )
+        client = Redis.from_pool(pool)
         return cls(
             client,
             key_prefix=s.key_prefix,
@@ -192,6 +202,35 @@ class RedisLimitStore:
             retry_after=retry_after,
             max_backlog=s.max_backlog,
             supervisor=supervisor,
+        )
+
+    async def open(self, *, within: float = _OPEN_WAIT_S) -> None:
+        """Open the pool's connections and load the scripts, before the first request: a
+        first burst then neither connects nor meets NOSCRIPT within its ``timeout``. Redis
+        out of reach: logged, and the failure mode applies to requests as at any time."""
+        size = getattr(self._client.connection_pool, "max_connections", 1)
+        started = self._clock()
+        try:
+            async with asyncio.timeout(within):
+                pings = await asyncio.gather(
+                    *(self._client.ping() for _ in range(size)), return_exceptions=True
+                )
+                failed = [p for p in pings if isinstance(p, BaseException)]
+                if len(failed) == size:
+                    raise failed[0]
+                for script in (_ADMIT, _SETTLE):
+                    await self._client.script_load(script.source)
+        except _FAILURES as exc:
+            log.warning(
+                "limits_store_unavailable_at_start",
+                error=f"{type(exc).__name__}: {exc}",
+                failure_mode="open" if self.fail_open else "closed",
+            )
+            return
+        log.info(
+            "limits_store_connected",
+            connections=size - len(failed),
+            took_ms=round((self._clock() - started) * 1000, 1),
         )
 
     @property
@@ -270,10 +309,20 @@ class RedisLimitStore:
         return len(self._backlog)
 
     async def aclose(self) -> None:
+        """Stop the flusher and close the client, each within a bound: a Redis that went
+        away (or came back) mid-retry must not hold up a shutdown."""
         if self._flusher is not None:
             self._flusher.cancel()
-            await asyncio.gather(self._flusher, return_exceptions=True)
-        await self._client.aclose()
+            _, late = await asyncio.wait({self._flusher}, timeout=_CLOSE_WAIT_S)
+            if late:
+                log.warning(
+                    "limits_store_close_slow", step="backlog flusher", after_s=_CLOSE_WAIT_S
+                )
+        closing = asyncio.ensure_future(self._client.aclose())
+        _, late = await asyncio.wait({closing}, timeout=_CLOSE_WAIT_S)
+        if late:
+            closing.cancel()
+            log.warning("limits_store_close_slow", step="client close", after_s=_CLOSE_WAIT_S)
 
     # -- what ended requests owe Redis ---------------------------------------------------
 

@@ -60,6 +60,12 @@ class RedisSettings(BaseModel):
     timeout: float = Field(
         0.05, gt=0, description="seconds per Redis call before the failure mode applies"
     )
+    max_connections: int = Field(
+        32,
+        ge=1,
+        description="connections to Redis per gateway process, all opened at start (a first "
+        "burst must not spend its timeout connecting); calls beyond wait for a free one",
+    )
     failure_mode: Literal["open", "closed"] = Field(
         "open", description="when Redis is down: admit without limits, or answer 503"
     )

@@ -119,7 +119,17 @@ class LimitStore(Protocol):
         """Give back the ticket's concurrency slot (once per ticket)."""
         ...
 
+    async def open(self) -> None:
+        """Connect ahead of the first request (never raises: a store out of reach at start
+        is its failure mode's business, as later)."""
+        ...
+
     async def aclose(self) -> None: ...
+
+    @property
+    def available(self) -> bool:
+        """False while the store cannot be reached (its failure mode applies meanwhile)."""
+        ...
 
 
 async def finish(store: LimitStore, ticket: Ticket, actual_tokens: int | None) -> None:

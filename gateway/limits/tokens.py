@@ -18,7 +18,16 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
+from gateway.body import with_field
+
 _MESSAGE_OVERHEAD_TOKENS: Final = 4  # role and separators of the chat template, per message
+# Where the text of the other endpoints' bodies is (``gateway.endpoints``): the input of an
+# embeddings, pooling or Responses request, the query and documents of a score or rerank one.
+_TEXT_FIELDS: Final = (
+    "input", "query", "documents", "queries", "items", "text_1", "text_2", "data_1", "data_2",
+    "instructions", "texts",
+)  # fmt: skip
+_MAX_DEPTH: Final = 4
 _NON_TEXT_PART_TOKENS: Final = 512  # an image or audio part: its bytes say nothing useful
 _MAX_CHOICES: Final = 128
 _USAGE: Final = b'"usage"'
@@ -67,10 +76,34 @@ def _prompt_chars(prompt: Any) -> tuple[int, int, int]:
     return 0, 0, 1
 
 
+def _count(value: Any, depth: int = 0) -> tuple[int, int]:
+    """(characters, tokens) of a text field: strings, token ids, lists and parts of them."""
+    if isinstance(value, str):
+        return len(value), 0
+    if isinstance(value, bool) or depth > _MAX_DEPTH:
+        return 0, 0
+    if isinstance(value, int):
+        return 0, 1  # a token id
+    if isinstance(value, list):
+        chars = tokens = 0
+        for item in value:
+            c, t = _count(item, depth + 1)
+            chars, tokens = chars + c, tokens + t
+        return chars, tokens
+    if isinstance(value, dict):  # a part ({"type": "input_text", "text": ...}) or a message
+        text = value.get("text", value.get("content"))
+        return (0, _NON_TEXT_PART_TOKENS) if text is None else _count(text, depth + 1)
+    return 0, 0
+
+
 def estimate_prompt_tokens(doc: dict[str, Any], chars_per_token: float = 4.0) -> int:
     """Prompt tokens guessed from characters (chars / chars_per_token, rounded up)."""
     chars = 0
     extra = 0
+    for name in _TEXT_FIELDS:
+        if name in doc:
+            c, t = _count(doc[name])
+            chars, extra = chars + c, extra + t
     messages = doc.get("messages")
     if isinstance(messages, list):
         for m in messages:
@@ -107,6 +140,7 @@ def completion_budget(doc: dict[str, Any], default_max_tokens: int) -> int:
     per_choice = (
         _positive_int(doc.get("max_completion_tokens"))
         or _positive_int(doc.get("max_tokens"))
+        or _positive_int(doc.get("max_output_tokens"))  # the Responses API's name
         or default_max_tokens
     )
     n = max(_positive_int(doc.get("n")) or 1, _positive_int(doc.get("best_of")) or 1)
@@ -115,10 +149,16 @@ def completion_budget(doc: dict[str, Any], default_max_tokens: int) -> int:
 
 
 def reservation(
-    doc: dict[str, Any], *, default_max_tokens: int = 1024, chars_per_token: float = 4.0
+    doc: dict[str, Any],
+    *,
+    default_max_tokens: int = 1024,
+    chars_per_token: float = 4.0,
+    generates: bool = True,
 ) -> int:
-    """Tokens to reserve at admission: prompt estimate plus completion budget."""
-    return estimate_prompt_tokens(doc, chars_per_token) + completion_budget(doc, default_max_tokens)
+    """Tokens to reserve at admission: prompt estimate plus completion budget (none for an
+    endpoint that generates nothing: embeddings, scoring, tokenizing)."""
+    prompt = estimate_prompt_tokens(doc, chars_per_token)
+    return prompt + (completion_budget(doc, default_max_tokens) if generates else 0)
 
 
 def _usage_of(doc: Any) -> Usage | None:
@@ -127,8 +167,11 @@ def _usage_of(doc: Any) -> Usage | None:
     u = doc.get("usage")
     if not isinstance(u, dict):
         return None
-    prompt = u.get("prompt_tokens")
-    completion = u.get("completion_tokens")
+    # Chat, completions and pooling say prompt/completion; the Responses API input/output.
+    prompt = u.get("prompt_tokens", u.get("input_tokens"))
+    completion = u.get("completion_tokens", u.get("output_tokens"))
+    if prompt is None and completion is None:  # not in tokens (a transcription's seconds)
+        return None
     prompt = prompt if isinstance(prompt, int) else 0
     completion = completion if isinstance(completion, int) else 0
     total = u.get("total_tokens")
@@ -159,19 +202,14 @@ def usage_plan(doc: dict[str, Any]) -> UsagePlan:
     return UsagePlan(inject=not asked, strip=not asked)
 
 
-_ASK_USAGE = b',"stream_options":{"include_usage":true}}'
-
-
 def with_include_usage(doc: dict[str, Any], raw: bytes | None = None) -> bytes:
     """The request body to send upstream, asking for the usage chunk.
 
     Given the raw body of a request without ``stream_options``, the option is appended to it
     as bytes: a long prompt is not serialised again.
     """
-    if raw is not None and doc and "stream_options" not in doc:
-        body = raw.rstrip()
-        if body.endswith(b"}"):
-            return body[:-1] + _ASK_USAGE
+    if raw is not None and "stream_options" not in doc:
+        return with_field(doc, raw, "stream_options", {"include_usage": True})
     so = doc.get("stream_options")
     options = dict(so) if isinstance(so, dict) else {}
     options["include_usage"] = True
@@ -220,6 +258,8 @@ class UsageFilter:
         return raw
 
     def feed(self, chunk: bytes) -> bytes:
+        if not self._tail and chunk.endswith(b"\n\n") and _USAGE not in chunk:
+            return chunk  # the usual read: whole events, none with usage (two C-level checks)
         data = self._tail + chunk if self._tail else chunk
         end = _last_boundary(data)
         complete, self._tail = data[:end], data[end:]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from backends.errors import ModelNotFound, NoBackendAvailable
+from backends.errors import EndpointNotServed, ModelNotFound, NoBackendAvailable
 from backends.health import Health
 from backends.pool import BackendPool
 from backends.state import BackendSpec
@@ -90,3 +90,28 @@ def test_removed_backend_is_forgotten_only_after_its_last_request() -> None:
     assert pool.models() == ["m"]
     pool.remove("b")
     assert pool.models() == []
+
+
+def test_a_backend_that_lacks_an_endpoint_is_left_out_of_it_until_it_may_have_changed() -> None:
+    pool = pool_with("gen", "emb")
+    pool.record_lacks("gen", "embeddings")
+    pool.record_lacks("emb", "chat")
+    ids = lambda endpoint: [s.id for s in pool.candidates("m", endpoint=endpoint)]  # noqa: E731
+    assert ids("embeddings") == ["emb"]
+    assert ids("chat") == ["gen"]
+    assert sorted(ids(None)) == ["emb", "gen"]  # no endpoint named: every backend
+    pool.record_lacks("emb", "embeddings")
+    with pytest.raises(EndpointNotServed):  # not "unavailable now": no backend has it at all
+        pool.candidates("m", endpoint="embeddings")
+    # A new model list (a restart as the other kind of server, say) forgets what it lacked.
+    pool.record_models("emb", ["m", "m-lora"])
+    assert ids("embeddings") == ["emb"]
+    assert ids("chat") == ["emb", "gen"] or ids("chat") == ["gen", "emb"]
+    # So does coming back up after being down.
+    for _ in range(5):
+        pool.record_probe("gen", False, "down")
+    assert pool.get("gen").health.state is Health.DOWN  # type: ignore[union-attr]
+    for _ in range(5):
+        pool.record_probe("gen", True)
+    assert pool.get("gen").lacks == frozenset()  # type: ignore[union-attr]
+    assert sorted(ids("embeddings")) == ["emb", "gen"]

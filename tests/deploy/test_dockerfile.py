@@ -76,6 +76,10 @@ def test_dockerignore_keeps_virtualenvs_and_models_out_of_the_context() -> None:
 
 def test_compose_builds_this_image() -> None:
     services = compose()["services"]
-    assert services["gateway"]["build"] == "."
-    assert services["sim"]["build"] == "."
+    for name in ("gateway", "sim", "gateway-pd", "sim-prefill-0", "sim-decode-0"):
+        # the Dockerfile's base, python:3.11-slim unless PYTHON_IMAGE names a local one
+        assert services[name]["build"] == {
+            "context": ".",
+            "args": {"PYTHON_IMAGE": "python:3.11-slim"},
+        }, name
     assert services["sim"]["image"] == services["gateway"]["image"]

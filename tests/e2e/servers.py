@@ -27,6 +27,7 @@ from tests.helpers import RunningGateway, running_gateway, wait_for
 ROOT: Final = Path(__file__).resolve().parents[2]
 INSTALL_SCRIPT: Final = "scripts/install_vllm.sh"
 MODEL_SCRIPT: Final = ROOT / "scripts" / "build_tiny_model.py"
+LORA_SCRIPT: Final = ROOT / "scripts" / "build_tiny_lora.py"
 MODEL_DIR: Final = ROOT / ".cache" / "tiny-llama"
 SERVED_MODEL: Final = "tiny"
 MAX_MODEL_LEN: Final = 16384
@@ -81,6 +82,29 @@ def build_model(python: Path) -> Path:
     if done.returncode != 0:
         raise VllmUnavailable(f"building the tiny model failed:\n{done.stderr[-2000:]}")
     return MODEL_DIR
+
+
+def build_lora(python: Path, out: Path, seed: int = 0) -> Path:
+    """A random LoRA adapter for the tiny model (``scripts/build_tiny_lora.py``), in ``out``."""
+    done = subprocess.run(
+        [
+            str(python),
+            str(LORA_SCRIPT),
+            "--model",
+            str(MODEL_DIR),
+            "--out",
+            str(out),
+            "--seed",
+            str(seed),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        raise VllmUnavailable(f"building the LoRA adapter failed:\n{done.stderr[-2000:]}")
+    return out
 
 
 def free_port() -> int:
@@ -145,6 +169,11 @@ def launch(
         "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; otherwise it reserves most of the machine's RAM
         "VLLM_CPU_OMP_THREADS_BIND": cpu,  # one core each, so two servers do not fight
         "VLLM_NO_USAGE_STATS": "1",
+        # The Responses API's store (off by default in vLLM): tests/e2e/test_endpoints.py
+        # fetches stored responses back through the gateway.
+        "VLLM_ENABLE_RESPONSES_API_STORE": "1",
+        # LoRA adapters loaded at run time (with --enable-lora): tests/e2e/test_endpoints.py
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     }

@@ -16,11 +16,17 @@ from functools import partial
 from typing import Any
 
 import openai
+import pytest
 
 from backends.state import BackendSpec
 from gateway.keys import MONITOR, POOL
-from tests.e2e.servers import SERVED_MODEL, VllmServer, kill, restart
+from tests.e2e.servers import SERVED_MODEL, START_DEADLINE, VllmServer, kill, restart
 from tests.helpers import RunningGateway, sample, wait_for
+
+# Each test restarts the server it killed, within the test: a vLLM server's start (about a
+# minute on two busy cores) on top of two 2,000-token answers (about 15 s each) is more than
+# the usual 60 s per test, and the rerun it then needed only hid that.
+pytestmark = pytest.mark.timeout(START_DEADLINE + 120)
 
 N_TOKENS = 2000
 KILL_AFTER = 20  # chunks received before the server producing them is killed

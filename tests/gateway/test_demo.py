@@ -1,5 +1,6 @@
 """``llm-gateway demo`` as the quickstart runs it: its printed commands work as printed, the
-admin API answers with the token it printed (so ``top`` works), and it stops on SIGTERM."""
+admin API answers with the token it printed (so ``top`` and the console work), and it stops on
+SIGTERM."""
 
 from __future__ import annotations
 
@@ -72,6 +73,14 @@ def test_the_demo_prints_commands_that_work_and_an_admin_token() -> None:
         assert r.status_code == 200
         assert len(r.json()["backends"]) == 1
         assert httpx.get(f"http://127.0.0.1:{admin}/admin/backends").status_code == 401
+        # The console it names is served there (the page itself asks for the token).
+        console = re.search(r"open (\S+) in a browser and sign in with (\S+)", text)
+        assert console is not None
+        assert console.group(1) == f"http://127.0.0.1:{admin}/"
+        assert console.group(2) == token
+        page = httpx.get(console.group(1), timeout=10)
+        assert page.status_code == 200
+        assert "<title>llm-gateway console</title>" in page.text
     finally:
         proc.send_signal(signal.SIGTERM)
         code = proc.wait(timeout=20)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import sys
 from typing import Any
 
 import aiohttp
@@ -16,13 +18,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import LogCapture, capture_logs
 
 from backends.sim import FAST, Faults, running_sim
-from gateway.keys import ROUTER
+from gateway.keys import POOL, ROUTER
 from gateway.logs import redact_secrets
 from gateway.metrics import QUEUE_DEPTH_METRIC
 from policies import NO_NEEDS
 from tests.helpers import (
     FakeBackend,
     hang_before_headers,
+    kill,
     running_fake,
     running_gateway,
     stream_chat,
@@ -61,9 +64,11 @@ async def test_request_counters_and_histograms_move() -> None:
         async with s.post(gw.url + "/v1/chat/completions", json=CHAT | {"model": "x"}) as r:
             assert r.status == 404
         m = await scrape(s, gw.url)
-    assert value(m, "llm_gateway_requests_total", model="m", backend=bid, status="200") == 3
+    ok = {"model": "m", "backend": bid, "status": "200", "endpoint": "chat"}
+    assert value(m, "llm_gateway_requests_total", **ok) == 3
     # A model the fleet does not serve is counted under "other": clients cannot grow labels.
-    assert value(m, "llm_gateway_requests_total", model="other", backend="none", status="404") == 1
+    unknown = {"model": "other", "backend": "none", "status": "404", "endpoint": "chat"}
+    assert value(m, "llm_gateway_requests_total", **unknown) == 1
     assert value(m, "llm_gateway_time_to_first_token_seconds_count", model="m", backend=bid) == 3
     assert value(m, "llm_gateway_inter_token_latency_seconds_count", model="m", backend=bid) == 3
     assert value(m, "llm_gateway_backend_up", backend=bid) == 1
@@ -335,3 +340,60 @@ async def test_every_log_line_of_a_request_carries_its_id_bound_once() -> None:
     # Each request met the busy backend first (round robin) and its retry line has its own id.
     assert [e["request_id"] for e in retries] == ["first-id", "second-id"]
     assert "request_id" not in structlog.contextvars.get_contextvars()
+
+
+_LOG_WRITER = """
+import sys
+from gateway.logs import configure_logging
+import structlog
+configure_logging("info", "json")
+log = structlog.get_logger("t")
+for i in range(int(sys.argv[1])):
+    log.info("line", writer=sys.argv[2], i=i, pad="x" * 200)
+"""
+
+
+async def test_processes_sharing_stderr_unbuffered_never_splice_each_others_lines() -> None:
+    """The workers of ``serve --workers`` share one stderr; with PYTHONUNBUFFERED (usual in
+    containers) each log line must still reach it in one write, or lines are spliced into
+    JSON no collector can parse (found as a worker's lost ``gateway_listening``)."""
+    read_fd, write_fd = os.pipe()
+    env = os.environ | {"PYTHONUNBUFFERED": "1"}
+    lines = 3000
+    procs = [
+        await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _LOG_WRITER, str(lines), name, stderr=write_fd, env=env
+        )
+        for name in ("a", "b", "c")
+    ]
+    os.close(write_fd)
+    loop = asyncio.get_running_loop()
+    with os.fdopen(read_fd, "rb") as pipe:
+        raw = await loop.run_in_executor(None, pipe.read)
+    for p in procs:
+        assert await p.wait() == 0
+    events = [json.loads(line) for line in raw.splitlines()]  # every line whole JSON
+    for name in ("a", "b", "c"):
+        assert [e["i"] for e in events if e["writer"] == name] == list(range(lines))
+
+
+async def test_routable_backends_counts_those_a_request_could_reach() -> None:
+    """The gauge the "no routable backend" alert reads: a drained backend and a dead one
+    leave it, and it reaches 0 when none is left."""
+    a, b = FakeBackend(), FakeBackend()
+    async with (
+        running_fake(a),
+        running_fake(b),
+        running_gateway([a.url, b.url]) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+
+        async def routable() -> float:
+            return value(await scrape(s, gw.url), "llm_gateway_routable_backends")
+
+        assert await routable() == 2
+        gw.app[POOL].set_draining(a.url[7:], True)
+        assert await routable() == 1
+        await kill(b)
+        await wait_for(lambda: not gw.app[POOL].ready(), what="the dead backend ejected")
+        assert await routable() == 0

@@ -253,3 +253,28 @@ def test_a_backend_not_chosen_lately_is_tried_again_one_known_much_slower_is_not
     choice = explorer.choose(facts(), [snap("busy"), snap("slug")])
     assert choice is not None
     assert choice.id == "busy"  # optimism does not make a known slow backend look fast
+
+
+def test_the_rescue_deadline_is_a_multiple_of_the_prediction_for_a_backend_it_knows() -> None:
+    clock = Clock()
+    tracker = LatencyTracker(clock=clock)
+    teach(tracker, "known", base=0.2)
+    policy = PredictedLatency(tracker, prediction=PredictionConfig(rescue_factor=3, rescue_min=0.1))
+    assert policy.first_token_deadline("known", 0.2) == pytest.approx(0.6)
+    assert policy.first_token_deadline("known", 0.01) == 0.1  # never before rescue_min
+    # A backend with no recent observations: its prediction is the fleet's, no promise.
+    assert policy.first_token_deadline("new", 0.2) is None
+    clock.t = 120.0  # two minutes later its observations have faded too
+    assert policy.first_token_deadline("known", 0.2) is None
+    off = PredictedLatency(tracker, prediction=PredictionConfig(rescue_factor=0))
+    teach(tracker, "known", base=0.2)
+    assert off.first_token_deadline("known", 0.2) is None
+    assert policy.first_token_deadline("known", float("inf")) is None
+
+
+@pytest.mark.parametrize(
+    "bad", [{"rescue_factor": 0.5}, {"rescue_factor": -1}, {"rescue_min": -0.1}]
+)
+def test_a_rescue_that_could_fire_before_its_prediction_is_refused(bad: dict[str, float]) -> None:
+    with pytest.raises(ValueError, match="rescue"):
+        PredictionConfig(**bad)  # type: ignore[arg-type]

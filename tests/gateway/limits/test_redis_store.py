@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from backends.errors import LimitsUnavailable
-from gateway.limits.redis_store import RedisLimitStore
+from gateway.limits.redis_store import _ADMIT, _SETTLE, RedisLimitStore
 from gateway.limits.settings import RedisSettings
 from gateway.limits.store import Limits, finish
 from tests.redis_server import RedisServer
@@ -113,7 +113,10 @@ async def test_refund_to_full_deletes_the_bucket(make_store: StoreFactory, redis
 async def test_two_gateways_bursting_one_key_stay_within_requests_and_tokens(
     make_store: StoreFactory,
 ) -> None:
+    # Opened as a gateway opens them at start: 120 calls at once then share each store's
+    # connections instead of opening 120, which on a busy machine outlasts the timeout.
     a, b = make_store(), make_store()
+    await asyncio.gather(a.open(), b.open())
 
     async def burst(limits: Limits, cost: int, per_gateway: int) -> tuple[int, float]:
         started = time.monotonic()
@@ -229,6 +232,46 @@ async def test_redis_stopped_then_restarted_fail_closed(
     own_redis.start()
     assert (await store.admit("k", limits, 0)).allowed
     assert (await store.admit("k", limits, 0)).reason == "requests"
+
+
+async def test_open_connects_the_whole_pool_and_loads_the_scripts(
+    make_store: StoreFactory, redis_url: str
+) -> None:
+    """What keeps a fresh gateway's first burst within its limits (it used to open one
+    connection per request and fail open when they outlasted the timeout)."""
+    c = sync_client(redis_url)
+    try:
+        c.script_flush()
+        before = c.info("clients")["connected_clients"]
+        store = make_store(max_connections=6)
+        with capture_logs() as logs:
+            await store.open()
+        assert c.info("clients")["connected_clients"] - before >= 6
+        assert c.script_exists(*(s.sha for s in (_ADMIT, _SETTLE))) == [True, True]
+    finally:
+        c.close()
+    assert [e["event"] for e in logs] == ["limits_store_connected"]
+    assert logs[0]["connections"] == 6
+
+
+async def test_open_with_redis_out_of_reach_returns_and_the_failure_mode_applies(
+    make_store: StoreFactory,
+) -> None:
+    hole = socket.socket()  # accepts, never answers
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(64)
+    try:
+        url = f"redis://127.0.0.1:{hole.getsockname()[1]}/0"
+        store = make_store(url=url, timeout=0.05, failure_mode="closed")
+        started = time.monotonic()
+        with capture_logs() as logs:
+            await store.open(within=0.5)
+        assert time.monotonic() - started < 2.0
+        assert [e["event"] for e in logs] == ["limits_store_unavailable_at_start"]
+        with pytest.raises(LimitsUnavailable):
+            await store.admit("k", Limits(requests_per_minute=1), 0)
+    finally:
+        hole.close()
 
 
 async def test_a_redis_that_never_answers_costs_one_timeout_then_the_mode(

@@ -167,6 +167,17 @@ async def test_two_gateway_processes_share_one_keys_limits_through_redis(
     assert len(fake.seen) == statuses[200]
 
 
+async def store_figures(s: aiohttp.ClientSession, url: str) -> tuple[float, float]:
+    """``llm_gateway_limits_store_up`` and ``..._degraded_admissions_total`` from /metrics."""
+    async with s.get(url + "/metrics") as r:
+        text = await r.text()
+    up = re.search(r"^llm_gateway_limits_store_up (\S+)$", text, re.M)
+    degraded = re.search(r"^llm_gateway_limits_degraded_admissions_total (\S+)$", text, re.M)
+    assert up is not None, text
+    assert degraded is not None, text
+    return float(up.group(1)), float(degraded.group(1))
+
+
 @pytest.mark.parametrize("mode", ["closed", "open"])
 async def test_redis_outage_follows_the_failure_mode_and_recovers(
     own_redis: RedisServer, mode: str
@@ -183,17 +194,25 @@ async def test_redis_outage_follows_the_failure_mode_and_recovers(
         aiohttp.ClientSession() as s,
     ):
         assert await burst(s, [gw.url], 1, ALICE) == Counter({200: 1})
+        before = await store_figures(s, gw.url)
         own_redis.stop()
         started = asyncio.get_running_loop().time()
         during = await burst(s, [gw.url], 5, ALICE)
         took = asyncio.get_running_loop().time() - started
+        down = await store_figures(s, gw.url)
         own_redis.start()
         # Back: the key's bucket was lost with the old server, so a fresh limit of 3 holds.
         after = await burst(s, [gw.url], 6, ALICE)
+        back = await store_figures(s, gw.url)
     if mode == "closed":
         assert during == Counter({503: 5})
     else:
         assert during == Counter({200: 5})  # admitted unchecked, and logged
+    # What the "limits degraded" alert reads: the store's state, and admissions unchecked.
+    degraded = 5.0 if mode == "open" else 0.0
+    assert before == (1.0, 0.0)
+    assert down == (0.0, degraded)
+    assert back == (1.0, degraded)
     assert took < 2.0  # short timeouts, never a hung request
     assert after == Counter({200: 3, 429: 3})
 

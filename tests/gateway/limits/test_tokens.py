@@ -74,6 +74,8 @@ def test_usage_from_a_non_stream_body() -> None:
     assert usage_from_body(body) == Usage(3, 4, 7)
     assert usage_from_body(b'{"choices": []}') is None
     assert usage_from_body(b"not json") is None
+    responses = {"usage": {"input_tokens": 5, "output_tokens": 2, "total_tokens": 7}}
+    assert usage_from_body(json.dumps(responses).encode()) == Usage(5, 2, 7)  # Responses API
 
 
 def test_usage_plan_asks_for_usage_only_when_the_client_did_not() -> None:

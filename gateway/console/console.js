@@ -1,0 +1,797 @@
+// The operator's console. It polls the admin API once a second, keeps the last five minutes
+// in this page's memory for the charts, and changes the gateway only through the admin API,
+// so every change is validated (and logged) by the gateway as a curl call would be. The token
+// lives in one variable of this module: never in a URL, a cookie or web storage.
+
+const POLL_MS = 1000;
+const HISTORY_S = 300; // what the charts show
+const WINDOW_S = 5; // rates and percentiles are over the last five seconds
+const PALETTE = [
+  "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
+  "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+];
+
+let token = null;
+let timer = null;
+let polling = false; // one poll at a time
+let history = []; // [{at, backends, stats, derived}]
+let latest = { policy: null, aliases: null, backends: null };
+let policyFormDoc = null; // the policy document the form was last built from
+let rolloutShape = ""; // aliases and pools the rollout section was built for
+const colors = new Map();
+
+const $ = (id) => document.getElementById(id);
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === "class") node.className = v;
+    else if (k === "dataset") Object.assign(node.dataset, v);
+    else if (k.startsWith("on")) node.addEventListener(k.slice(2), v);
+    else node.setAttribute(k, v === true ? "" : String(v));
+  }
+  for (const c of children.flat()) {
+    if (c === null || c === undefined) continue;
+    node.append(c instanceof Node ? c : document.createTextNode(String(c)));
+  }
+  return node;
+}
+
+function svg(tag, attrs = {}) {
+  const node = document.createElementNS("http://www.w3.org/2000/svg", tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, String(v));
+  return node;
+}
+
+function colorOf(id) {
+  if (!colors.has(id)) colors.set(id, PALETTE[colors.size % PALETTE.length]);
+  return colors.get(id);
+}
+
+// ---- formatting ---------------------------------------------------------------------------
+
+function fmtSeconds(s) {
+  if (s === null || s === undefined || !Number.isFinite(s)) return "–";
+  if (s < 1) return `${Math.round(s * 1000)} ms`;
+  return `${s.toFixed(2)} s`;
+}
+
+function fmtRate(r) {
+  if (r === null || r === undefined || !Number.isFinite(r)) return "–";
+  return r >= 100 ? r.toFixed(0) : r >= 10 ? r.toFixed(1) : r.toFixed(2);
+}
+
+function fmtNumber(n, digits = 2) {
+  if (n === null || n === undefined) return "–";
+  if (typeof n !== "number") return String(n);
+  return Number.isInteger(n) ? String(n) : n.toFixed(digits);
+}
+
+function fmtPct(x) {
+  return x === null || x === undefined ? "–" : `${(x * 100).toFixed(0)} %`;
+}
+
+function fmtValue(v) {
+  if (v === null || v === undefined) return "none";
+  if (typeof v === "object") return JSON.stringify(v);
+  return String(v);
+}
+
+// ---- the admin API ------------------------------------------------------------------------
+
+class ApiError extends Error {}
+
+async function api(method, path, body) {
+  const headers = { Authorization: `Bearer ${token}` };
+  const init = { method, headers, cache: "no-store", credentials: "omit" };
+  if (body !== undefined) {
+    headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const response = await fetch(path, init);
+  let doc = null;
+  try {
+    doc = await response.json();
+  } catch {
+    doc = null;
+  }
+  if (response.status === 401) {
+    signOut("The admin API refused the token.");
+    throw new ApiError("The admin API refused the token.");
+  }
+  if (!response.ok) {
+    throw new ApiError(doc?.error?.message ?? `${method} ${path}: HTTP ${response.status}`);
+  }
+  return doc;
+}
+
+// ---- signing in and out -------------------------------------------------------------------
+
+async function signIn(event) {
+  event.preventDefault();
+  const input = $("token");
+  const given = input.value;
+  input.value = "";
+  if (!given) return;
+  token = given;
+  $("login-error").hidden = true;
+  try {
+    latest.policy = await api("GET", "/admin/policy");
+  } catch (err) {
+    if (token !== null) signOut(err instanceof ApiError ? err.message : `No answer: ${err}`);
+    return;
+  }
+  $("login").hidden = true;
+  $("console").hidden = false;
+  $("sign-out").hidden = false;
+  buildPolicyForm(latest.policy);
+  poll();
+}
+
+function signOut(message) {
+  token = null;
+  clearTimeout(timer);
+  timer = null;
+  history = [];
+  latest = { policy: null, aliases: null, backends: null };
+  policyFormDoc = null;
+  rolloutShape = "";
+  $("console").hidden = true;
+  $("sign-out").hidden = true;
+  $("policy-name").hidden = true;
+  $("login").hidden = false;
+  $("backends").tBodies[0].replaceChildren();
+  setStatus("signed out", "");
+  const error = $("login-error");
+  error.textContent = message ?? "";
+  error.hidden = !message;
+  $("token").focus();
+}
+
+function setStatus(text, kind) {
+  const status = $("status");
+  status.textContent = text;
+  status.className = `status ${kind}`;
+}
+
+function showBanner(text, kind = "error") {
+  const banner = $("banner");
+  banner.textContent = text;
+  banner.className = `banner ${kind}`;
+  banner.hidden = false;
+}
+
+// ---- polling and what is derived from it --------------------------------------------------
+
+async function poll() {
+  if (token === null || polling) return;
+  polling = true;
+  clearTimeout(timer);
+  try {
+    const [backends, stats, policy, aliases] = await Promise.all([
+      api("GET", "/admin/backends"),
+      api("GET", "/admin/stats"),
+      api("GET", "/admin/policy"),
+      api("GET", "/admin/aliases"),
+    ]);
+    if (token === null) return;
+    latest = { policy, aliases, backends };
+    record(backends, stats);
+    render();
+    setStatus(`live · ${new Date(stats.at * 1000).toLocaleTimeString()}`, "ok");
+  } catch (err) {
+    if (token !== null) setStatus(`no answer: ${err.message ?? err}`, "bad");
+  } finally {
+    polling = false;
+    if (token !== null) timer = setTimeout(poll, POLL_MS);
+  }
+}
+
+function windowBase(at) {
+  // The oldest sample at most WINDOW_S before ``at`` (a little slack for a late poll).
+  let base = null;
+  for (let i = history.length - 1; i >= 0; i--) {
+    if (at - history[i].at > WINDOW_S + 0.5) break;
+    base = history[i];
+  }
+  return base;
+}
+
+const sum = (numbers) => numbers.reduce((a, b) => a + b, 0);
+
+function sumValues(obj, keep = () => true) {
+  let total = 0;
+  for (const [k, v] of Object.entries(obj ?? {})) if (keep(k)) total += v;
+  return total;
+}
+
+const isError = (status) => Number(status) >= 500;
+
+function bucketQuantile(now, then, q) {
+  // Prometheus-style quantile of the observations between two cumulative bucket lists.
+  if (!now || now.length === 0) return null;
+  const before = new Map((then ?? []).map(([le, n]) => [le, n]));
+  const buckets = now.map(([le, n]) => [le === null ? Infinity : le, n - (before.get(le) ?? 0)]);
+  const total = buckets[buckets.length - 1][1];
+  if (total <= 0) return null;
+  const rank = q * total;
+  let prevLe = 0;
+  let prevCount = 0;
+  for (const [le, count] of buckets) {
+    if (count >= rank) {
+      if (le === Infinity) return prevLe;
+      const span = count - prevCount;
+      return prevLe + (le - prevLe) * (span <= 0 ? 0 : (rank - prevCount) / span);
+    }
+    prevLe = le;
+    prevCount = count;
+  }
+  return prevLe;
+}
+
+function sumBuckets(lists) {
+  const total = new Map();
+  for (const list of lists) for (const [le, n] of list ?? []) total.set(le, (total.get(le) ?? 0) + n);
+  return [...total.entries()].sort((a, b) => (a[0] ?? Infinity) - (b[0] ?? Infinity));
+}
+
+function derive(stats, base) {
+  const dt = base ? stats.at - base.stats.at : 0;
+  const rate = (now, then) => (dt > 0 ? Math.max(0, now - (then ?? 0)) / dt : null);
+  const per = {};
+  const ids = new Set([...Object.keys(stats.backends), ...latestIds()]);
+  for (const id of ids) {
+    const now = stats.backends[id] ?? { requests: {} };
+    const then = base?.stats.backends[id] ?? { requests: {} };
+    per[id] = {
+      rps: rate(sumValues(now.requests), sumValues(then.requests)),
+      errors: rate(sumValues(now.requests, isError), sumValues(then.requests, isError)),
+      ttft50: dt > 0 ? bucketQuantile(now.ttft, then.ttft, 0.5) : null,
+      ttft99: dt > 0 ? bucketQuantile(now.ttft, then.ttft, 0.99) : null,
+      itl50: dt > 0 ? bucketQuantile(now.itl, then.itl, 0.5) : null,
+    };
+  }
+  const all = Object.values(stats.backends);
+  const allThen = Object.values(base?.stats.backends ?? {});
+  const requests = (list, keep) => sum(list.map((b) => sumValues(b.requests, keep)));
+  const rejected = (s) => sum(s.rate_limit_rejections.map((r) => r.count));
+  return {
+    dt,
+    backends: per,
+    fleet: {
+      rps: rate(requests(all), requests(allThen)),
+      errors: rate(requests(all, isError), requests(allThen, isError)),
+      ttft99: dt > 0 ? bucketQuantile(sumBuckets(all.map((b) => b.ttft)), sumBuckets(allThen.map((b) => b.ttft)), 0.99) : null,
+      rejections: base ? rate(rejected(stats), rejected(base.stats)) : null,
+    },
+    rate,
+  };
+}
+
+function latestIds() {
+  return (latest.backends?.backends ?? []).map((b) => b.id);
+}
+
+function record(backends, stats) {
+  const base = windowBase(stats.at);
+  const derived = derive(stats, base);
+  const inFlight = Object.fromEntries(backends.backends.map((b) => [b.id, b.in_flight]));
+  history.push({ at: stats.at, stats, derived, inFlight });
+  while (history.length > 1 && stats.at - history[0].at > HISTORY_S) history.shift();
+}
+
+// ---- rendering ----------------------------------------------------------------------------
+
+function render() {
+  const last = history[history.length - 1];
+  const policy = latest.policy;
+  const name = $("policy-name");
+  name.textContent = `policy: ${policy.policy}`;
+  name.hidden = false;
+  renderTiles(last);
+  renderCharts();
+  renderBackends(last);
+  refreshPolicyForm(policy);
+  renderRollout(last);
+  renderRejections(last);
+  renderDecisions(last);
+}
+
+function renderTiles(last) {
+  const d = last.derived;
+  const backends = latest.backends.backends;
+  const up = backends.filter((b) => b.health === "up" && !b.draining && b.circuit !== "open").length;
+  const admission = last.stats.admission;
+  const tiles = [
+    ["Requests/s", fmtRate(d.fleet.rps)],
+    ["Errors/s (5xx)", fmtRate(d.fleet.errors)],
+    ["TTFT p99", fmtSeconds(d.fleet.ttft99)],
+    ["Routable backends", `${up} / ${backends.length}`],
+    ["Queue depth (fleet)", fmtNumber(last.stats.queue_depth, 0)],
+    ["Admission queue", `${fmtNumber(admission.waiting, 0)} waiting · ${fmtNumber(admission.holding, 0)} admitted`],
+    ["Rate-limited/s", fmtRate(d.fleet.rejections)],
+  ];
+  $("tiles").replaceChildren(
+    ...tiles.map(([label, value]) => el("div", { class: "tile card" }, el("span", { class: "label" }, label), el("span", { class: "value" }, value))),
+  );
+}
+
+function chart(id, legendId, series, format) {
+  // series: [{name, color, points: [[at, value|null]]}] over the last HISTORY_S.
+  const node = $(id);
+  const W = 400;
+  const H = 110;
+  const PAD = 4;
+  node.setAttribute("viewBox", `0 0 ${W} ${H}`);
+  node.setAttribute("preserveAspectRatio", "none");
+  const now = history.length ? history[history.length - 1].at : 0;
+  let max = 0;
+  for (const s of series) for (const [, v] of s.points) if (v !== null && v > max) max = v;
+  const top = max > 0 ? max * 1.1 : 1;
+  const x = (at) => W - ((now - at) / HISTORY_S) * W;
+  const y = (v) => H - PAD - (v / top) * (H - 2 * PAD);
+  const children = [svg("line", { x1: 0, y1: H - PAD, x2: W, y2: H - PAD, class: "axis" })];
+  for (const s of series) {
+    const pts = s.points.filter(([, v]) => v !== null).map(([at, v]) => `${x(at).toFixed(1)},${y(v).toFixed(1)}`);
+    if (pts.length) {
+      children.push(svg("polyline", { points: pts.join(" "), stroke: s.color, fill: "none", "stroke-width": 1.5, "vector-effect": "non-scaling-stroke" }));
+    }
+  }
+  node.replaceChildren(...children);
+  const legend = $(legendId);
+  legend.replaceChildren(
+    el("span", { class: "scale" }, `max ${format(max)} · last ${HISTORY_S / 60} min`),
+    ...series.map((s) => {
+      const swatch = el("i");
+      swatch.style.background = s.color;
+      return el("span", {}, swatch, s.name);
+    }),
+  );
+}
+
+function renderCharts() {
+  const ids = latestIds();
+  const perBackend = (pick) =>
+    ids.map((id) => ({ name: id, color: colorOf(id), points: history.map((h) => [h.at, pick(h, id)]) }));
+  chart("chart-rps", "legend-rps", perBackend((h, id) => h.derived.backends[id]?.rps ?? null), fmtRate);
+  chart("chart-ttft", "legend-ttft", perBackend((h, id) => h.derived.backends[id]?.ttft99 ?? null), fmtSeconds);
+  chart("chart-inflight", "legend-inflight", perBackend((h, id) => h.inFlight[id] ?? null), (v) => fmtNumber(v, 0));
+  chart("chart-queue", "legend-queue", [
+    { name: "engines + admission", color: PALETTE[0], points: history.map((h) => [h.at, h.stats.queue_depth]) },
+    { name: "admission", color: PALETTE[1], points: history.map((h) => [h.at, h.stats.admission.waiting]) },
+  ], (v) => fmtNumber(v, 0));
+}
+
+function stateClass(value) {
+  if (value === "up" || value === "closed") return "ok";
+  if (value === "down" || value === "open") return "bad";
+  return "warn";
+}
+
+function upsertRow(tbody, key, cells) {
+  // Rows are kept by key and updated in place, so a button is never replaced under a click.
+  let row = [...tbody.rows].find((r) => r.dataset.key === key);
+  if (!row) {
+    row = el("tr", { dataset: { key } });
+    tbody.append(row);
+  }
+  cells.forEach((cell, i) => {
+    let td = row.cells[i];
+    if (!td) td = row.insertCell();
+    if (cell instanceof Node) {
+      if (td.firstChild?.dataset?.sig !== cell.dataset.sig) td.replaceChildren(cell);
+    } else {
+      const { text, cls } = typeof cell === "object" && cell !== null ? cell : { text: cell, cls: "" };
+      if (td.textContent !== String(text)) td.textContent = String(text);
+      td.className = cls ?? "";
+    }
+  });
+  return row;
+}
+
+function prune(tbody, keys) {
+  for (const row of [...tbody.rows]) if (!keys.has(row.dataset.key)) row.remove();
+}
+
+function renderBackends(last) {
+  const tbody = $("backends").tBodies[0];
+  const keys = new Set();
+  for (const b of latest.backends.backends) {
+    keys.add(b.id);
+    const d = last.derived.backends[b.id] ?? {};
+    const drainButton = el(
+      "button",
+      { type: "button", class: b.draining ? "undrain" : "drain", dataset: { sig: `${b.draining}` }, onclick: () => drainBackend(b.id, !b.draining) },
+      b.draining ? "Undrain" : "Drain",
+    );
+    const name = el("span", { dataset: { sig: `${b.id}|${b.url}|${b.draining}` }, title: b.url }, el("i", { class: "swatch" }), b.id, b.draining ? el("span", { class: "pill warn" }, "draining") : null);
+    name.firstChild.style.background = colorOf(b.id);
+    const row = upsertRow(tbody, b.id, [
+      name,
+      { text: b.health, cls: stateClass(b.health) },
+      { text: b.circuit, cls: stateClass(b.circuit) },
+      fmtNumber(b.in_flight, 0),
+      fmtNumber(b.queue_depth, 0),
+      fmtNumber(b.running, 0),
+      fmtPct(b.kv_cache_usage),
+      fmtNumber(b.score, 2),
+      fmtRate(d.rps),
+      fmtRate(d.errors),
+      fmtSeconds(d.ttft50),
+      fmtSeconds(d.ttft99),
+      fmtSeconds(d.itl50),
+      fmtSeconds(b.latency?.predicted_ttft_s),
+      fmtSeconds(b.latency?.predicted_itl_s),
+      drainButton,
+    ]);
+    row.dataset.backend = b.id;
+    row.classList.toggle("draining", b.draining);
+  }
+  prune(tbody, keys);
+}
+
+// ---- the confirmation dialog: what changes, before it changes -----------------------------
+
+function confirmChange(title, text, rows) {
+  const dialog = $("confirm");
+  $("confirm-title").textContent = title;
+  $("confirm-text").textContent = text;
+  const table = $("confirm-diff");
+  table.hidden = rows.length === 0;
+  table.tBodies[0].replaceChildren(
+    ...rows.map(([setting, now, after]) => el("tr", {}, el("td", {}, setting), el("td", { class: "old" }, fmtValue(now)), el("td", { class: "new" }, fmtValue(after)))),
+  );
+  return new Promise((resolve) => {
+    const done = (ok) => {
+      $("confirm-apply").onclick = null;
+      $("confirm-cancel").onclick = null;
+      dialog.onclose = null;
+      if (dialog.open) dialog.close();
+      resolve(ok);
+    };
+    $("confirm-apply").onclick = () => done(true);
+    $("confirm-cancel").onclick = () => done(false);
+    dialog.onclose = () => done(false);
+    dialog.showModal();
+  });
+}
+
+async function act(what, call) {
+  try {
+    const result = await call();
+    showBanner(what, "ok");
+    poll(); // show the effect now, not at the next tick
+    return result;
+  } catch (err) {
+    if (token !== null) showBanner(err.message ?? String(err), "error");
+    return null;
+  }
+}
+
+async function drainBackend(id, draining) {
+  const verb = draining ? "Drain" : "Undrain";
+  const text = draining
+    ? `No new requests go to ${id}; the ones in flight finish.`
+    : `${id} takes new requests again.`;
+  const b = latest.backends.backends.find((x) => x.id === id);
+  if (!(await confirmChange(`${verb} ${id}`, text, [["draining", b?.draining ?? !draining, draining]]))) return;
+  const path = `/admin/backends/${encodeURIComponent(id)}/${draining ? "drain" : "undrain"}`;
+  await act(`${verb}ed ${id}.`, () => api("POST", path));
+}
+
+// ---- the policy form ----------------------------------------------------------------------
+
+const SECTIONS = ["weights", "affinity", "latency"];
+
+function inputFor(name, value) {
+  let input;
+  if (typeof value === "boolean") input = el("input", { type: "checkbox", name, dataset: { kind: "boolean" } });
+  else if (typeof value === "number") input = el("input", { type: "number", step: "any", name, dataset: { kind: "number" } });
+  else input = el("input", { type: "text", name, dataset: { kind: value === null ? "nullable" : "string" } });
+  setInput(input, value);
+  return input;
+}
+
+function buildPolicyForm(doc) {
+  policyFormDoc = doc;
+  const form = $("policy-form");
+  const select = el("select", { name: "policy", id: "policy-select" }, ...doc.policies.map((p) => el("option", { value: p }, p)));
+  setInput(select, doc.policy);
+  const rows = [el("div", { class: "field" }, el("label", { for: "policy-select" }, "policy"), select, el("span", { class: "current", dataset: { field: "policy" } }))];
+  for (const section of SECTIONS) {
+    const values = doc[section];
+    if (!values) continue;
+    rows.push(el("h3", {}, section));
+    for (const [key, value] of Object.entries(values)) {
+      if (typeof value === "object" && value !== null) continue; // nested: edit through the API
+      const name = `${section}.${key}`;
+      const input = inputFor(name, value);
+      input.id = `field-${section}-${key}`;
+      rows.push(el("div", { class: "field" }, el("label", { for: input.id }, key), input, el("span", { class: "current", dataset: { field: name } })));
+    }
+  }
+  form.replaceChildren(...rows);
+  for (const span of form.querySelectorAll("span.current")) {
+    span.textContent = `now ${fmtValue(valueAt(doc, span.dataset.field))}`;
+  }
+}
+
+function valueAt(doc, name) {
+  if (name === "policy") return doc.policy;
+  const [section, key] = name.split(".");
+  return doc[section]?.[key];
+}
+
+function formShape(doc) {
+  return JSON.stringify(SECTIONS.map((s) => Object.keys(doc[s] ?? {})));
+}
+
+function setInput(input, value) {
+  if (input.type === "checkbox") input.checked = Boolean(value);
+  else input.value = value ?? "";
+  input.dataset.base = JSON.stringify(value ?? null);
+}
+
+function edited(input) {
+  return JSON.stringify(readInput(input) ?? null) !== input.dataset.base;
+}
+
+function follow(input, now) {
+  const value = JSON.stringify(now ?? null);
+  if (JSON.stringify(readInput(input) ?? null) === value) input.dataset.base = value; // caught up
+  else if (!edited(input)) setInput(input, now);
+  input.classList.toggle("edited", edited(input));
+}
+
+function refreshPolicyForm(doc) {
+  // The "now" beside each input follows the gateway, and so does every input the operator has
+  // not edited (a change made elsewhere shows); an edited one keeps what was typed.
+  const form = $("policy-form");
+  const inputs = [...form.querySelectorAll("input, select")];
+  if (formShape(doc) !== formShape(policyFormDoc) && !inputs.some(edited)) {
+    buildPolicyForm(doc);
+    return;
+  }
+  for (const input of inputs) follow(input, valueAt(doc, input.name));
+  for (const span of form.querySelectorAll("span.current")) {
+    span.textContent = `now ${fmtValue(valueAt(doc, span.dataset.field))}`;
+  }
+}
+
+function readInput(input) {
+  switch (input.dataset.kind) {
+    case "boolean":
+      return input.checked;
+    case "number": {
+      const n = Number(input.value);
+      return input.value.trim() === "" || !Number.isFinite(n) ? input.value : n; // the API refuses it
+    }
+    case "nullable":
+      return input.value === "" ? null : input.value;
+    default:
+      return input.value;
+  }
+}
+
+function policyChange() {
+  // The body for PUT /admin/policy (only what differs from the running policy) and its diff.
+  const now = latest.policy;
+  const form = $("policy-form");
+  const body = {};
+  const rows = [];
+  const chosen = form.elements.policy.value;
+  if (chosen !== now.policy) {
+    body.policy = chosen;
+    rows.push(["policy", now.policy, chosen]);
+  }
+  for (const section of SECTIONS) {
+    const changed = {};
+    for (const input of form.querySelectorAll(`[name^="${section}."]`)) {
+      const key = input.name.slice(section.length + 1);
+      const value = readInput(input);
+      const was = now[section]?.[key];
+      if (value !== was) {
+        changed[key] = value;
+        rows.push([input.name, was, value]);
+      }
+    }
+    if (Object.keys(changed).length === 0) continue;
+    // Weights go whole (the API takes all three); the other sections take only what changed.
+    body[section] = section === "weights" ? { ...now.weights, ...changed } : changed;
+  }
+  return { body, rows };
+}
+
+async function reviewPolicy() {
+  const { body, rows } = policyChange();
+  if (rows.length === 0) {
+    showBanner("Nothing to change: the form says what the gateway runs now.", "info");
+    return;
+  }
+  const ok = await confirmChange("Change the routing policy", "PUT /admin/policy, applied to the next request:", rows);
+  if (!ok) return;
+  const result = await act("Policy changed.", () => api("PUT", "/admin/policy", body));
+  if (result) {
+    latest.policy = { ...latest.policy, ...result };
+    buildPolicyForm(latest.policy);
+  }
+}
+
+// ---- pools and canary weights -------------------------------------------------------------
+
+function renderRollout(last) {
+  const { aliases, pools } = latest.aliases;
+  const shape = JSON.stringify([aliases.map((a) => [a.alias, Object.keys(a.weights)]), Object.keys(pools)]);
+  if (shape !== rolloutShape) {
+    rolloutShape = shape;
+    buildRollout(aliases);
+  }
+  const base = windowBase(last.at);
+  for (const a of aliases) {
+    const now = last.stats.aliases[a.alias] ?? {};
+    const then = base?.stats.aliases?.[a.alias] ?? {};
+    const rates = Object.fromEntries(Object.keys(a.weights).map((p) => [p, last.derived.rate(sumValues(now[p]), sumValues(then[p]))]));
+    const total = sumValues(rates);
+    for (const [p, w] of Object.entries(a.weights)) {
+      const row = document.querySelector(`#aliases tr[data-alias="${CSS.escape(a.alias)}"][data-pool="${CSS.escape(p)}"]`);
+      if (!row) continue;
+      row.cells[1].textContent = fmtNumber(w);
+      row.cells[2].textContent = total > 0 ? fmtPct(rates[p] / total) : "–";
+      follow(row.querySelector("input"), w);
+      row.classList.toggle("drained", a.drained.includes(p));
+    }
+    const rollback = document.querySelector(`button.rollback[data-alias="${CSS.escape(a.alias)}"]`);
+    if (rollback) {
+      rollback.disabled = !a.previous;
+      rollback.title = a.previous ? `back to ${fmtValue(a.previous)}` : "no earlier weights";
+    }
+  }
+  const tbody = $("pools").tBodies[0];
+  const keys = new Set();
+  for (const [name, p] of Object.entries(pools)) {
+    keys.add(name);
+    const button = el(
+      "button",
+      { type: "button", dataset: { sig: `${p.drained}` }, onclick: () => drainPool(name, !p.drained) },
+      p.drained ? "Undrain" : "Drain",
+    );
+    upsertRow(tbody, name, [name, p.model, p.backends.join(", "), { text: p.drained ? "drained" : "serving", cls: p.drained ? "warn" : "ok" }, button]);
+  }
+  prune(tbody, keys);
+}
+
+function buildRollout(aliases) {
+  const container = $("aliases");
+  if (aliases.length === 0) {
+    container.replaceChildren(el("p", { class: "quiet" }, "No aliases: [[pools]] and [aliases] in the configuration make canaries."));
+    return;
+  }
+  container.replaceChildren(
+    ...aliases.map((a) => {
+      const rows = Object.entries(a.weights).map(([p, w]) =>
+        el("tr", { dataset: { alias: a.alias, pool: p } },
+          el("td", {}, p),
+          el("td", {}, fmtNumber(w)),
+          el("td", {}, "–"),
+          el("td", {}, weightInput(p, w)),
+        ));
+      return el("div", { class: "alias", dataset: { alias: a.alias } },
+        el("h3", {}, a.alias),
+        el("table", {}, el("thead", {}, el("tr", {}, el("th", {}, "pool"), el("th", {}, "weight"), el("th", {}, "traffic"), el("th", {}, "new weight"))), el("tbody", {}, rows)),
+        el("div", { class: "actions" },
+          el("button", { type: "button", class: "review-weights", dataset: { alias: a.alias }, onclick: () => reviewWeights(a.alias) }, "Review weights"),
+          el("button", { type: "button", class: "rollback quiet", dataset: { alias: a.alias }, onclick: () => rollBack(a.alias) }, "Roll back"),
+        ));
+    }),
+  );
+}
+
+function weightInput(pool, weight) {
+  const input = el("input", { type: "number", step: "any", min: 0, name: `weight.${pool}`, "aria-label": `new weight of ${pool}`, dataset: { kind: "number" } });
+  setInput(input, weight);
+  return input;
+}
+
+function aliasDoc(alias) {
+  return latest.aliases.aliases.find((a) => a.alias === alias);
+}
+
+async function reviewWeights(alias) {
+  const doc = aliasDoc(alias);
+  const block = document.querySelector(`#aliases div.alias[data-alias="${CSS.escape(alias)}"]`);
+  const weights = {};
+  const rows = [];
+  for (const input of block.querySelectorAll("input[name^='weight.']")) {
+    const pool = input.name.slice("weight.".length);
+    const n = Number(input.value);
+    weights[pool] = input.value.trim() === "" || !Number.isFinite(n) ? input.value : n;
+    if (weights[pool] !== doc.weights[pool]) rows.push([`${alias} → ${pool}`, doc.weights[pool], weights[pool]]);
+  }
+  if (rows.length === 0) {
+    showBanner(`Nothing to change: those are ${alias}'s weights now.`, "info");
+    return;
+  }
+  if (!(await confirmChange(`Shift ${alias}'s traffic`, `PUT /admin/aliases/${alias}; roll back undoes it.`, rows))) return;
+  if (await act(`${alias}'s weights changed.`, () => api("PUT", `/admin/aliases/${encodeURIComponent(alias)}`, weights))) {
+    rolloutShape = ""; // rebuild the inputs from what the gateway now runs
+  }
+}
+
+async function rollBack(alias) {
+  const doc = aliasDoc(alias);
+  if (!doc?.previous) return;
+  const pools = [...new Set([...Object.keys(doc.weights), ...Object.keys(doc.previous)])];
+  const rows = pools.map((p) => [`${alias} → ${p}`, doc.weights[p] ?? 0, doc.previous[p] ?? 0]);
+  if (!(await confirmChange(`Roll back ${alias}`, "Back to the weights in force before the last change.", rows))) return;
+  if (await act(`${alias} rolled back.`, () => api("POST", `/admin/aliases/${encodeURIComponent(alias)}/rollback`))) {
+    rolloutShape = "";
+  }
+}
+
+async function drainPool(pool, drained) {
+  const verb = drained ? "Drain" : "Undrain";
+  const text = drained ? `No new requests reach pool ${pool} through its aliases.` : `Pool ${pool} takes its share again.`;
+  if (!(await confirmChange(`${verb} pool ${pool}`, text, [["drained", !drained, drained]]))) return;
+  await act(`${verb}ed pool ${pool}.`, () => api("POST", `/admin/pools/${encodeURIComponent(pool)}/${drained ? "drain" : "undrain"}`));
+}
+
+// ---- limits and decisions -----------------------------------------------------------------
+
+function renderRejections(last) {
+  const base = windowBase(last.at);
+  const before = new Map((base?.stats.rate_limit_rejections ?? []).map((r) => [`${r.key}|${r.reason}`, r.count]));
+  const tbody = $("rejections").tBodies[0];
+  const keys = new Set();
+  for (const r of last.stats.rate_limit_rejections) {
+    const key = `${r.key}|${r.reason}`;
+    keys.add(key);
+    upsertRow(tbody, key, [r.key, r.reason, fmtNumber(r.count, 0), fmtRate(last.derived.rate(r.count, before.get(key)))]);
+  }
+  prune(tbody, keys);
+  const outcomes = last.stats.admission.outcomes;
+  const thenOutcomes = base?.stats.admission.outcomes ?? {};
+  const admission = $("admission").tBodies[0];
+  const okeys = new Set(Object.keys(outcomes));
+  for (const [outcome, n] of Object.entries(outcomes)) {
+    upsertRow(admission, outcome, [outcome, fmtNumber(n, 0), fmtRate(last.derived.rate(n, thenOutcomes[outcome]))]);
+  }
+  prune(admission, okeys);
+}
+
+function renderDecisions(last) {
+  const base = windowBase(last.at);
+  const groups = [["prefix", "prefix_decisions"], ["latency", "latency_decisions"], ["retry", "retries"], ["continuation", "continuations"]];
+  const tbody = $("decisions").tBodies[0];
+  const keys = new Set();
+  for (const [label, field] of groups) {
+    const now = last.stats[field] ?? {};
+    const then = base?.stats[field] ?? {};
+    const total = sumValues(now);
+    for (const [reason, n] of Object.entries(now)) {
+      const key = `${label}:${reason}`;
+      keys.add(key);
+      upsertRow(tbody, key, [key, fmtNumber(n, 0), fmtRate(last.derived.rate(n, then[reason])), total > 0 ? fmtPct(n / total) : "–"]);
+    }
+  }
+  prune(tbody, keys);
+}
+
+async function reload() {
+  if (!(await confirmChange("Reload the configuration", "The gateway re-reads its configuration file: what can change live is applied now, the rest is listed as needing a restart.", []))) return;
+  const result = await act("Configuration reloaded.", () => api("POST", "/admin/reload"));
+  if (result) {
+    const applied = result.applied.length ? result.applied.join(", ") : "nothing";
+    const restart = result.restart_required.length ? ` Needs a restart: ${result.restart_required.join(", ")}.` : "";
+    $("reload-result").textContent = `Applied: ${applied}.${restart}`;
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("login-form").addEventListener("submit", signIn);
+  $("sign-out").addEventListener("click", () => signOut());
+  $("policy-review").addEventListener("click", reviewPolicy);
+  $("policy-reset").addEventListener("click", () => latest.policy && buildPolicyForm(latest.policy));
+  $("reload").addEventListener("click", reload);
+  $("token").focus();
+});

@@ -1,0 +1,67 @@
+"""A screenshot of the operator's console under load, for the README (docs/img/console.png).
+
+Starts the gateway with the shipped production configuration in front of three simulators
+(``tests/gateway/console/fleet.py``), streams through it, drains one backend half-way and
+shifts the canary, then photographs the page in headless Chromium.
+
+    .venv/bin/python scripts/console_screenshot.py [--seconds 90] [--out docs/img/console.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from playwright.sync_api import expect, sync_playwright
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.gateway.console.fleet import Traffic, running_fleet  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=90.0, help="of traffic before the picture")
+    ap.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "console.png")
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379/0")
+    args = ap.parse_args()
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        print("no chromium on PATH (make browser installs it)", file=sys.stderr)
+        return 1
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        running_fleet(Path(logs), args.redis, "console-screenshot:") as fleet,
+        sync_playwright() as pw,
+    ):
+        traffic = Traffic(fleet.url).start(streams=6, over_limit=6)
+        browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1500, "height": 1000})
+        page.goto(fleet.admin_url + "/")
+        page.fill("#token", fleet.token)
+        page.click("#sign-in")
+        expect(page.locator("#console")).to_be_visible()
+        start = time.monotonic()
+        drained = shifted = False
+        while (elapsed := time.monotonic() - start) < args.seconds:
+            if not drained and elapsed > args.seconds / 2:
+                fleet.admin("POST", "/admin/backends/gpu-b/drain")
+                drained = True
+            if not shifted and elapsed > args.seconds * 0.7:
+                fleet.admin("PUT", "/admin/aliases/chat", json={"stable": 70, "canary": 30})
+                shifted = True
+            time.sleep(1)  # sleep-ok: letting traffic run for the picture
+        page.screenshot(path=str(args.out), full_page=True)
+        traffic.stop()
+        browser.close()
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

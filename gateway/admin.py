@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import hmac
 import time
-from collections.abc import Collection, Sequence
-from pathlib import Path
+from collections.abc import Collection
 from typing import Any
 
 import structlog
@@ -23,11 +22,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backends.errors import GatewayError, InvalidRequest, NotFound, error_envelope
 from backends.state import BackendState
 from gateway import lora
-from gateway.admin_fanout import fanout_middleware
+from gateway.admin_fanout import CATCH_UP, CatchUp, fanout_middleware
 from gateway.admin_stats import stats_document
 from gateway.app import server_header
 from gateway.console import PUBLIC_PATHS, add_console_routes
-from gateway.keys import GATEWAY, KV_FEEDS, KV_INDEX, LATENCY, METRICS, POOL, ROUTER
+from gateway.keys import (
+    ADMIN_JOURNAL,
+    GATEWAY,
+    KV_FEEDS,
+    KV_INDEX,
+    LATENCY,
+    METRICS,
+    POOL,
+    ROUTER,
+    WORKER,
+)
 from gateway.latency_metrics import latency_views
 from gateway.reload import change_policy, describe_policy, reload_settings
 from gateway.rollout import ROLLOUT
@@ -255,17 +264,26 @@ async def admin_metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def create_admin_app(
-    gateway: web.Application, token: str, peers: Sequence[Path] = ()
-) -> web.Application:
-    """The admin API on ``gateway``; ``peers``: the other workers' admin sockets, which every
-    change is sent on to (``gateway.admin_fanout``)."""
+def create_admin_app(gateway: web.Application, token: str) -> web.Application:
+    """The admin API on ``gateway``. With ``serve --workers``, changes go from worker 0 to
+    every worker, in order, and a worker lacking some catches up (``gateway.admin_fanout``)."""
     middlewares = [_token_middleware(token, PUBLIC_PATHS)]
-    if peers:
-        middlewares.append(fanout_middleware(peers))
+    worker = gateway.get(WORKER)
+    if worker is not None:
+        journal = gateway[ADMIN_JOURNAL]
+        middlewares.append(fanout_middleware(journal, worker.peers, origin=worker.index == 0))
     app = web.Application(middlewares=middlewares)
     app.on_response_prepare.append(server_header)
     app[GATEWAY] = gateway
+    if worker is not None:
+        catch_up = app[CATCH_UP] = CatchUp(
+            journal, worker.private_peers, worker.admin_socket(worker.index), token
+        )
+
+        async def stop_catching_up(_app: web.Application) -> None:
+            await catch_up.close()
+
+        app.on_cleanup.append(stop_catching_up)
     add_console_routes(app)
     app.router.add_get("/admin/stats", get_stats)
     app.router.add_get("/admin/backends", list_backends)

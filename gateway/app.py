@@ -22,9 +22,12 @@ from backends.supervise import Supervisor
 from backends.tap import internals_problem
 from backends.upstream import Transport, UpstreamClient
 from gateway import host_metrics, info, proxy, stored
+from gateway.admin_fanout import JOURNAL_PATH, journal_handler
+from gateway.admin_journal import AdminJournal
 from gateway.disagg import role_policies
 from gateway.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
 from gateway.keys import (
+    ADMIN_JOURNAL,
     ADMISSION,
     GATEWAY,
     KV_FEEDS,
@@ -284,11 +287,13 @@ async def own_response_home(request: web.Request) -> web.Response:
 
 def worker_private_app(gateway: web.Application) -> web.Application:
     """What a worker answers the other workers of its host (``serve --workers``), on its
-    private socket: its own figures and the stored responses it knows the home of."""
+    private socket: its own figures, the stored responses it knows the home of, and the admin
+    changes it applied (``gateway.admin_fanout``)."""
     app = web.Application()
     app[GATEWAY] = gateway
     app.router.add_get("/metrics", own_metrics)
     app.router.add_get("/responses/home", own_response_home)
+    app.router.add_get(JOURNAL_PATH, journal_handler)
     return app
 
 
@@ -323,6 +328,7 @@ def create_app(
     app[SETTINGS] = settings
     if worker is not None:
         app[WORKER] = worker
+        app[ADMIN_JOURNAL] = AdminJournal()
     app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)
     app[LIFECYCLE] = Lifecycle()
     supervisor = app[SUPERVISOR] = Supervisor()  # every background loop runs under it

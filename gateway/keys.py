@@ -12,6 +12,7 @@ from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
 from backends.upstream import Transport
+from gateway.admin_journal import AdminJournal
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
 from gateway.metrics import GatewayMetrics
@@ -52,6 +53,8 @@ GATEWAY: Final = web.AppKey("gateway", web.Application)
 RELAY_FAST: Final = web.AppKey("relay_fast", bool)  # on the admin app: the main app
 KV_INDEX: Final = web.AppKey("kv_index", KvIndex)  # what each engine caches (its KV events)
 WORKER: Final = web.AppKey("worker", Worker)  # one of ``serve --workers``' processes
+# with ``serve --workers``: the admin changes applied, in worker 0's order
+ADMIN_JOURNAL: Final = web.AppKey("admin_journal", AdminJournal)
 LATENCY: Final = web.AppKey("latency", LatencyTracker)  # each backend's learned speed
 KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not followed
 TOKENIZERS: Final = web.AppKey["Tokenizers | None"]("tokenizers")  # None: none configured

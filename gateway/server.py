@@ -12,14 +12,16 @@ import contextlib
 import signal
 import socket
 import ssl
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
 
 from backends.errors import InvalidRequest
 from gateway.admin import create_admin_app
+from gateway.admin_fanout import CATCH_UP, reload_everywhere
 from gateway.app import create_app, worker_private_app
-from gateway.keys import LIFECYCLE
+from gateway.keys import ADMIN_JOURNAL, LIFECYCLE
 from gateway.logs import configure_logging
 from gateway.reload import SettingsLoader, reload_settings
 from gateway.settings import Settings, TlsSettings
@@ -60,10 +62,30 @@ async def stop_gracefully(app: web.Application, runners: list[web.AppRunner]) ->
     log.info("gateway_stopped")
 
 
-def _reload(app: web.Application) -> None:
-    # A refused reload has been logged with its reason; the running configuration stays.
-    with contextlib.suppress(InvalidRequest):
-        reload_settings(app)
+def _on_sighup(
+    app: web.Application, settings: Settings, worker: Worker | None
+) -> Callable[[], None]:
+    """What SIGHUP does: re-read the configuration here, or with ``serve --workers`` and the
+    admin API on (the supervisor sends it to worker 0 alone) ask worker 0 to reload as an admin
+    change, sent on to every worker (``gateway.admin_fanout.reload_everywhere``)."""
+    if worker is None or settings.admin.token is None:
+
+        def reload() -> None:
+            # A refused reload has been logged with its reason; the running configuration stays.
+            with contextlib.suppress(InvalidRequest):
+                reload_settings(app)
+
+        return reload
+    reloads: set[asyncio.Task[None]] = set()
+    # Worker 0's socket from any worker: a worker sent SIGHUP on its own (kill -HUP) reloads all.
+    first, token = worker.admin_socket(0), settings.admin.token.get_secret_value()
+
+    def reload_all() -> None:
+        task = asyncio.create_task(reload_everywhere(first, token))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    return reload_all
 
 
 def ssl_context(tls: TlsSettings) -> ssl.SSLContext | None:
@@ -112,26 +134,26 @@ async def run_until_signalled(
     )
     admin_address = None
     try:
-        await listen(site, settings.host, settings.port, "--port, GATEWAY_PORT or `port`")
         if worker is not None:  # what the other workers ask it (its figures, response homes)
             own = make_runner(worker_private_app(app), shutdown_timeout=1)
             await own.setup()
             runners.insert(0, own)
             await web.UnixSite(own, str(worker.private_socket(worker.index))).start()
         if settings.admin.token is not None:
-            first = worker is None or worker.index == 0
-            peers = worker.peers if worker is not None and first else []
             admin = make_runner(
-                create_admin_app(app, settings.admin.token.get_secret_value(), peers),
+                create_admin_app(app, settings.admin.token.get_secret_value()),
                 shutdown_timeout=1,
             )
             await admin.setup()
             runners.insert(0, admin)
-            if worker is not None and not first:
+            if worker is not None:  # every worker: the changes worker 0 sends on, replays
                 path = worker.admin_socket(worker.index)
                 await web.UnixSite(admin, str(path)).start()
                 admin_address = str(path)
-            else:
+                if worker.restarted:  # the changes made while it was not there, before traffic
+                    replayed = await admin.app[CATCH_UP].run()
+                    log.info("admin_caught_up", replayed=replayed, last=app[ADMIN_JOURNAL].last)
+            if worker is None or worker.index == 0:
                 admin_site = web.TCPSite(admin, settings.admin.host, settings.admin.port)
                 await listen(
                     admin_site,
@@ -140,6 +162,8 @@ async def run_until_signalled(
                     "GATEWAY_ADMIN__PORT or `admin.port`",
                 )
                 admin_address = admin_site.name
+        # Last: a worker takes traffic once it routes as the others do.
+        await listen(site, settings.host, settings.port, "--port, GATEWAY_PORT or `port`")
     except ListenError:
         for r in runners:
             await r.cleanup()
@@ -159,7 +183,7 @@ async def run_until_signalled(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _reload, app)
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup(app, settings, worker))
     try:
         await stop.wait()
     finally:
@@ -189,7 +213,9 @@ def serve(settings: Settings, loader: SettingsLoader | None = None) -> int:
             return 2
         return 0
 
-    return Supervisor(count, one).run()
+    # With the admin API on, a reload is an admin change (numbered, replayed by a worker started
+    # again): SIGHUP goes to worker 0, which sends it on to the others.
+    return Supervisor(count, one, hup_to_first=settings.admin.token is not None).run()
 
 
 def free_port(host: str) -> int:

@@ -9,20 +9,25 @@ them). What they share:
   (``backends.shared_inflight``), each worker writing its own row, every snapshot adding the
   others'. A burst spread over the workers is seen whole by each.
 - **the admin API**: worker 0 serves it on the admin port; an action that changes something
-  (policy and weights, drain, aliases, reload, LoRA) is applied there, then sent to every other
-  worker on its private admin socket (a Unix socket in a directory only this user can enter),
-  so every worker routes alike. ``X-Gateway-Workers: applied/total`` says how many took it.
+  (policy and weights, drain, aliases, reload) is applied there, numbered, then sent to every
+  other worker on its private admin socket (a Unix socket in a directory only this user can
+  enter), so every worker routes alike. ``X-Gateway-Workers: applied/total`` says how many took
+  it. Each worker keeps the numbered changes (``gateway.admin_journal``): one that missed some,
+  or was started again, fetches them from the others and replays them in order
+  (``gateway.admin_fanout``).
 - **one ``/metrics``**: the worker a scrape reaches combines every worker's figures
   (``gateway.host_metrics``), asked on their private sockets, which also say which backend
   holds a stored response a worker made (``gateway.responses.PeerHomes``).
 - **signals**: SIGTERM and SIGINT drain every worker (each with its ``shutdown_grace``); SIGHUP
-  makes each re-read the configuration.
+  makes each re-read the configuration (with the admin API on, as an admin change: worker 0
+  reloads and sends the reload on, so it takes its place among the changes replayed).
 
 A worker that dies is started again (its row of in-flight counts cleared first: its requests
-died with it), at most once a second. What each worker learns on its own (scraped load,
-health, prefix memory, latency fits) it learns from the same backends, so the workers agree
-within a scrape interval. Limits with the memory store would count per process and are
-refused (``Settings.per_process_limits``): Redis shares them.
+died with it), at most once a second, and replays the admin changes before it takes traffic.
+What each worker learns on its own (scraped load, health, prefix memory, latency fits) it learns
+from the same backends, so the workers agree within a scrape interval. Limits with the memory
+store would count per process and are refused (``Settings.per_process_limits``): Redis shares
+them.
 """
 
 from __future__ import annotations
@@ -65,6 +70,7 @@ class Worker:
     count: int
     table: SharedInFlight
     sockets: Path
+    restarted: bool = False  # started again after it died: it catches up on admin changes
 
     def admin_socket(self, index: int) -> Path:
         return self.sockets / f"admin-{index}.sock"
@@ -74,7 +80,7 @@ class Worker:
 
     @property
     def peers(self) -> list[Path]:
-        """The other workers' admin sockets (worker 0 sends admin actions on to them)."""
+        """The other workers' admin sockets (worker 0 sends admin changes on to them)."""
         return [self.admin_socket(i) for i in range(self.count) if i != self.index]
 
     @property
@@ -114,9 +120,11 @@ async def ask_peer(
 class Supervisor:
     """Forks the workers, passes signals on, and starts again one that died."""
 
-    def __init__(self, count: int, run: WorkerMain) -> None:
+    def __init__(self, count: int, run: WorkerMain, hup_to_first: bool = False) -> None:
+        """``hup_to_first``: SIGHUP goes to worker 0 alone (it sends the reload on)."""
         self.count = count
         self._run = run
+        self._hup_to_first = hup_to_first
         self._shm = shared_memory.SharedMemory(create=True, size=table_bytes(count))
         self._table = SharedInFlight(self._shm.buf, count, 0)
         self._sockets = Path(tempfile.mkdtemp(prefix="llm-gateway-workers-"))  # mode 0700
@@ -139,7 +147,7 @@ class Supervisor:
             self._shm.unlink()
             shutil.rmtree(self._sockets, ignore_errors=True)
 
-    def _spawn(self, index: int) -> None:
+    def _spawn(self, index: int, restarted: bool = False) -> None:
         wait = self._started.get(index, 0.0) + RESTART_EVERY_S - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -155,7 +163,7 @@ class Supervisor:
                     signal.signal(sig, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
                 table = SharedInFlight(self._shm.buf, self.count, index)
-                code = self._run(Worker(index, self.count, table, self._sockets))
+                code = self._run(Worker(index, self.count, table, self._sockets, restarted))
             except BaseException:
                 log.exception("worker_crashed", worker=index)
             finally:
@@ -186,7 +194,7 @@ class Supervisor:
                 continue
             log.warning("worker_died", worker=index, pid=pid, exit_code=exit_code)
             self._table.clear_row(index)
-            self._spawn(index)
+            self._spawn(index, restarted=True)
             if self._stopping:  # the stop came while it was being started
                 self._send(signal.SIGTERM)
             log.info("worker_restarted", worker=index, pid=self._pid_of(index))
@@ -200,6 +208,12 @@ class Supervisor:
         self._send(signal.SIGTERM)
 
     def _forward(self, signum: int, _frame: FrameType | None) -> None:
+        if self._hup_to_first and signum == signal.SIGHUP:
+            first = self._pid_of(0)
+            if first is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(first, signum)
+            return
         self._send(signal.Signals(signum))
 
     def _send(self, sig: signal.Signals) -> None:

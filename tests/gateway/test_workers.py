@@ -13,6 +13,7 @@ import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -89,7 +90,7 @@ class Workers:
 
 
 @asynccontextmanager
-async def workers(sims: list[RunningSim], **env: str) -> AsyncIterator[Workers]:
+async def workers(sims: list[RunningSim], *args: str, **env: str) -> AsyncIterator[Workers]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     base |= {
         "GATEWAY_BACKENDS": ",".join(s.url for s in sims),
@@ -109,6 +110,7 @@ async def workers(sims: list[RunningSim], **env: str) -> AsyncIterator[Workers]:
         "0",
         "--workers",
         "2",
+        *args,
         env=base | env,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -254,6 +256,69 @@ async def test_a_killed_worker_is_replaced_and_its_counts_cleared() -> None:
                 assert r.status == 200
         restarted = [e for e in w.events("request") if e["worker"] == 1][-1]
         assert restarted["status"] == 200
+
+
+def listening(w: Workers, index: int) -> list[dict[str, Any]]:
+    return [e for e in w.events("gateway_listening") if e["worker"] == index]
+
+
+async def policy_of(socket: str) -> dict[str, Any]:
+    async with (
+        aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=socket)) as other,
+        other.get("http://worker/admin/policy", headers=AUTH) as r,
+    ):
+        doc: dict[str, Any] = await r.json()
+        return doc
+
+
+async def test_a_worker_started_again_replays_the_admin_changes_before_traffic(
+    tmp_path: Path,
+) -> None:
+    config = tmp_path / "gateway.toml"
+    config.write_text("[weights]\nactive = 2\n")
+    async with (
+        running_sim(FAST) as sim,
+        workers([sim], "--config", str(config)) as w,
+        aiohttp.ClientSession() as s,
+    ):
+        change = {"policy": "least_load", "weights": {"active": 5, "queue": 1, "kv": 0}}
+        async with s.put(w.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
+            assert r.headers["X-Gateway-Workers"] == "2/2"
+        async with s.post(w.admin_url + f"/admin/backends/{sim.url[7:]}/drain", headers=AUTH) as r:
+            assert r.headers["X-Gateway-Workers"] == "2/2"
+        # The file changed, then SIGHUP: a reload, itself a numbered change. A worker started
+        # again starts from the configuration the workers started with, so it must replay the
+        # reload in its place after the change to 5 to end at 3 as the others.
+        config.write_text("[weights]\nactive = 3\n")
+        w.proc.send_signal(signal.SIGHUP)
+        await wait_for(lambda: len(w.events("config_reloaded")) == 2, what="both reloaded")
+        assert {e["worker"] for e in w.events("config_reloaded")} == {0, 1}
+        configured = (await policy_of(w.sockets[1]))["weights"]["active"]
+        assert configured == 3
+        os.kill(w.pids()[1], signal.SIGKILL)
+        await wait_for(lambda: w.events("admin_caught_up"), what="worker 1 caught up")
+        [caught] = w.events("admin_caught_up")
+        assert (caught["worker"], caught["replayed"], caught["last"]) == (1, 3, 3)
+        await wait_for(lambda: len(listening(w, 1)) == 2, what="worker 1 listens again")
+        assert w.logs.index(caught) < w.logs.index(listening(w, 1)[1])  # before it takes traffic
+        assert (await policy_of(w.sockets[1]))["weights"]["active"] == configured
+        async with (
+            aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=w.sockets[1])) as other,
+            other.get("http://worker/admin/backends", headers=AUTH) as r,
+        ):
+            assert (await r.json())["backends"][0]["draining"] is True
+        # Worker 0 too: it replays worker 1's, and its next change is numbered after them.
+        os.kill(w.pids()[0], signal.SIGKILL)
+        await wait_for(lambda: len(w.events("admin_caught_up")) == 2, what="worker 0 caught up")
+        assert w.events("admin_caught_up")[1]["replayed"] == 3
+        await wait_for(lambda: len(listening(w, 0)) == 2, what="worker 0 listens again")
+        admin = listening(w, 0)[-1]["admin"]
+        async with s.get(admin + "/admin/backends", headers=AUTH) as r:
+            assert (await r.json())["backends"][0]["draining"] is True
+        change["weights"] = {"active": 9, "queue": 1, "kv": 0}
+        async with s.put(admin + "/admin/policy", json=change, headers=AUTH) as r:
+            assert r.headers["X-Gateway-Workers"] == "2/2"
+        assert (await policy_of(w.sockets[1]))["weights"]["active"] == 9
 
 
 @pytest.mark.parametrize(

@@ -13,18 +13,29 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Final, Protocol
 
 import structlog
 
 from backends.errors import UpstreamError
 from backends.health import Health
 from backends.pool import BackendPool
-from backends.state import BackendState
+from backends.state import BackendSpec, BackendState
 from backends.supervise import Supervisor
-from backends.upstream import Transport, json_or_none
+from backends.upstream import json_or_none
 from backends.vllm_metrics import MetricsFormatError, parse_load
 
 log = structlog.get_logger("backends.monitor")
+
+# What the monitor reads of each backend: its health, its models and its load figures.
+READ_PATHS: Final = ("/health", "/v1/models", "/metrics")
+
+
+class Reader(Protocol):
+    """How the monitor reads a backend (``Transport.get``, or reads shared by the workers of
+    a host: ``gateway.shared_reads``)."""
+
+    async def get(self, backend: BackendSpec, path: str, *, within: float) -> tuple[int, bytes]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +62,7 @@ class BackendMonitor:
     def __init__(
         self,
         pool: BackendPool,
-        client: Transport,
+        client: Reader,
         settings: MonitorSettings,
         *,
         clock: Callable[[], float] = time.monotonic,

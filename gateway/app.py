@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from backends.circuit import CircuitPolicy
 from backends.discovery import DnsDiscovery, Resolver
 from backends.health import HealthPolicy
-from backends.monitor import BackendMonitor, MonitorSettings
+from backends.monitor import BackendMonitor, MonitorSettings, Reader
 from backends.pool import BackendPool
 from backends.shared_inflight import SharedInFlight
 from backends.supervise import Supervisor
@@ -38,6 +38,7 @@ from gateway.keys import (
     METRICS,
     MONITOR,
     POOL,
+    READ_CACHE,
     RELAY_FAST,
     RESPONSE_HOMES,
     RETRY,
@@ -64,6 +65,7 @@ from gateway.retry import RetryPolicy
 from gateway.rollout import ROLLOUT, Rollout
 from gateway.router import Router
 from gateway.settings import Settings
+from gateway.shared_reads import READ_PATH, ReadCache, SharedReads, read_handler
 from gateway.slo import CHANGES, ChangeSignal
 from gateway.tracing import provider_from_settings, tracer_from
 from gateway.workers import Worker
@@ -101,6 +103,31 @@ def _pool(settings: Settings, shared: SharedInFlight | None) -> BackendPool:
     return pool
 
 
+def _reader(app: web.Application, client: Transport) -> Reader:
+    """How the monitor reads the backends: itself, or with ``serve --workers`` through worker
+    0's latest readings (``gateway.shared_reads``)."""
+    worker = app.get(WORKER)
+    if worker is None:
+        return client
+    s, counter = app[SETTINGS], app[METRICS].monitor_reads
+    labels = {"/health": "health", "/v1/models": "models", "/metrics": "metrics"}
+    for read in labels.values():
+        for source in ("backend", "worker0"):
+            counter.labels(read, source)
+    intervals = {
+        "/health": s.health.interval,
+        "/v1/models": s.health.interval,  # asked again when a backend comes back: fresh
+        "/metrics": s.scrape.interval,
+    }
+    return SharedReads(
+        client,
+        app[READ_CACHE],
+        None if worker.index == 0 else worker.private_socket(0),
+        {path: 2 * interval for path, interval in intervals.items()},
+        lambda path, source: counter.labels(labels.get(path, "other"), source).inc(),
+    )
+
+
 def _backends_ctx(resolver: Resolver | None, transport: Transport | None):  # type: ignore[no-untyped-def]
     async def ctx(app: web.Application) -> AsyncIterator[None]:
         s = app[SETTINGS]
@@ -126,7 +153,7 @@ def _backends_ctx(resolver: Resolver | None, transport: Transport | None):  # ty
         app[UPSTREAM] = client
         monitor = BackendMonitor(
             pool,
-            client,
+            _reader(app, client),
             MonitorSettings(
                 scrape_interval=s.scrape.interval,
                 scrape_timeout=s.scrape.timeout,
@@ -294,6 +321,8 @@ def worker_private_app(gateway: web.Application) -> web.Application:
     app.router.add_get("/metrics", own_metrics)
     app.router.add_get("/responses/home", own_response_home)
     app.router.add_get(JOURNAL_PATH, journal_handler)
+    if gateway[WORKER].index == 0:
+        app.router.add_get(READ_PATH, read_handler(gateway[READ_CACHE]))
     return app
 
 
@@ -329,6 +358,7 @@ def create_app(
     if worker is not None:
         app[WORKER] = worker
         app[ADMIN_JOURNAL] = AdminJournal()
+        app[READ_CACHE] = ReadCache()
     app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)
     app[LIFECYCLE] = Lifecycle()
     supervisor = app[SUPERVISOR] = Supervisor()  # every background loop runs under it

@@ -20,6 +20,7 @@ from gateway.responses import ResponseHomes
 from gateway.retry import RetryPolicy
 from gateway.router import Router
 from gateway.settings import Settings
+from gateway.shared_reads import ReadCache
 from gateway.workers import Worker
 from policies.kv_index import KvIndex
 from policies.latency import LatencyTracker
@@ -55,6 +56,7 @@ KV_INDEX: Final = web.AppKey("kv_index", KvIndex)  # what each engine caches (it
 WORKER: Final = web.AppKey("worker", Worker)  # one of ``serve --workers``' processes
 # with ``serve --workers``: the admin changes applied, in worker 0's order
 ADMIN_JOURNAL: Final = web.AppKey("admin_journal", AdminJournal)
+READ_CACHE: Final = web.AppKey("read_cache", ReadCache)  # worker 0's latest backend readings
 LATENCY: Final = web.AppKey("latency", LatencyTracker)  # each backend's learned speed
 KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not followed
 TOKENIZERS: Final = web.AppKey["Tokenizers | None"]("tokenizers")  # None: none configured

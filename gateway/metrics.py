@@ -334,6 +334,14 @@ class GatewayMetrics:
             "internals are not as expected (logged as relay_fast_path_off at start-up).",
             registry=r,
         )
+        self.monitor_reads = Counter(
+            "llm_gateway_monitor_reads",
+            "With serve --workers: the monitors' reads of backends (read: health, models, "
+            "metrics) by what answered them (source: backend, or worker0 when worker 0's "
+            "latest reading was taken instead of asking the backend again).",
+            ["read", "source"],
+            registry=r,
+        )
         self.policy_changes = Counter(
             "llm_gateway_policy_changes", "Live policy or weight changes.", registry=r
         )

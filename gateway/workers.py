@@ -24,8 +24,9 @@ them). What they share:
 
 A worker that dies is started again (its row of in-flight counts cleared first: its requests
 died with it), at most once a second, and replays the admin changes before it takes traffic.
-What each worker learns on its own (scraped load, health, prefix memory, latency fits) it learns
-from the same backends, so the workers agree within a scrape interval. Limits with the memory
+Each backend is read (health, models, load figures) once per host: by worker 0, whose latest
+readings the others take (``gateway.shared_reads``). What each worker learns on its own (prefix
+memory, latency fits) it learns from the same backends. Limits with the memory
 store would count per process and are refused (``Settings.per_process_limits``): Redis shares
 them.
 """

@@ -97,6 +97,7 @@ class FakeBackend:
     health_hangs: bool = False
     record: bool = True  # False: keep no ``seen`` list or probe log (the benchmark's)
     probes: list[tuple[float, int]] = field(default_factory=list)
+    scrapes: int = 0  # GET /metrics answered
     seen: list[Seen] = field(default_factory=list)
     tokenized: list[dict[str, Any]] = field(default_factory=list)  # /tokenize bodies
     release: asyncio.Event = field(default_factory=asyncio.Event)
@@ -133,6 +134,7 @@ class FakeBackend:
         return web.json_response({"object": "list", "data": cards})
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
         text = self.metrics_text
         if text is None:
             text = "".join(

@@ -11,7 +11,7 @@ import os
 import re
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from backends.sim import FAST
 from backends.sim.testing import RunningSim, running_sim
 from gateway.host_metrics import REPORTING_METRIC, combine
 from gateway.metrics import ADMISSION_QUEUE_METRIC, FLEET_ENGINE_QUEUE_METRIC, QUEUE_DEPTH_METRIC
+from loadtest.fakebackend import FakeBackend, running_fake
 from tests.waiting import wait_for
 
 TOKEN = "workers-secret"
@@ -90,7 +91,9 @@ class Workers:
 
 
 @asynccontextmanager
-async def workers(sims: list[RunningSim], *args: str, **env: str) -> AsyncIterator[Workers]:
+async def workers(
+    sims: Sequence[RunningSim | FakeBackend], *args: str, **env: str
+) -> AsyncIterator[Workers]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     base |= {
         "GATEWAY_BACKENDS": ",".join(s.url for s in sims),
@@ -256,6 +259,53 @@ async def test_a_killed_worker_is_replaced_and_its_counts_cleared() -> None:
                 assert r.status == 200
         restarted = [e for e in w.events("request") if e["worker"] == 1][-1]
         assert restarted["status"] == 200
+
+
+async def monitor_reads(s: aiohttp.ClientSession, w: Workers) -> dict[tuple[str, str], float]:
+    async with s.get(w.url + "/metrics") as r:
+        text = await r.text()
+    return {
+        (m.labels["read"], m.labels["source"]): m.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "llm_gateway_monitor_reads"
+        for m in f.samples
+        if m.name.endswith("_total")
+    }
+
+
+async def test_each_backend_is_read_once_per_host_not_once_per_worker() -> None:
+    interval = {"GATEWAY_SCRAPE__INTERVAL": "0.2", "GATEWAY_HEALTH__INTERVAL": "0.2"}
+    async with (
+        running_fake(FakeBackend()) as fake,
+        workers([fake], **interval) as w,
+        aiohttp.ClientSession() as s,
+    ):
+        await asyncio.sleep(1.0)  # sleep-ok: past the first round, which each worker reads
+        before, scrapes, probes = await monitor_reads(s, w), fake.scrapes, len(fake.probes)
+        await asyncio.sleep(3.0)  # sleep-ok: a window of 15 intervals
+        after = await monitor_reads(s, w)
+        read = {k: after[k] - before.get(k, 0.0) for k in after}
+        # Each worker asks once an interval; worker 0 asks the backend, worker 1 worker 0.
+        for kind in ("health", "metrics"):
+            ours, shared = read[(kind, "backend")], read[(kind, "worker0")]
+            assert shared >= 5, read
+            assert ours <= 0.7 * (ours + shared), read  # 0.5 when shared, 1.0 when not
+        assert fake.scrapes - scrapes == pytest.approx(read[("metrics", "backend")], abs=3)
+        assert len(fake.probes) - probes == pytest.approx(read[("health", "backend")], abs=3)
+        # A backend's failing health reaches both workers through worker 0's readings.
+        fake.health_status = 503
+        connector = aiohttp.UnixConnector(path=w.sockets[1])
+        async with aiohttp.ClientSession(connector=connector) as other:
+
+            async def state() -> str:
+                async with other.get("http://worker/admin/backends", headers=AUTH) as r:
+                    return str((await r.json())["backends"][0]["health"])
+
+            for _ in range(50):
+                if await state() == "down":
+                    break
+                await asyncio.sleep(0.1)  # sleep-ok: polling interval of a deadline-bounded wait
+            assert await state() == "down"
 
 
 def listening(w: Workers, index: int) -> list[dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""``llm-gateway loadtest``: run, scenario, compare, overhead, report-all, soak.
+"""``llm-gateway loadtest``: run, scenario, compare, pool, overhead, report-all, soak.
 
 Only argparse is imported at parser-build time; each subcommand imports what it needs.
 """
@@ -33,6 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_run(sub)
     _add_scenario(sub)
     _add_compare(sub)
+    _add_pool(sub)
     _add_overhead(sub)
     _add_report_all(sub)
     _add_soak(sub)
@@ -104,6 +105,30 @@ def _add_compare(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("--policies", help="comma-separated (default: the scenario's list)")
     _out_arg(p)
     p.set_defaults(func=_compare)
+
+
+def _add_pool(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "pool", help="several runs' result.json as one sample per policy (pooled TTFT p50/p99)"
+    )
+    p.add_argument("results", nargs="+", type=Path, help="result.json files of one scenario")
+    p.add_argument("--baseline", help="the label the p99 ratio is against (e.g. least_load)")
+    p.set_defaults(func=_pool)
+
+
+def _pool(args: argparse.Namespace) -> int:
+    from loadtest.pool import PoolError, pool, table
+
+    try:
+        pooled = pool(args.results)
+    except PoolError as exc:
+        print(f"llm-gateway loadtest pool: {exc}")
+        return 2
+    if args.baseline and args.baseline not in pooled:
+        print(f"llm-gateway loadtest pool: no runs labelled {args.baseline!r}")
+        return 2
+    print(table(pooled, args.baseline))
+    return 0
 
 
 def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

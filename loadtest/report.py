@@ -102,6 +102,12 @@ def run_json(r: LabeledRun, *, bucket: float = 1.0) -> dict[str, Any]:
             "warning": r.warning,
         },
         "timeline": [dataclasses.asdict(b) for b in timeline(res.records, bucket)],
+        # Every measured request's TTFT, so that runs can be pooled (``loadtest pool``).
+        "ttft_ms": sorted(
+            round(x.ttft * 1e3, 2)
+            for x in res.records
+            if x.ok and not x.warmup and x.ttft is not None
+        ),
         **r.extra,
     }
 

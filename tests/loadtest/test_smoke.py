@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+from loadtest.pool import pool
 from loadtest.report import plot, write_json
 from loadtest.scenario import parse_scenario, run_scenario
 
@@ -56,6 +59,10 @@ async def test_tiny_scenario_runs_end_to_end(tmp_path: Path) -> None:
     plot([run], tmp_path / "plot.png", "tiny")
     assert (tmp_path / "plot.png").stat().st_size > 10_000
     assert '"label": "round_robin"' in (tmp_path / "result.json").read_text()
+    pooled = pool([tmp_path / "result.json", tmp_path / "result.json"])["round_robin"]
+    assert len(pooled.ttft_ms) == 24  # every measured request's TTFT is kept, twice
+    assert pooled.run_p99s[0] == pytest.approx(s.ttft.p99 * 1e3, abs=0.02)  # as the run's own
+    assert max(pooled.ttft_ms) == pytest.approx(s.ttft.max * 1e3, abs=0.01)
 
 
 async def test_backend_counters_are_also_taken_from_the_end_of_the_warm_up(

@@ -205,9 +205,14 @@ RESCUE_MAX_LAG_S: Final = 0.02
 def _rescue_now(t: Try, lag: float) -> bool:
     """At its deadline, whether to take ``t`` back: only if the gateway is keeping up and
     another backend could take the request (else it waits on: a late answer beats none)."""
+    app = t.call.request.app
     if lag >= RESCUE_MAX_LAG_S:
+        app[METRICS].rescues_declined.labels("gateway_lag").inc()
         return False
-    return bool(t.call.request.app[ROUTER].has_other(t.step, t.lease.backend.id))
+    if not app[ROUTER].has_other(t.step, t.lease.backend.id):
+        app[METRICS].rescues_declined.labels("no_other_backend").inc()
+        return False
+    return True
 
 
 def cancel_reason(app: web.Application) -> str:

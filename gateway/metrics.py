@@ -334,6 +334,16 @@ class GatewayMetrics:
             "internals are not as expected (logged as relay_fast_path_off at start-up).",
             registry=r,
         )
+        self.rescues_declined = Counter(
+            "llm_gateway_rescues_declined",
+            "predicted_latency's rescue: streams whose first token was late but were left on "
+            "their backend, by why: gateway_lag (the event loop ran the deadline 20 ms late or "
+            "more: the gateway itself is behind), no_other_backend (none could take it).",
+            ["reason"],
+            registry=r,
+        )
+        for reason in ("gateway_lag", "no_other_backend"):
+            self.rescues_declined.labels(reason)
         self.monitor_reads = Counter(
             "llm_gateway_monitor_reads",
             "With serve --workers: the monitors' reads of backends (read: health, models, "

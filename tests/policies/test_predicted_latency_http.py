@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import replace
@@ -294,6 +295,24 @@ async def test_a_late_response_head_is_rescued_too() -> None:
         a.release.set()
 
 
+async def test_no_rescue_when_the_gateway_itself_is_behind_at_the_deadline() -> None:
+    """The deadline run 20 ms late or more means the gateway's own loop is saturated: what
+    delayed the first token may be the gateway, so the request is left where it is."""
+    async with fleet("predicted_latency", slowdown=8.0) as (sims, gw), aiohttp.ClientSession() as s:
+        fast, _slow = sims
+        await one_at_a_time(s, gw, sims, 20)
+        await fast.set_faults(Faults(slowdown=60.0))  # a step of 300 ms
+        waiting = asyncio.create_task(stream(s, gw))
+        engine = fast.engine
+        await wait_for(lambda: len(engine.waiting) + len(engine.running) == 1, what="sent")
+        time.sleep(0.3)  # noqa: ASYNC251 - the gateway's loop (this one) blocked past the deadline
+        await waiting  # a whole answer, from the slowed one
+        assert rescues(gw, "fast") == 0
+        declined = "llm_gateway_rescues_declined_total"
+        assert sample(gw, declined, reason="gateway_lag") == 1
+        assert sample(gw, declined, reason="no_other_backend") == 0
+
+
 async def test_no_rescue_when_no_other_backend_is_left_at_the_deadline() -> None:
     """A rescue must never turn into an error: if the other backend went away while the
     request waited, it keeps waiting for the slow one's answer."""
@@ -307,3 +326,6 @@ async def test_no_rescue_when_no_other_backend_is_left_at_the_deadline() -> None
         gw.app[ROUTER].pool.set_draining("slow", True)  # before the deadline (0.1 s)
         await waiting  # a whole answer, from the slow one
         assert rescues(gw, "fast") == 0
+        declined = "llm_gateway_rescues_declined_total"
+        assert sample(gw, declined, reason="no_other_backend") == 1
+        assert sample(gw, declined, reason="gateway_lag") == 0

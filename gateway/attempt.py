@@ -44,6 +44,7 @@ from gateway.router import Step
 from gateway.tracing import attempt_span, end_attempt, inject
 from policies import BackendSnapshot, LatencyTracker, Outcome
 from policies.latency import Load, Pending, Prediction, prompt_size
+from policies.predicted_latency import rescue_declined
 
 T = TypeVar("T")
 log = structlog.get_logger("gateway.request")
@@ -204,13 +205,13 @@ RESCUE_MAX_LAG_S: Final = 0.02
 
 def _rescue_now(t: Try, lag: float) -> bool:
     """At its deadline, whether to take ``t`` back: only if the gateway is keeping up and
-    another backend could take the request (else it waits on: a late answer beats none)."""
+    another backend could take the request without queueing (``rescue_declined``); else it
+    waits on (a late answer beats none, and a place in one queue the end of another)."""
     app = t.call.request.app
-    if lag >= RESCUE_MAX_LAG_S:
-        app[METRICS].rescues_declined.labels("gateway_lag").inc()
-        return False
-    if not app[ROUTER].has_other(t.step, t.lease.backend.id):
-        app[METRICS].rescues_declined.labels("no_other_backend").inc()
+    why = "gateway_lag" if lag >= RESCUE_MAX_LAG_S else None
+    why = why or rescue_declined(app[ROUTER].others(t.step, t.lease.backend.id))
+    if why is not None:
+        app[METRICS].rescues_declined.labels(why).inc()
         return False
     return True
 

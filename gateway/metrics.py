@@ -338,11 +338,12 @@ class GatewayMetrics:
             "llm_gateway_rescues_declined",
             "predicted_latency's rescue: streams whose first token was late but were left on "
             "their backend, by why: gateway_lag (the event loop ran the deadline 20 ms late or "
-            "more: the gateway itself is behind), no_other_backend (none could take it).",
+            "more: the gateway itself is behind), no_other_backend (none could take it), "
+            "others_queued (every other engine had requests waiting: the fleet is behind).",
             ["reason"],
             registry=r,
         )
-        for reason in ("gateway_lag", "no_other_backend"):
+        for reason in ("gateway_lag", "no_other_backend", "others_queued"):
             self.rescues_declined.labels(reason)
         self.monitor_reads = Counter(
             "llm_gateway_monitor_reads",

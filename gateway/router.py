@@ -121,13 +121,14 @@ class Router:
             step.facts.model, exclude, role=step.role, only=step.only, endpoint=step.endpoint
         )
 
-    def has_other(self, step: Step, backend: str) -> bool:
-        """Whether a backend other than ``backend`` could take ``step`` now."""
+    def others(self, step: Step, backend: str) -> list[BackendSnapshot]:
+        """The backends other than ``backend`` that could take ``step`` now, as snapshots."""
         try:
-            self.check(step, exclude=(backend,))
+            return self.pool.candidates(
+                step.facts.model, (backend,), role=step.role, only=step.only, endpoint=step.endpoint
+            )
         except GatewayError:
-            return False
-        return True
+            return []
 
     def pick(
         self, step: Step, exclude: Collection[str] = ()

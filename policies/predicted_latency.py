@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 import random
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Final, Literal
 
@@ -53,6 +54,19 @@ PREFIX_SOURCES: Final[tuple[PrefixSource, ...]] = ("none", "approximate", "preci
 # The rescue judges "late" against what is known: not before this many recent observations
 # of the backend (a new one's prediction is mostly the fleet's, and no promise).
 RESCUE_MIN_WEIGHT: Final = 4.0
+
+
+def rescue_declined(others: Sequence[BackendSnapshot]) -> str | None:
+    """Why a late stream should stay where it is, given the backends it could go to (None:
+    move it). ``no_other_backend``: none could take it. ``others_queued``: every other engine
+    has requests waiting for a slot (its last scrape said so): the whole fleet is behind, not
+    this backend, and moving the request would trade its place in this queue for the end of
+    another. A backend with no fresh scrape counts as one that could take it."""
+    if not others:
+        return "no_other_backend"
+    if all(o.queue_depth for o in others):
+        return "others_queued"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

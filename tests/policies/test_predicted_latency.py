@@ -18,6 +18,7 @@ from policies import (
     make_policy,
 )
 from policies.latency import Load
+from policies.predicted_latency import rescue_declined
 from policies.prefix import PrefixHasher
 
 HASHER = PrefixHasher(block_chars=64, max_blocks=128)
@@ -270,6 +271,17 @@ def test_the_rescue_deadline_is_a_multiple_of_the_prediction_for_a_backend_it_kn
     teach(tracker, "known", base=0.2)
     assert off.first_token_deadline("known", 0.2) is None
     assert policy.first_token_deadline("known", float("inf")) is None
+
+
+def test_a_late_stream_moves_only_to_a_backend_with_no_queue() -> None:
+    def other(queue: int | None) -> BackendSnapshot:
+        return BackendSnapshot(id=f"q{queue}", in_flight=3, queue_depth=queue, running=3)
+
+    assert rescue_declined([]) == "no_other_backend"
+    # Every other engine has requests waiting: the fleet is behind, not the late one's backend.
+    assert rescue_declined([other(2), other(1)]) == "others_queued"
+    assert rescue_declined([other(2), other(0)]) is None  # one would take it at once
+    assert rescue_declined([other(None)]) is None  # not scraped lately: may well take it
 
 
 @pytest.mark.parametrize(

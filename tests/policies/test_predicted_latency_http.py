@@ -339,7 +339,7 @@ async def test_no_rescue_when_the_gateway_or_the_fleet_is_behind_or_no_backend_i
         engine = fast.engine
         await wait_for(lambda: len(engine.waiting) + len(engine.running) == 1, what="sent")
         if why == "gateway_lag":
-            time.sleep(0.3)  # noqa: ASYNC251 - the gateway's loop (this one) blocked past it
+            time.sleep(0.3)  # noqa: ASYNC251 sleep-ok: blocks the gateway's loop (this one) past it
         elif why == "no_other_backend":
             gw.app[ROUTER].pool.set_draining("slow", True)  # before the deadline (0.1 s)
         await waiting  # a whole answer, from the slowed one

@@ -334,6 +334,12 @@ async def test_no_rescue_when_the_gateway_or_the_fleet_is_behind_or_no_backend_i
                 return b is not None and pool.snapshot(b, pool.now()).queue_depth == 2
 
             await wait_for(queued, what="the gateway sees two waiting on slow")
+        declined = "llm_gateway_rescues_declined_total"
+
+        def counts() -> dict[str, float]:  # the learning above may have had late ones too
+            return {w: sample(gw, declined, reason=w) for w in WHY} | {"": rescues(gw, "fast")}
+
+        before = counts()
         await fast.set_faults(Faults(slowdown=60.0))  # a step of 300 ms
         waiting = asyncio.create_task(stream(s, gw))
         engine = fast.engine
@@ -343,6 +349,8 @@ async def test_no_rescue_when_the_gateway_or_the_fleet_is_behind_or_no_backend_i
         elif why == "no_other_backend":
             gw.app[ROUTER].pool.set_draining("slow", True)  # before the deadline (0.1 s)
         await waiting  # a whole answer, from the slowed one
-        assert rescues(gw, "fast") == 0
-        declined = "llm_gateway_rescues_declined_total"
-        assert {w: sample(gw, declined, reason=w) for w in WHY} == {w: w == why for w in WHY}
+        grew = {k: v - before[k] for k, v in counts().items()}
+        assert grew.pop("") == 0  # not rescued
+        assert sum(grew.values()) == 1
+        # Declined for its reason, unless a loaded machine's loop ran its deadline late first.
+        assert grew[why] == 1 or grew["gateway_lag"] == 1, grew

@@ -48,6 +48,10 @@ class Late(aiohttp.ClientConnectionError):
     """Set on a response body whose first bytes did not come by the attempt's deadline."""
 
 
+class Outrun(Late):
+    """Set on a response body whose rival attempt (a hedge) took the client first."""
+
+
 class Stalled(aiohttp.ClientConnectionError):
     """Set on a response body whose backend stalled: none of its streams moved."""
 
@@ -62,6 +66,8 @@ def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
     where = f"backend {backend.id}"
     if isinstance(exc, MarkedDown):
         return BackendDown(f"{where}: marked down by its health probes while the request waited")
+    if isinstance(exc, Outrun):
+        return FirstTokenLate(f"{where}: another backend's first token came first")
     if isinstance(exc, Late):
         return FirstTokenLate(f"{where}: no first token within {exc}")
     if isinstance(exc, Stalled):
@@ -106,26 +112,48 @@ class Replayable(Protocol):
 RequestBody = bytes | Replayable
 
 
+class Claim(Protocol):
+    """Attempts racing for one client (a hedge): the first to claim it answers."""
+
+    def claim(self, interrupt: Interrupt) -> bool:
+        """``interrupt``'s attempt has its first bytes: True if it may send them to the
+        client (the others are then ended with ``outrun``), False if another got there first."""
+
+
 class Interrupt:
     """Ends an attempt's wait for its backend (head or first bytes) when ``fire()`` is called
-    (its backend was marked down) or at its ``deadline`` (the first token is late).
+    (its backend was marked down), at its ``deadline`` (the first token is late), or when a
+    rival attempt racing it for the client (``race``) answered first (``outrun``).
 
     The request path arms one per attempt and hands ``fire`` to the lease (``Lease.on_down``);
-    once anything has been sent to the client it is disarmed: from then on the stream is the
-    client's, and only the idle watchdog cuts it.
+    once anything is to be sent to the client it is taken (``take``): from then on the stream is
+    the client's, and only the idle watchdog cuts it.
     """
 
-    __slots__ = ("_body", "_late", "_timeout", "armed", "cause")
+    __slots__ = ("_body", "_late", "_timeout", "armed", "cause", "race")
 
-    def __init__(self) -> None:
+    def __init__(self, race: Claim | None = None) -> None:
         self._timeout: asyncio.Timeout | None = None
         self._body: Body | None = None
         self._late: asyncio.TimerHandle | None = None
         self.armed = True
         self.cause: aiohttp.ClientConnectionError | None = None  # set once fired
+        self.race = race
 
     def fire(self) -> None:
         self._end(MarkedDown())
+
+    def outrun(self) -> None:
+        """A rival attempt took the client: this one's wait ends (and its request is closed)."""
+        self._end(Outrun())
+
+    def take(self) -> bool:
+        """The attempt is about to send its first bytes to the client: disarm, and say whether
+        it may (False: a rival attempt took the client first, and this one must end unsent)."""
+        if self.race is not None and self.armed and not self.race.claim(self):
+            return False
+        self.disarm()
+        return True
 
     def deadline(self, within: float, confirm: Callable[[float], bool]) -> None:
         """End the wait ``within`` seconds from now unless the first bytes came first and

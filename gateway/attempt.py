@@ -35,6 +35,7 @@ from backends.errors import (
 from backends.pool import Lease
 from backends.upstream import Interrupt, RequestBody, Upstream
 from gateway.endpoints import CHAT, Endpoint
+from gateway.hedge import Race
 from gateway.keys import LATENCY, LIFECYCLE, METRICS, RETRY, ROUTER, TRACER, UPSTREAM
 from gateway.record import RequestRecord
 from gateway.relay import StreamBroken
@@ -160,6 +161,21 @@ class Try:
     expected: Expected | None = None  # what the latency tracker expects of it
     first_token_within: float | None = None  # else sent elsewhere (the policy's rescue)
     interrupt: Interrupt | None = None  # ends its wait early (backend down, first token late)
+    race: Race | None = None  # racing another attempt for the client (the policy's hedge)
+
+    def outrun(self) -> bool:
+        """Its race's rival took the client."""
+        race = self.race
+        return race is not None and race.winner is not None and race.winner is not self.interrupt
+
+    def rivalled(self) -> bool:
+        """Another attempt of its race still waits for its first bytes (this one may give up
+        on a "not now" answer and leave the client to it)."""
+        return (
+            self.race is not None
+            and self.interrupt is not None
+            and self.race.rivalled(self.interrupt)
+        )
 
 
 # An attempt: returns what its step produces, or raises ``UpstreamError`` if it failed before
@@ -239,9 +255,10 @@ async def open_upstream(t: Try, body: RequestBody) -> Upstream:
         headers = CIMultiDict(headers)
         inject(headers, set_span_in_context(t.span))
     interrupt = None
-    if t.may_retry:  # only worth it if another backend could take the request instead
-        interrupt = Interrupt()
-        t.lease.on_down(interrupt.fire)
+    if t.may_retry or t.race is not None:  # another backend could take the request instead
+        interrupt = Interrupt() if t.race is None else t.race.join()
+        if t.may_retry:
+            t.lease.on_down(interrupt.fire)
         if t.first_token_within is not None:
             interrupt.deadline(t.first_token_within, lambda lag: _rescue_now(t, lag))
         t.interrupt = interrupt
@@ -317,18 +334,13 @@ async def attempts(
         elapsed = time.monotonic() - since
         may_retry = len(candidates) > 1 and retry.allows(n, elapsed)
         t = Try(call, step, lease, n, may_retry, parent, expected=expected(tracker, step, chosen))
-        if may_retry and n == 1 and call.streamed and step.role != "prefill":
-            t.first_token_within = first_token_deadline(step, backend, t.expected)
-        error: BaseException | None = None
+        hedge_after = _rescue_plan(t) if n == 1 else None
         try:
-            return await attempt(t)
+            if hedge_after is not None:
+                return await _hedged(t, attempt, hedge_after, tried)
+            return await _settled(t, attempt, tracker)
         except UpstreamError as exc:  # nothing reached the client
-            error = last = exc
-        except BaseException as exc:
-            error = exc
-            raise
-        finally:
-            _settle(t, error, tracker)
+            last = exc
         reason = type(last).__name__
         if step.role is not None:
             metrics.disagg_failures.labels(step.name, backend, reason).inc()
@@ -346,3 +358,84 @@ async def attempts(
             wait_ms=round(wait * 1e3, 1),
         )
         await asyncio.sleep(wait)
+
+
+def _rescue_plan(t: Try) -> float | None:
+    """A first attempt's rescue, if its policy sets one: its first-token deadline is set for a
+    move (``t.first_token_within``), or returned for a hedge (None: no hedge)."""
+    call, step = t.call, t.step
+    if not (t.may_retry and call.streamed and step.role != "prefill"):
+        return None
+    within = first_token_deadline(step, t.lease.backend.id, t.expected)
+    if within is None or not getattr(step.policy, "hedges", False):
+        t.first_token_within = within
+        return None
+    return within if call.response_id is None else None  # a stored response has one home
+
+
+async def _settled(t: Try, attempt: Attempt[T], tracker: LatencyTracker) -> T:
+    """Run one attempt; whatever its ending, settle it (``_settle``)."""
+    error: BaseException | None = None
+    try:
+        return await attempt(t)
+    except BaseException as exc:
+        error = exc
+        raise
+    finally:
+        _settle(t, error, tracker)
+
+
+async def _hedged(t: Try, attempt: Attempt[T], after: float, tried: list[str]) -> T:
+    """Run ``t``; if it has no first bytes ``after`` seconds on, race a copy of it on another
+    backend (``gateway.hedge``): the first to have its first bytes answers the client, the
+    other is ended unsent. Declined as the rescue is (``_rescue_now``), and when no other
+    backend can be picked. Raises what the first attempt raised, or, if both failed before
+    anything reached the client, the first's ``UpstreamError`` (the loop may try another)."""
+    call, step = t.call, t.step
+    app, record = call.request.app, call.record
+    router, metrics, tracker = app[ROUTER], app[METRICS], app[LATENCY]
+    loop = asyncio.get_running_loop()
+    race = t.race = Race()
+    first = asyncio.ensure_future(_settled(t, attempt, tracker))
+    tasks: list[asyncio.Future[T]] = [first]
+    try:
+        due = loop.time() + after
+        await asyncio.wait(tasks, timeout=after)
+        if first.done() or race.winner is not None or not _rescue_now(t, loop.time() - due):
+            return await first
+        try:
+            lease, _, chosen = router.pick(step, exclude=tried)
+        except NoBackendAvailable:
+            metrics.rescues_declined.labels("no_other_backend").inc()
+            return await first
+        backend = lease.backend.id
+        tried.append(backend)
+        record.backends.append(backend)
+        record.hedged = True
+        hedge = Try(
+            call, step, lease, t.n + 1, False, t.parent, expected=expected(tracker, step, chosen)
+        )
+        hedge.race = race
+        tasks.append(asyncio.ensure_future(_settled(hedge, attempt, tracker)))
+        log.info("upstream_hedge", backend=t.lease.backend.id, hedge=backend)
+        await asyncio.wait(tasks)  # the winner's whole answer; the other ends at once
+    except asyncio.CancelledError:  # the client left (or the gateway stops): end both
+        for task in tasks:
+            task.cancel()
+        await asyncio.wait(tasks)
+        raise
+    won = "neither"
+    if race.winner is not None:
+        won = "first" if race.winner is t.interrupt else "hedge"
+    metrics.hedges.labels(won).inc()
+    if won == "first" and t.lease.backend.id in record.backends:  # named last: it answered
+        record.backends.remove(t.lease.backend.id)
+        record.backends.append(t.lease.backend.id)
+    errors = [task.exception() for task in tasks]
+    for task, error in zip(tasks, errors, strict=True):
+        if error is None:
+            return task.result()
+    for error in errors:
+        if not isinstance(error, UpstreamError):
+            raise error  # type: ignore[misc]
+    raise errors[0]  # type: ignore[misc]

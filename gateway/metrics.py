@@ -345,6 +345,16 @@ class GatewayMetrics:
         )
         for reason in ("gateway_lag", "no_other_backend", "others_queued"):
             self.rescues_declined.labels(reason)
+        self.hedges = Counter(
+            "llm_gateway_hedges",
+            "predicted_latency's hedge (rescue_mode hedge): late streams raced on a second "
+            "backend, by which attempt's first token came first: first, hedge, or neither "
+            "(both failed before anything reached the client).",
+            ["won"],
+            registry=r,
+        )
+        for won in ("first", "hedge", "neither"):
+            self.hedges.labels(won)
         self.monitor_reads = Counter(
             "llm_gateway_monitor_reads",
             "With serve --workers: the monitors' reads of backends (read: health, models, "

@@ -74,6 +74,7 @@ from gateway.relay import (
     Ending,
     RelayResult,
     StreamBroken,
+    outrun,
     relay_body,
     relay_stream,
 )
@@ -374,7 +375,7 @@ async def _answer(t: Try) -> web.StreamResponse:
             complete = True
             if is_route_missing(status, read):  # the other kind of vLLM server
                 _lacks(t)
-        if status in RETRYABLE_STATUS and t.may_retry:  # "not now": another may take it
+        if status in RETRYABLE_STATUS and (t.may_retry or t.rivalled()):  # another may take it
             body = await client.read_body(upstream)
             complete = True
             retry_after = upstream.headers.get("Retry-After")
@@ -411,6 +412,8 @@ async def _relay(
         headers.update(call.extra_headers)
     rename = call.choice.rename if call.choice is not None else None
     if read is not None or upstream.content_type != EVENT_STREAM:
+        if t.race is not None and t.interrupt is not None and not t.interrupt.take():
+            raise outrun(upstream.backend)  # its rival took the client first
         whole = await relay_body(upstream, headers, app[UPSTREAM], rename, read)
         record.ending = Ending.COMPLETE.value
         if isinstance(whole.body, bytes):
@@ -442,10 +445,12 @@ async def _relay(
         record.abort_reason = "timeout"
         raise
     finally:  # also when cancelled: what reached the client is known
-        record.usage = usage.usage
-        record.first_token_at = tally.first_token_at = result.first_token_at
-        record.events = result.events
+        tally.first_token_at = result.first_token_at
         tally.tokens = usage.usage.completion_tokens if usage.usage else None
+        if not t.outrun():  # the client's answer is this attempt's (not its rival's)
+            record.usage = usage.usage
+            record.first_token_at = result.first_token_at
+            record.events = result.events
     record.ending = result.ending.value
     if result.ending is Ending.UPSTREAM_ERROR:
         tally.error = "stream"

@@ -43,6 +43,7 @@ class RequestRecord:
     events: int = 0
     abort_reason: str | None = None
     continuations: int = 0  # times the stream went on from another backend
+    hedged: bool = False  # a copy raced on a second backend (``gateway.hedge``)
 
     @property
     def backend(self) -> str:
@@ -91,6 +92,8 @@ class RequestRecord:
         }
         if self.continuations:
             fields["continuations"] = self.continuations
+        if self.hedged:
+            fields["hedged"] = True
         if len(self.backends) > 1:
             fields["tried"] = self.backends
         if self.candidates:
@@ -128,7 +131,7 @@ def finish(app: web.Application, record: RequestRecord) -> None:
         )
     if record.abort_reason is not None:
         metrics.aborts.labels(backend, record.abort_reason).inc()
-    if len(record.backends) > 1 and record.status and record.status < 500:
+    if len(record.backends) > 1 and record.status and record.status < 500 and not record.hedged:
         metrics.failovers.labels(model).inc()
     if log.is_enabled_for(logging.INFO):
         weights = app[ROUTER].policy.weights

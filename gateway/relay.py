@@ -29,7 +29,7 @@ from backends.errors import EngineFailed, UpstreamError
 from backends.idle import IdleWatch
 from backends.state import BackendSpec
 from backends.tap import tap
-from backends.upstream import CLIENT_ERRORS, Transport, Upstream, translate
+from backends.upstream import CLIENT_ERRORS, Outrun, Transport, Upstream, translate
 from gateway.continuation import Keep, Progress, Stitch
 from gateway.limits.tokens import UsageFilter
 from gateway.sse import FirstTokenWatch
@@ -68,6 +68,11 @@ class StreamBroken(Exception):
         self.error = error
         self.backend = backend
         self.progress = progress
+
+
+def outrun(backend: BackendSpec) -> UpstreamError:
+    """What an attempt that lost its race for the client (a hedge) raises, unsent."""
+    return translate(Outrun(), backend)
 
 
 def stream_error_event(err: UpstreamError) -> bytes:
@@ -309,8 +314,9 @@ async def relay_stream(
         chunk = await content.readany()
     except CLIENT_ERRORS as exc:
         raise translate(exc, upstream.backend) from exc
-    if upstream.interrupt is not None:
-        upstream.interrupt.disarm()  # from the first write on, the stream is the client's
+    if upstream.interrupt is not None and not upstream.interrupt.take():
+        raise outrun(upstream.backend)  # a rival attempt (a hedge) took the client first
+    # From the first write on, the stream is the client's.
     resp = web.StreamResponse(status=upstream.status, headers=headers)
     result.ending = Ending.COMPLETE
     chunks = Chunks(upstream.watch, result, usage, now, rename, keep=keep)
@@ -398,7 +404,7 @@ async def relay_resumed(
         out = chunks.take(stitch.feed(chunk))
         if out:
             if not wrote and upstream.interrupt is not None:
-                upstream.interrupt.disarm()  # from now on this part is the client's too
+                upstream.interrupt.take()  # from now on this part is the client's too (no race)
             chunks.hold(True)  # a write waits while the client's buffer is full
             await resp.write(out)
             chunks.hold(False)

@@ -135,6 +135,12 @@ class LatencySettings(BaseModel):
         "client (0: never; else at least 1)",
     )
     rescue_min: float = Field(0.1, ge=0, description="...and never before this many seconds")
+    rescue_mode: Literal["move", "hedge"] = Field(
+        "move",
+        description="how predicted_latency rescues a late stream: move (take it back and send it "
+        "to another backend) or hedge (send a copy to another backend and keep the first: "
+        "whichever has its first token first answers, the other is closed unsent)",
+    )
     prefix: Literal["none", "approximate", "precise"] = Field(
         "approximate",
         description="prefix knowledge predicted_latency uses for cached tokens: approximate "

@@ -23,10 +23,13 @@ gateway's own observations) how long each candidate would take. Each decision, i
 And after the decision, **the rescue** (``first_token_deadline``): a streamed request whose
 first token has not come ``rescue_factor`` times later than predicted (and at least
 ``rescue_min`` seconds) is taken back from its backend, before anything reached its client,
-and sent to the best of the others, once. A backend that slows down while requests wait in
-its queue (a noisy neighbour, a long prefill ahead of them) then costs them a bounded delay
-instead of its whole slowness, and the wait it had reached is learned as its TTFT (a lower
-bound), so it is predicted slow until it shows otherwise.
+and sent to the best of the others, once (``rescue_mode = "move"``); or, with ``"hedge"``, a
+copy is sent to the best of the others while the first keeps waiting, and whichever of the two
+has its first token first answers (the other is ended before anything of it was sent). A
+backend that slows down while requests wait in its queue (a noisy neighbour, a long prefill
+ahead of them) then costs them a bounded delay instead of its whole slowness, and the wait it
+had reached is learned as its TTFT (a lower bound), so it is predicted slow until it shows
+otherwise.
 
 The choice is recorded with the prefix knowledge (tentatively, as its own policy would), so a
 burst of one new prefix is seen as cached where the first of it went.
@@ -49,6 +52,8 @@ from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
 
 Objective = Literal["ttft", "e2e"]
 PrefixSource = Literal["none", "approximate", "precise"]
+RescueMode = Literal["move", "hedge"]
+RESCUE_MODES: Final[tuple[RescueMode, ...]] = ("move", "hedge")
 OBJECTIVES: Final[tuple[Objective, ...]] = ("ttft", "e2e")
 PREFIX_SOURCES: Final[tuple[PrefixSource, ...]] = ("none", "approximate", "precise")
 # The rescue judges "late" against what is known: not before this many recent observations
@@ -90,6 +95,9 @@ class PredictionConfig:
     # seconds): sent elsewhere. 0: never.
     rescue_factor: float = 3.0
     rescue_min: float = 0.1
+    # How: "move" takes the request back and sends it elsewhere; "hedge" sends a copy elsewhere
+    # and keeps the first, and whichever has its first token first answers.
+    rescue_mode: RescueMode = "move"
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore < 1.0:
@@ -102,6 +110,8 @@ class PredictionConfig:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}")
         if self.prefix not in PREFIX_SOURCES:
             raise ValueError(f"prefix must be one of {', '.join(PREFIX_SOURCES)}")
+        if self.rescue_mode not in RESCUE_MODES:
+            raise ValueError(f"rescue_mode must be one of {', '.join(RESCUE_MODES)}")
 
 
 @dataclass(slots=True)
@@ -188,6 +198,11 @@ class PredictedLatency:
         if self.tracker.weight(backend) < RESCUE_MIN_WEIGHT:
             return None
         return max(self.prediction.rescue_min, factor * predicted_ttft)
+
+    @property
+    def hedges(self) -> bool:
+        """Whether a late stream is hedged (a copy sent elsewhere) rather than moved."""
+        return self.prediction.rescue_mode == "hedge"
 
     def cached_tokens(self, facts: RouteFacts, backend: str) -> float:
         """The prompt tokens ``backend`` was expected to hold when this policy chose."""

@@ -1,0 +1,48 @@
+"""Attempts of one request racing for its client: ``predicted_latency``'s hedge.
+
+A streamed request whose first token is late on its backend (the policy's deadline, as for
+the rescue) may be sent to a second backend *without* taking it back from the first: whichever
+of the two has its first bytes first takes the client, and the other is ended before anything
+of it was sent (its upstream request closed, so its engine aborts it). Unlike the rescue,
+nothing already waited is lost when the first backend answers soon after all.
+
+``Race`` is the shared state: it decides who takes the client (``claim``, called by the
+attempt's ``Interrupt`` as its first bytes are about to be written), ends the others, and
+tells whether an attempt still has a rival running (an attempt answered "not now" defers to
+it). The racing itself (timing, picking the second backend) is in ``gateway.attempt``.
+"""
+
+from __future__ import annotations
+
+from backends.upstream import Interrupt
+
+
+class Race:
+    """Attempts racing for one client; the first to claim it answers."""
+
+    __slots__ = ("runners", "winner")
+
+    def __init__(self) -> None:
+        self.runners: list[Interrupt] = []
+        self.winner: Interrupt | None = None
+
+    def join(self) -> Interrupt:
+        """The interrupt of a new attempt in the race."""
+        interrupt = Interrupt(self)
+        self.runners.append(interrupt)
+        return interrupt
+
+    def claim(self, interrupt: Interrupt) -> bool:
+        if self.winner is not None:
+            return self.winner is interrupt
+        self.winner = interrupt
+        for other in self.runners:
+            if other is not interrupt:
+                other.outrun()
+        return True
+
+    def rivalled(self, interrupt: Interrupt) -> bool:
+        """Whether another attempt of the race is still waiting for its first bytes."""
+        if self.winner is not None:
+            return False
+        return any(o is not interrupt and o.armed and o.cause is None for o in self.runners)

@@ -276,6 +276,8 @@ class UpstreamClient:
             timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout),
             auto_decompress=False,
             skip_auto_headers=("User-Agent", "Accept-Encoding"),
+            # A backend's cookies are not the gateway's to keep (nor to send to the others).
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         self._watchdog_task = (supervisor or Supervisor()).spawn(
             "idle_watchdog", "idle-watchdog", self.watchdog.run

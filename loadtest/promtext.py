@@ -26,6 +26,7 @@ GATEWAY_FAMILIES: Final = (
     "llm_gateway_requests_total",
     "llm_gateway_retries_total",
     "llm_gateway_rescues_declined_total",
+    "llm_gateway_hedges_total",
     "llm_gateway_failovers_total",
     "llm_gateway_upstream_aborts_total",
     "llm_gateway_stream_continuations_total",

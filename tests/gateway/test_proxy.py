@@ -156,6 +156,28 @@ async def test_hop_by_hop_and_client_credentials_are_not_forwarded() -> None:
         assert h["traceparent"].startswith("00-0af7651916cd43dd")
 
 
+async def test_a_backends_cookie_is_not_kept_nor_sent_with_other_clients_requests() -> None:
+    async def sets_cookie(request: Any, fake: FakeBackend, seen: Any) -> Any:
+        from aiohttp import web
+
+        resp = web.json_response({"ok": True})
+        resp.set_cookie("session", "of-the-first-client")
+        return resp
+
+    async with running_fake(FakeBackend(behaviour=sets_cookie)) as fake:
+        # By name: aiohttp's default jar would ignore a cookie from a bare IP address.
+        named = fake.url.replace("127.0.0.1", "localhost")
+        async with running_gateway([named]) as gw:
+            # Each client its own session (no cookie of its own), the gateway's upstream shared.
+            for _ in range(3):
+                async with aiohttp.ClientSession() as s:
+                    await post(s, gw.url + "/v1/completions", CHAT)
+    assert len(fake.seen) == 3
+    assert all("Cookie" not in seen.headers for seen in fake.seen), [
+        seen.headers.get("Cookie") for seen in fake.seen
+    ]
+
+
 async def test_backend_api_key_is_sent_upstream() -> None:
     async with running_fake(FakeBackend()) as fake:
         backend = {"url": fake.url, "api_key": "sk-backend"}

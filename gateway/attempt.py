@@ -370,7 +370,11 @@ def _rescue_plan(t: Try) -> float | None:
     if within is None or not getattr(step.policy, "hedges", False):
         t.first_token_within = within
         return None
-    return within if call.response_id is None else None  # a stored response has one home
+    # A stored response has one home; a decode step's KV cache is pulled once, by one engine.
+    if call.response_id is not None or step.role is not None:
+        t.first_token_within = within  # moved instead
+        return None
+    return within
 
 
 async def _settled(t: Try, attempt: Attempt[T], tracker: LatencyTracker) -> T:

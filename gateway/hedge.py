@@ -30,6 +30,8 @@ class Race:
         """The interrupt of a new attempt in the race."""
         interrupt = Interrupt(self)
         self.runners.append(interrupt)
+        if self.winner is not None:  # joined too late: it has lost already
+            interrupt.outrun()
         return interrupt
 
     def claim(self, interrupt: Interrupt) -> bool:

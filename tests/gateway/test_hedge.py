@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from gateway.attempt import _rescue_plan
 from gateway.hedge import Race
 
 
@@ -34,3 +40,38 @@ def test_an_interrupt_outside_a_race_always_takes() -> None:
     alone = Interrupt()
     assert alone.take()
     assert not alone.armed
+
+
+def test_an_attempt_that_joins_after_the_race_was_won_has_lost() -> None:
+    race = Race()
+    assert race.join().take()
+    late = race.join()
+    assert late.cause is not None
+    assert not late.take()
+
+
+def _plan(role: str | None, response_id: str | None, hedges: bool) -> tuple[float | None, Any]:
+    policy = SimpleNamespace(hedges=hedges, first_token_deadline=lambda backend, ttft: 3 * ttft)
+    t: Any = SimpleNamespace(
+        call=SimpleNamespace(streamed=True, response_id=response_id),
+        step=SimpleNamespace(role=role, policy=policy),
+        may_retry=True,
+        lease=SimpleNamespace(backend=SimpleNamespace(id="a")),
+        expected=SimpleNamespace(predicted=SimpleNamespace(ttft=0.1)),
+        first_token_within=None,
+    )
+    return _rescue_plan(t), t.first_token_within
+
+
+def test_a_late_stream_is_hedged_only_where_a_copy_may_run_beside_it() -> None:
+    hedge, moved = _plan(None, None, hedges=True)
+    assert hedge == pytest.approx(0.3)
+    assert moved is None
+    # A decode step (its KV cache is pulled once) and a stored response (one home): moved.
+    for role, rid in (("decode", None), (None, "resp_1")):
+        hedge, moved = _plan(role, rid, hedges=True)
+        assert hedge is None
+        assert moved == pytest.approx(0.3)
+    hedge, moved = _plan(None, None, hedges=False)  # the move is the mode
+    assert hedge is None
+    assert moved == pytest.approx(0.3)

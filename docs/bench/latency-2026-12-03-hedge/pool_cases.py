@@ -23,7 +23,7 @@ def q(xs: list[float], p: float) -> float:
     return xs[max(0, math.ceil(p * len(xs)) - 1)]
 
 
-for scenario in ("slowdown", "uniform"):
+for scenario in ("slowdown", "uniform", "mixed"):
     base = ttfts(f"{scenario}-*.json", "least_load")
     if not base:
         continue

@@ -197,20 +197,29 @@ async def echo_json(request: web.Request, fake: FakeBackend, seen: Seen) -> web.
 
 
 def stream_chat(
-    n_tokens: int = 5, *, hold_after: int | None = None, delay: float = 0.0
+    n_tokens: int = 5,
+    *,
+    hold_after: int | None = None,
+    delay: float = 0.0,
+    first_after: float = 0.0,
+    word: str = "t",
 ) -> Behaviour:
-    """Stream ``n_tokens`` chat chunks; optionally wait for ``fake.release`` after some."""
+    """Stream ``n_tokens`` chat chunks (``{word}0 ``, ``{word}1 ``...); optionally wait for
+    ``fake.release`` after some. The head is sent at once, the first chunk ``first_after`` s
+    later (an engine's time to first token)."""
 
     async def behaviour(request: web.Request, fake: FakeBackend, seen: Seen) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+        if first_after:
+            await asyncio.sleep(first_after)  # sleep-ok: the scripted time to the first token
         await resp.write(chat_chunk(role=True))
         for i in range(n_tokens):
             if hold_after is not None and i == hold_after:
                 await fake.release.wait()
             if delay:
                 await asyncio.sleep(delay)  # sleep-ok: the scripted pace of the stream
-            await resp.write(chat_chunk(f"t{i} "))
+            await resp.write(chat_chunk(f"{word}{i} "))
         await resp.write(chat_chunk(finish="stop"))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

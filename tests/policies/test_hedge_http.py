@@ -10,10 +10,9 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-from aiohttp import web
 
 from gateway.keys import LATENCY, ROUTER
-from loadtest.fakebackend import Seen, chat_chunk
+from loadtest.fakebackend import Behaviour
 from policies import PredictedLatency
 from tests.helpers import (
     FakeBackend,
@@ -23,6 +22,7 @@ from tests.helpers import (
     running_fake,
     running_gateway,
     sample,
+    stream_chat,
     wait_for,
 )
 
@@ -36,23 +36,10 @@ BODY: dict[str, Any] = {
 }
 
 
-def first_after(delay: float, tag: str) -> Any:
+def first_after(delay: float, tag: str) -> Behaviour:
     """A stream whose head comes at once and its first chunk ``delay`` s later, each token
     naming the backend (``tag``)."""
-
-    async def behaviour(request: web.Request, fake: FakeBackend, seen: Seen) -> web.StreamResponse:
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        await asyncio.sleep(delay)  # sleep-ok: the scripted time to the first token
-        await resp.write(chat_chunk(role=True))
-        for i in range(3):
-            await resp.write(chat_chunk(f"{tag}{i} "))
-        await resp.write(chat_chunk(finish="stop"))
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
-
-    return behaviour
+    return stream_chat(3, first_after=delay, word=tag)
 
 
 @asynccontextmanager

@@ -26,10 +26,12 @@ from gateway.admin_fanout import JOURNAL_PATH, journal_handler
 from gateway.admin_journal import AdminJournal
 from gateway.disagg import role_policies
 from gateway.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
+from gateway.hedge import HedgeBudget
 from gateway.keys import (
     ADMIN_JOURNAL,
     ADMISSION,
     GATEWAY,
+    HEDGES,
     KV_FEEDS,
     KV_INDEX,
     LATENCY,
@@ -361,6 +363,7 @@ def create_app(
         app[READ_CACHE] = ReadCache()
     app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)
     app[LIFECYCLE] = Lifecycle()
+    app[HEDGES] = HedgeBudget()
     supervisor = app[SUPERVISOR] = Supervisor()  # every background loop runs under it
     pool = _pool(settings, worker.table if worker is not None else None)
     app[POOL] = pool

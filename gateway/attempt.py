@@ -36,7 +36,8 @@ from backends.pool import Lease
 from backends.upstream import Interrupt, RequestBody, Upstream
 from gateway.endpoints import CHAT, Endpoint
 from gateway.hedge import Race
-from gateway.keys import LATENCY, LIFECYCLE, METRICS, RETRY, ROUTER, TRACER, UPSTREAM
+from gateway.keys import HEDGES, LATENCY, LIFECYCLE, METRICS, RETRY, ROUTER, TRACER, UPSTREAM
+from gateway.metrics import GatewayMetrics
 from gateway.record import RequestRecord
 from gateway.relay import StreamBroken
 from gateway.retry import RetryPolicy
@@ -407,9 +408,16 @@ async def _hedged(t: Try, attempt: Attempt[T], after: float, tried: list[str]) -
         await asyncio.wait(tasks, timeout=after)
         if first.done() or race.winner is not None or not _rescue_now(t, loop.time() - due):
             return await first
+        budget, pool = app[HEDGES], router.pool
+        share = getattr(step.policy, "hedge_budget", 0.0)
+        give_back = budget.take(share, sum(pool.in_flight(b) for b in pool.all()))
+        if give_back is None:
+            metrics.rescues_declined.labels("hedge_budget").inc()
+            return await first
         try:
             lease, _, chosen = router.pick(step, exclude=tried)
         except NoBackendAvailable:
+            give_back()
             metrics.rescues_declined.labels("no_other_backend").inc()
             return await first
         backend = lease.backend.id
@@ -420,7 +428,9 @@ async def _hedged(t: Try, attempt: Attempt[T], after: float, tried: list[str]) -
             call, step, lease, t.n + 1, False, t.parent, expected=expected(tracker, step, chosen)
         )
         hedge.race = race
+        race.decided = give_back  # or the copy ends first
         tasks.append(asyncio.ensure_future(_settled(hedge, attempt, tracker)))
+        tasks[-1].add_done_callback(lambda _: give_back())
         log.info("upstream_hedge", backend=t.lease.backend.id, hedge=backend)
         await asyncio.wait(tasks)  # the winner's whole answer; the other ends at once
     except asyncio.CancelledError:  # the client left (or the gateway stops): end both
@@ -428,6 +438,16 @@ async def _hedged(t: Try, attempt: Attempt[T], after: float, tried: list[str]) -
             task.cancel()
         await asyncio.wait(tasks)
         raise
+    return _outcome(t, tasks, record, metrics)
+
+
+def _outcome(
+    t: Try, tasks: list[asyncio.Future[T]], record: RequestRecord, metrics: GatewayMetrics
+) -> T:
+    """What a race that ran to its end gives: the answer of the attempt that took the client,
+    else what stopped them (a failure after the client got bytes first, then the first's)."""
+    race = t.race
+    assert race is not None
     won = "neither"
     if race.winner is not None:
         won = "first" if race.winner is t.interrupt else "hedge"

@@ -9,10 +9,14 @@ nothing already waited is lost when the first backend answers soon after all.
 ``Race`` is the shared state: it decides who takes the client (``claim``, called by the
 attempt's ``Interrupt`` as its first bytes are about to be written), ends the others, and
 tells whether an attempt still has a rival running (an attempt answered "not now" defers to
-it). The racing itself (timing, picking the second backend) is in ``gateway.attempt``.
+it). ``HedgeBudget`` bounds the copies running at once: a copy is load, and when many streams
+are late at once the fleet is short of slots, which copies would only make worse. The racing
+itself (timing, picking the second backend) is in ``gateway.attempt``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from backends.upstream import Interrupt
 
@@ -20,11 +24,12 @@ from backends.upstream import Interrupt
 class Race:
     """Attempts racing for one client; the first to claim it answers."""
 
-    __slots__ = ("runners", "winner")
+    __slots__ = ("decided", "runners", "winner")
 
     def __init__(self) -> None:
         self.runners: list[Interrupt] = []
         self.winner: Interrupt | None = None
+        self.decided: Callable[[], None] | None = None  # called once, as the winner claims
 
     def join(self) -> Interrupt:
         """The interrupt of a new attempt in the race."""
@@ -41,6 +46,8 @@ class Race:
         for other in self.runners:
             if other is not interrupt:
                 other.outrun()
+        if self.decided is not None:
+            self.decided()
         return True
 
     def rivalled(self, interrupt: Interrupt) -> bool:
@@ -48,3 +55,30 @@ class Race:
         if self.winner is not None:
             return False
         return any(o is not interrupt and o.armed and o.cause is None for o in self.runners)
+
+
+class HedgeBudget:
+    """The hedges racing now (until their race is decided: then one request is left, as
+    without a hedge): at most ``share`` of the requests in flight, and at least one unless
+    ``share`` is 0 (no hedge at all)."""
+
+    __slots__ = ("running",)
+
+    def __init__(self) -> None:
+        self.running = 0
+
+    def take(self, share: float, in_flight: int) -> Callable[[], None] | None:
+        """One more hedge, if ``share`` of ``in_flight`` (the attempts on the fleet now) allows:
+        the call that gives its place back (once, however often it is called); else None."""
+        if share <= 0 or self.running + 1 > max(1.0, share * in_flight):
+            return None
+        self.running += 1
+        given_back = False
+
+        def give_back() -> None:
+            nonlocal given_back
+            if not given_back:
+                given_back = True
+                self.running -= 1
+
+        return give_back

@@ -13,6 +13,7 @@ from backends.pool import BackendPool
 from backends.supervise import Supervisor
 from backends.upstream import Transport
 from gateway.admin_journal import AdminJournal
+from gateway.hedge import HedgeBudget
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
 from gateway.metrics import GatewayMetrics
@@ -45,6 +46,7 @@ UPSTREAM: Final = web.AppKey[Transport]("upstream")
 MONITOR: Final = web.AppKey("monitor", BackendMonitor)
 SUPERVISOR: Final = web.AppKey("supervisor", Supervisor)
 LIFECYCLE: Final = web.AppKey("lifecycle", Lifecycle)
+HEDGES: Final = web.AppKey("hedges", HedgeBudget)  # predicted_latency's hedges running now
 METRICS: Final = web.AppKey("metrics", GatewayMetrics)
 LIMITER: Final = web.AppKey("limiter", Limiter)
 ADMISSION: Final = web.AppKey[AdmissionQueue | None]("admission")

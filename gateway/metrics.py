@@ -339,11 +339,13 @@ class GatewayMetrics:
             "predicted_latency's rescue: streams whose first token was late but were left on "
             "their backend, by why: gateway_lag (the event loop ran the deadline 20 ms late or "
             "more: the gateway itself is behind), no_other_backend (none could take it), "
-            "others_queued (every other engine had requests waiting: the fleet is behind).",
+            "others_queued (every other engine had requests waiting: the fleet is behind), "
+            "hedge_budget (rescue_mode hedge: as many hedges running as [latency] hedge_budget "
+            "allows).",
             ["reason"],
             registry=r,
         )
-        for reason in ("gateway_lag", "no_other_backend", "others_queued"):
+        for reason in ("gateway_lag", "no_other_backend", "others_queued", "hedge_budget"):
             self.rescues_declined.labels(reason)
         self.hedges = Counter(
             "llm_gateway_hedges",

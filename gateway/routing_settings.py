@@ -141,6 +141,13 @@ class LatencySettings(BaseModel):
         "to another backend) or hedge (send a copy to another backend and keep the first: "
         "whichever has its first token first answers, the other is closed unsent)",
     )
+    hedge_budget: float = Field(
+        0.1,
+        ge=0,
+        le=1,
+        description="hedges running at once: at most this share of the requests in flight "
+        "(at least one; 0: none); a late stream over the budget waits on where it is",
+    )
     prefix: Literal["none", "approximate", "precise"] = Field(
         "approximate",
         description="prefix knowledge predicted_latency uses for cached tokens: approximate "

@@ -98,6 +98,9 @@ class PredictionConfig:
     # How: "move" takes the request back and sends it elsewhere; "hedge" sends a copy elsewhere
     # and keeps the first, and whichever has its first token first answers.
     rescue_mode: RescueMode = "move"
+    # Hedges running at once: at most this share of the requests in flight (at least one;
+    # 0: none).
+    hedge_budget: float = 0.1
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.explore < 1.0:
@@ -110,6 +113,8 @@ class PredictionConfig:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}")
         if self.prefix not in PREFIX_SOURCES:
             raise ValueError(f"prefix must be one of {', '.join(PREFIX_SOURCES)}")
+        if not 0 <= self.hedge_budget <= 1:
+            raise ValueError("hedge_budget must be in [0, 1]")
         if self.rescue_mode not in RESCUE_MODES:
             raise ValueError(f"rescue_mode must be one of {', '.join(RESCUE_MODES)}")
 
@@ -198,6 +203,11 @@ class PredictedLatency:
         if self.tracker.weight(backend) < RESCUE_MIN_WEIGHT:
             return None
         return max(self.prediction.rescue_min, factor * predicted_ttft)
+
+    @property
+    def hedge_budget(self) -> float:
+        """Hedges running at once, as a share of the requests in flight."""
+        return self.prediction.hedge_budget
 
     @property
     def hedges(self) -> bool:

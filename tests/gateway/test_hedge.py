@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from gateway.attempt import _rescue_plan
-from gateway.hedge import Race
+from gateway.hedge import HedgeBudget, Race
 
 
 def test_the_first_to_claim_takes_the_client_and_the_others_are_ended() -> None:
@@ -22,6 +22,17 @@ def test_the_first_to_claim_takes_the_client_and_the_others_are_ended() -> None:
     assert first.cause is not None  # ended: its wait fails at once
     assert not first.take()  # and if its bytes came meanwhile, they are not sent
     assert not race.rivalled(first)
+
+
+def test_the_race_says_once_when_it_is_decided() -> None:
+    race = Race()
+    calls: list[int] = []
+    race.decided = lambda: calls.append(1)
+    first, hedge = race.join(), race.join()
+    assert calls == []
+    assert first.take()
+    assert not hedge.take()
+    assert calls == [1]
 
 
 def test_an_attempt_that_ended_is_no_rival() -> None:
@@ -75,3 +86,17 @@ def test_a_late_stream_is_hedged_only_where_a_copy_may_run_beside_it() -> None:
     hedge, moved = _plan(None, None, hedges=False)  # the move is the mode
     assert hedge is None
     assert moved == pytest.approx(0.3)
+
+
+def test_hedges_run_within_their_share_of_the_requests_in_flight() -> None:
+    budget = HedgeBudget()
+    one = budget.take(0.1, 5)  # one at least, however few are in flight
+    assert one is not None
+    assert budget.take(0.1, 5) is None
+    assert budget.take(0.1, 25) is not None  # 2.5 allowed: a second
+    assert budget.take(0.1, 25) is None
+    one()
+    one()  # given back once, however often it is called
+    assert budget.running == 1
+    assert budget.take(0.1, 25) is not None
+    assert HedgeBudget().take(0.0, 1_000) is None  # a share of 0: no hedge at all

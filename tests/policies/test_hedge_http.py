@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 
-from gateway.keys import LATENCY, ROUTER
+from gateway.keys import HEDGES, LATENCY, ROUTER
 from loadtest.fakebackend import Behaviour
 from policies import PredictedLatency
 from tests.helpers import (
@@ -43,7 +43,9 @@ def first_after(delay: float, tag: str) -> Behaviour:
 
 
 @asynccontextmanager
-async def learned() -> AsyncIterator[tuple[FakeBackend, FakeBackend, RunningGateway]]:
+async def learned(
+    **latency: Any,
+) -> AsyncIterator[tuple[FakeBackend, FakeBackend, RunningGateway]]:
     """Two fakes, "a" answering at once and "b" after 20 ms, learned by a hedging
     predicted_latency (so a request goes to "a", and its hedge to "b")."""
     a = FakeBackend(models=["sim-model"], behaviour=first_after(0.0, "a"))
@@ -54,7 +56,7 @@ async def learned() -> AsyncIterator[tuple[FakeBackend, FakeBackend, RunningGate
         running_gateway(
             [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}],
             policy="predicted_latency",
-            latency={"rescue_mode": "hedge"},
+            latency={"rescue_mode": "hedge"} | latency,
             admin={"token": TOKEN},
         ) as gw,
         aiohttp.ClientSession() as s,
@@ -118,6 +120,7 @@ async def test_a_late_stream_is_answered_by_its_hedge_and_the_first_request_clos
         await wait_for(lambda: a.running == 0, what="the first request closed on its backend")
         await wait_for(lambda: in_flight(gw) == [0, 0], what="both leases released")
         assert gw.app[ROUTER].pool.get("a").circuit.state.value == "closed"
+        assert gw.app[HEDGES].running == 0  # its place in the budget given back
 
 
 async def test_the_first_backend_answers_when_its_token_comes_before_the_hedges() -> None:
@@ -168,6 +171,19 @@ async def test_a_client_that_leaves_during_the_race_closes_both_requests() -> No
         await wait_for(lambda: a.running == 0 and b.running == 0, what="both requests closed")
         await wait_for(lambda: in_flight(gw) == [0, 0], what="both leases released")
         await wait_for(lambda: client_aborts(gw) == aborts + 1, what="the abort counted once")
+
+
+async def test_a_late_stream_over_the_hedge_budget_waits_where_it_is() -> None:
+    async with learned(hedge_budget=0) as (a, _b, gw), aiohttp.ClientSession() as s:
+        a.behaviour = first_after(0.5, "a")
+        async with s.post(gw.url + "/v1/chat/completions", json=BODY) as r:
+            assert r.status == 200
+            raw = await r.read()
+        assert b"a0" in raw
+        declined = sample(gw, "llm_gateway_rescues_declined_total", reason="hedge_budget")
+        assert declined == 1
+        assert sum(hedges(gw, won) for won in ("first", "hedge", "neither")) == 0
+        assert gw.app[HEDGES].running == 0
 
 
 async def test_the_mode_changes_live_and_a_bad_one_is_refused() -> None:

@@ -28,7 +28,7 @@ for scenario in ("slowdown", "uniform", "mixed"):
     if not base:
         continue
     print(f"{scenario}: least_load n={len(base)} p50={q(base, .5):.1f} p99={q(base, .99):.1f} max={base[-1]:.0f}")
-    for case in ("move", "hedge-f3", "hedge-f2", "hedge-f1.5"):
+    for case in ("move", "hedge-f3", "hedge-f2", "hedge-f1.5", "hedge-budget"):
         xs = ttfts(f"{scenario}-{case}-*.json", "predicted_latency")
         if xs:
             print(

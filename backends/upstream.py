@@ -1,7 +1,7 @@
-"""The upstream client: the one place where aiohttp client errors become gateway errors.
+"""The upstream client: the one place where errors talking to backends become gateway errors.
 
 ``Transport`` is the seam the request path and the monitors talk to (a ``Protocol``, as httpx's
-transports are): ``UpstreamClient`` is the real one, on aiohttp, and ``backends.mock`` an
+transports are): ``UpstreamClient`` is the real one, on ``backends.h1``, and ``backends.mock`` an
 in-memory one for tests of the logic above it. ``open`` sends a request and returns once the
 backend's status line and headers have arrived, as an ``Upstream`` whose body the caller reads;
 the caller must then ``finish`` it: back to the keep-alive pool after a complete read, or closed
@@ -22,10 +22,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import aiohttp
-from aiohttp.http_exceptions import HttpProcessingError as BadFraming
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from backends import h1
 from backends.errors import (
     BackendDown,
     BackendStalled,
@@ -35,16 +34,17 @@ from backends.errors import (
     UpstreamTimeout,
     UpstreamUnreachable,
 )
+from backends.h1 import Broken
 from backends.idle import IdleWatch, IdleWatchdog
 from backends.state import BackendSpec
 from backends.supervise import Supervisor
 
 
-class MarkedDown(aiohttp.ClientConnectionError):
+class MarkedDown(Broken):
     """Set on a response body whose backend the probes marked down (``Interrupt``)."""
 
 
-class Late(aiohttp.ClientConnectionError):
+class Late(Broken):
     """Set on a response body whose first bytes did not come by the attempt's deadline."""
 
 
@@ -52,17 +52,16 @@ class Outrun(Late):
     """Set on a response body whose rival attempt (a hedge) took the client first."""
 
 
-class Stalled(aiohttp.ClientConnectionError):
+class Stalled(Broken):
     """Set on a response body whose backend stalled: none of its streams moved."""
 
 
-# aiohttp's message for a body whose connection closed before its end (a dead backend), as
-# opposed to one that broke its framing.
-_CUT_SHORT = "Response payload is not completed"
+class Idle(Broken):
+    """Set on a response body that stopped moving for the idle timeout."""
 
 
 def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
-    """Map an aiohttp/OS error from talking to ``backend`` onto the gateway's tree."""
+    """Map an error from talking to ``backend`` onto the gateway's tree."""
     where = f"backend {backend.id}"
     if isinstance(exc, MarkedDown):
         return BackendDown(f"{where}: marked down by its health probes while the request waited")
@@ -72,26 +71,26 @@ def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
         return FirstTokenLate(f"{where}: no first token within {exc}")
     if isinstance(exc, Stalled):
         return BackendStalled(f"{where}: stalled, none of its streams moved for {exc}")
-    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, h1.ConnectTimeout):
         return UpstreamUnreachable(f"{where}: connect timed out")
-    if isinstance(exc, aiohttp.ServerTimeoutError | asyncio.TimeoutError | TimeoutError):
+    if isinstance(exc, Idle | TimeoutError):
         return UpstreamTimeout(f"{where}: no data within the idle timeout")
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return UpstreamUnreachable(f"{where}: cannot connect ({exc.os_error.strerror or exc})")
-    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError | OSError):
-        return UpstreamUnreachable(f"{where}: connection lost")
-    if isinstance(exc, aiohttp.ClientPayloadError) and str(exc).startswith(_CUT_SHORT):
+    if isinstance(exc, h1.ConnectFailed):
+        return UpstreamUnreachable(f"{where}: cannot connect ({exc})")
+    if isinstance(exc, h1.CutShort):
         return UpstreamUnreachable(f"{where}: connection lost mid-answer")
-    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientResponseError | BadFraming):
+    if isinstance(exc, h1.Disconnected | OSError):
+        return UpstreamUnreachable(f"{where}: connection lost")
+    if isinstance(exc, h1.BadFraming):
         return UpstreamProtocolError(f"{where}: malformed response")
     return UpstreamUnreachable(f"{where}: {type(exc).__name__}")
 
 
-CLIENT_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, TimeoutError, OSError)
+CLIENT_ERRORS = (Broken, TimeoutError, OSError)
 
 
 class Body(Protocol):
-    """What the relay reads of a response body (aiohttp's ``StreamReader`` is one)."""
+    """What the relay reads of a response body (``h1.Response`` is one)."""
 
     async def readany(self) -> bytes: ...
 
@@ -137,7 +136,7 @@ class Interrupt:
         self._body: Body | None = None
         self._late: asyncio.TimerHandle | None = None
         self.armed = True
-        self.cause: aiohttp.ClientConnectionError | None = None  # set once fired
+        self.cause: Broken | None = None  # set once fired
         self.race = race
 
     def fire(self) -> None:
@@ -168,7 +167,7 @@ class Interrupt:
         if confirm(lag):
             self._end(Late(f"{within:.2f} s"))
 
-    def _end(self, cause: aiohttp.ClientConnectionError) -> None:
+    def _end(self, cause: Broken) -> None:
         if not self.armed or self.cause is not None:
             return
         self.cause = cause
@@ -195,7 +194,7 @@ async def head_wait(
     backend: BackendSpec, within: float, interrupt: Interrupt | None
 ) -> AsyncIterator[None]:
     """The wait for a response head: bounded by ``within``, ended at once by ``interrupt``;
-    aiohttp and OS errors become the gateway's (``BackendDown`` if it was the interrupt)."""
+    client and OS errors become the gateway's (``BackendDown`` if it was the interrupt)."""
     try:
         async with asyncio.timeout(within) as timeout:
             if interrupt is not None:
@@ -214,7 +213,8 @@ async def head_wait(
 class Upstream:
     """A response whose head has arrived; ``watch.activity`` is bumped per body read.
 
-    ``response`` is aiohttp's own (which the tap needs), None from an in-memory transport.
+    ``response`` is the HTTP client's own (which can be tapped), None from an in-memory
+    transport.
     """
 
     backend: BackendSpec
@@ -224,7 +224,7 @@ class Upstream:
     content: Body
     watch: IdleWatch
     interrupt: Interrupt | None = None
-    response: aiohttp.ClientResponse | None = None
+    response: h1.Response | None = None
 
 
 class Transport(Protocol):
@@ -250,6 +250,8 @@ class Transport(Protocol):
 
 
 class UpstreamClient:
+    """The real ``Transport``: ``backends.h1``'s pooled HTTP/1.1 connections."""
+
     def __init__(
         self,
         *,
@@ -261,24 +263,15 @@ class UpstreamClient:
         on_stall: Callable[[str], None] | None = None,
         supervisor: Supervisor | None = None,
     ) -> None:
-        self._connector = aiohttp.TCPConnector(
-            limit=max_connections,
-            limit_per_host=0,
+        self.pool = h1.Pool(
+            connect_timeout=connect_timeout,
             # Shorter than the backend's own (vLLM's uvicorn closes idle connections after 5 s):
             # reusing a connection the server is closing fails a request for nothing.
             keepalive_timeout=keepalive_timeout,
+            limit=max_connections,
         )
         self._idle_timeout = idle_timeout
         self.watchdog = IdleWatchdog(idle_timeout, stall_after=stall_after, on_stall=on_stall)
-        # auto_decompress off: bytes pass through as the backend sent them.
-        self._session = aiohttp.ClientSession(
-            connector=self._connector,
-            timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout),
-            auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Accept-Encoding"),
-            # A backend's cookies are not the gateway's to keep (nor to send to the others).
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
         self._watchdog_task = (supervisor or Supervisor()).spawn(
             "idle_watchdog", "idle-watchdog", self.watchdog.run
         )
@@ -286,7 +279,7 @@ class UpstreamClient:
     async def close(self) -> None:
         self._watchdog_task.cancel()
         await asyncio.gather(self._watchdog_task, return_exceptions=True)
-        await self._session.close()
+        await self.pool.close()
 
     async def open(
         self,
@@ -298,33 +291,28 @@ class UpstreamClient:
         interrupt: Interrupt | None = None,
     ) -> Upstream:
         """POST ``body`` and return once the response head is in."""
-        hdrs = CIMultiDict(headers)
         if backend.api_key:
-            hdrs["Authorization"] = f"Bearer {backend.api_key}"
-        data: bytes | AsyncIterator[bytes] = body if isinstance(body, bytes) else body.chunks()
-        if not isinstance(body, bytes):  # sent as it is read, with its length (not chunked)
-            hdrs["Content-Length"] = str(body.size)
+            headers = CIMultiDict(headers)
+            headers["Authorization"] = f"Bearer {backend.api_key}"
         async with head_wait(backend, self._idle_timeout, interrupt):
-            resp = await self._session.post(backend.url + path, data=data, headers=hdrs)
+            if isinstance(body, bytes):
+                resp = await self.pool.request("POST", backend.url, path, headers, body=body)
+            else:  # sent as it is read, with its length (not chunked)
+                resp = await self.pool.request(
+                    "POST", backend.url, path, headers, stream=body.chunks(), length=body.size
+                )
         if interrupt is not None:
-            interrupt.watch(resp.content)
+            interrupt.watch(resp)
 
         def on_idle() -> None:
             if watch.stalled:
-                resp.content.set_exception(Stalled(f"{self.watchdog.stall_after:g} s"))
+                resp.set_exception(Stalled(f"{self.watchdog.stall_after:g} s"))
             else:
-                resp.content.set_exception(aiohttp.SocketTimeoutError("idle timeout"))
+                resp.set_exception(Idle("idle timeout"))
 
         watch = self.watchdog.watch(on_idle, backend.id)
         return Upstream(
-            backend,
-            resp.status,
-            resp.headers,
-            resp.content_type,
-            resp.content,
-            watch,
-            interrupt,
-            resp,
+            backend, resp.status, resp.headers, resp.content_type, resp, watch, interrupt, resp
         )
 
     async def read_body(self, upstream: Upstream) -> bytes:
@@ -336,23 +324,22 @@ class UpstreamClient:
     def finish(self, upstream: Upstream, *, complete: bool) -> None:
         """Return the connection to the pool after a complete read; close it otherwise."""
         self.watchdog.unwatch(upstream.watch)
-        resp = upstream.response
-        assert resp is not None
-        if complete:
-            resp.release()
-        else:
-            resp.close()
+        assert upstream.response is not None
+        self.pool.release(upstream.response, complete=complete)
 
     async def get(self, backend: BackendSpec, path: str, *, within: float) -> tuple[int, bytes]:
         """A small GET for monitors, with its own overall timeout."""
-        hdrs = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else None
+        hdrs = {"Authorization": f"Bearer {backend.api_key}"} if backend.api_key else {}
         try:
-            async with self._session.get(
-                backend.url + path,
-                headers=hdrs,
-                timeout=aiohttp.ClientTimeout(total=within),
-            ) as resp:
-                return resp.status, await resp.read()
+            async with asyncio.timeout(within):
+                resp = await self.pool.request("GET", backend.url, path, hdrs)
+                done = False
+                try:
+                    body = await resp.read()
+                    done = True
+                finally:
+                    self.pool.release(resp, complete=done)
+                return resp.status, body
         except CLIENT_ERRORS as exc:
             raise translate(exc, backend) from exc
 

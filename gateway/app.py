@@ -19,7 +19,6 @@ from backends.monitor import BackendMonitor, MonitorSettings, Reader
 from backends.pool import BackendPool
 from backends.shared_inflight import SharedInFlight
 from backends.supervise import Supervisor
-from backends.tap import internals_problem
 from backends.upstream import Transport, UpstreamClient
 from gateway import host_metrics, info, proxy, stored
 from gateway.admin_fanout import JOURNAL_PATH, journal_handler
@@ -61,6 +60,7 @@ from gateway.limits.limiter import open_limiter
 from gateway.metrics import GatewayMetrics
 from gateway.middleware import request_context
 from gateway.policy_config import build_policy, latency_config, weights_of
+from gateway.relay import splice_problem
 from gateway.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
 from gateway.responses import open_homes, peer_home
 from gateway.retry import RetryPolicy
@@ -335,7 +335,7 @@ def create_app(
     tracer_provider: TracerProvider | None = None,
     loader: SettingsLoader | None = None,
     transport: Transport | None = None,
-    relay_check: Callable[[], str | None] = internals_problem,
+    relay_check: Callable[[], str | None] = splice_problem,
     worker: Worker | None = None,
 ) -> web.Application:
     """The gateway app.
@@ -343,7 +343,8 @@ def create_app(
     ``loader`` re-reads the configuration for a reload (SIGHUP, ``POST /admin/reload``);
     ``resolver``, ``tracer_provider`` and ``transport`` (how backends are reached:
     ``backends.mock.MockTransport`` in tests) replace the real ones. ``relay_check`` says
-    whether the stream relay's fast path (``backends.tap``) can be trusted with this aiohttp.
+    whether the stream relay's fast path (``gateway.relay.Splice``) can be trusted with this
+    aiohttp.
     ``worker``: this process is one of ``serve --workers``' (its in-flight counts shared).
     """
     app = web.Application(

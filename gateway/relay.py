@@ -6,9 +6,11 @@ the answer ended. It reads the first chunk before sending anything to the client
 that fails before its first byte raises, and the caller may still try another backend.
 
 After the first chunk, the rest of the stream takes the fast path when it can: a ``Splice``
-fed by a tap on the upstream body (``backends.tap``) writes each read to the client's
-transport from the upstream read callback, so a token costs no task wake-up at all. The slow
-path (``readany`` / ``write`` in the handler task) remains for what cannot be tapped.
+fed by a tap on the upstream body (``backends.h1.Response.tap``) writes each read to the
+client's transport from the upstream read callback, so a token costs no task wake-up at all.
+The slow path (``readany`` / ``write`` in the handler task) remains for what cannot be tapped.
+The splice writes through aiohttp's server-side ``StreamWriter``; ``splice_problem`` checks at
+start-up that it is as the splice expects (else streams take the slow path).
 """
 
 from __future__ import annotations
@@ -22,13 +24,13 @@ from typing import Final, Protocol
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
+from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
 from backends.errors import EngineFailed, UpstreamError
 from backends.idle import IdleWatch
 from backends.state import BackendSpec
-from backends.tap import tap
 from backends.upstream import CLIENT_ERRORS, Outrun, Transport, Upstream, translate
 from gateway.continuation import Keep, Progress, Stitch
 from gateway.limits.tokens import UsageFilter
@@ -305,7 +307,7 @@ async def relay_stream(
     ``result`` is filled in as the stream goes (first token, events), so it tells what was
     relayed even when the handler is cancelled mid-stream; ``result.ending`` says how it ended.
     Raises ``UpstreamError`` if the backend fails before its first chunk (nothing sent yet).
-    ``fast`` False keeps to plain reads (when the tap's aiohttp internals are not as expected).
+    ``fast`` False keeps to plain reads (when aiohttp's writer is not as the splice expects).
     With ``keep`` (the stream may be continued elsewhere), a stream that breaks is left open:
     the caller continues it or ends it (``end_stream``).
     """
@@ -441,7 +443,7 @@ async def _spliced(
         result=result,
         chunks=chunks,
     )
-    t = tap(upstream.response, splice) if upstream.response is not None else None
+    t = upstream.response.tap(splice) if upstream.response is not None else None
     if t is None:
         return False
     try:
@@ -449,6 +451,16 @@ async def _spliced(
     finally:
         t.close()
     return True
+
+
+def splice_problem() -> str | None:
+    """What in aiohttp's server-side writer is not as the splice expects, or None."""
+    for name in ("chunked", "protocol", "drain"):
+        if not hasattr(StreamWriter, name):
+            return f"aiohttp's StreamWriter has no {name}"
+    if not isinstance(getattr(BaseProtocol, "writing_paused", None), property):
+        return "aiohttp's BaseProtocol has no writing_paused"
+    return None
 
 
 async def relay_body(

@@ -1,4 +1,4 @@
-"""The relay's fallback: when the tap's aiohttp internals are not as expected, streams are
+"""The relay's fallback: when aiohttp's writer is not as the splice expects, streams are
 relayed with plain reads, correctly, and the gateway says so once (issue 17)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import aiohttp
 from aiohttp import web
 from structlog.testing import capture_logs
 
-from backends.tap import installed
+from gateway.keys import UPSTREAM
 from tests.helpers import (
     FakeBackend,
     Seen,
@@ -27,7 +27,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream":
 
 
 def forced() -> str:
-    return "StreamReader.feed_data takes ('self', 'data'), forced by the test"
+    return "aiohttp's StreamWriter has no chunked, forced by the test"
 
 
 async def test_the_fallback_is_logged_once_and_shown_in_a_metric() -> None:
@@ -57,7 +57,7 @@ async def test_a_stream_relayed_with_plain_reads_arrives_whole_and_in_order() ->
         for i in range(200):
             await resp.write(chat_chunk(f"t{i} "))
             if i % 50 == 0:
-                taps.append(len(installed()))
+                taps.append(len(gw.app[UPSTREAM].pool.tapped()))
                 await asyncio.sleep(0)  # sleep-ok: let the gateway relay between writes
         usage = {"prompt_tokens": 1, "completion_tokens": 200, "total_tokens": 201}
         await resp.write(b"data: " + json.dumps({"choices": [], "usage": usage}).encode() + b"\n\n")

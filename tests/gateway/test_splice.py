@@ -14,8 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from backends.tap import installed
-from gateway.keys import METRICS, POOL
+from gateway.keys import METRICS, POOL, UPSTREAM
 from tests.helpers import (
     FakeBackend,
     Seen,
@@ -64,7 +63,7 @@ async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> web.A
 
     def gateway_paused() -> bool:
         over = progress["written"] == N_EVENTS or in_gateway_for_clients(gw.runner) > BOUND
-        return over or any(t.paused for t in installed())
+        return over or any(t.paused for t in gw.app[UPSTREAM].pool.tapped())
 
     def backend_held_back() -> bool:
         transport = progress["transport"]

@@ -181,6 +181,7 @@ async def limits_probe(
             observations.append(await execute(session, urls[r], plan, clock))
 
     await asyncio.gather(*(client(r) for r in range(len(urls))))
+    answers = [o.head_at if o.head_at is not None else o.end for o in observations]
     admitted = rate = conc = 0
     other: dict[str, int] = {}
     for o in observations:
@@ -203,6 +204,8 @@ async def limits_probe(
         other=other,
         elapsed=max(sends) - min(sends) if sends else 0.0,
         rpm=rpm,
+        window_min=max(0.0, max(sends) - min(answers)) if answers else None,
+        window_max=max(answers) - min(sends) if answers else None,
     )
     return probe, observations
 

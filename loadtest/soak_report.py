@@ -104,9 +104,10 @@ def markdown(doc: Mapping[str, Any]) -> str:
     )  # fmt: skip
     lines += ["## Limits probes (internal-tools, 60/min)", ""]
     lines += _table(
-        ("at (s)", "sent", "admitted", "expected", "429 rate", "429 concurrency", "elapsed (s)"),
+        ("at (s)", "sent", "admitted", "expected (range)", "429 rate", "429 concurrency",
+         "elapsed (s)"),
         [
-            (p["at_s"], p["sent"], p["admitted"], p["expected"], p["rate_limited"],
+            (p["at_s"], p["sent"], p["admitted"], _range(p), p["rate_limited"],
              p["concurrency_limited"], p["elapsed_s"])
             for p in doc["limits_probes"]
         ],
@@ -173,3 +174,8 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
                title="failed, excused (by a fault) and abandoned requests")  # fmt: skip
     fig.suptitle(doc["title"])
     fig.savefig(path, dpi=90)
+
+
+def _range(probe: dict[str, Any]) -> str:
+    low, high = probe.get("expected_range") or (probe["expected"], probe["expected"])
+    return f"{probe['expected']} ({low}-{high})"

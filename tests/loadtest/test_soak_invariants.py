@@ -225,6 +225,17 @@ def test_limits_hold_within_one_of_the_bucket_and_its_refill() -> None:
     assert not check_limits([]).passed
 
 
+def test_limits_allow_for_when_the_gateway_decided_not_only_when_the_client_sent() -> None:
+    # Sends span 2.04 s, but the first request was answered (so decided) 0.1 s after it went:
+    # the bucket refilled for 1.94-2.2 s while deciding, so 61 is within one.
+    assert not check_limits([probe(61, elapsed=2.04)]).passed
+    assert check_limits([probe(61, elapsed=2.04, window_min=1.94, window_max=2.2)]).passed
+    assert check_limits([probe(63, elapsed=2.04, window_min=1.94, window_max=2.2)]).passed
+    assert not check_limits([probe(64, elapsed=2.04, window_min=1.94, window_max=2.2)]).passed
+    assert not check_limits([probe(59, elapsed=2.04, window_min=1.94, window_max=2.2)]).passed
+    assert not check_limits([probe(120, elapsed=2.04, window_min=1.94, window_max=2.2)]).passed
+
+
 def samples(growth_mb: float = 0.0, series_growth: int = 0) -> list[MemorySample]:
     out = []
     for i in range(40):

@@ -369,7 +369,9 @@ def create_app(
     pool = _pool(settings, worker.table if worker is not None else None)
     app[POOL] = pool
     kv_index = app[KV_INDEX] = KvIndex(settings.kv_events.capacity)
-    tracker = app[LATENCY] = LatencyTracker(latency_config(settings.latency), clock=pool.now)
+    tracker = app[LATENCY] = LatencyTracker(
+        latency_config(settings.latency), clock=pool.now, solve_ahead=True
+    )
     app[TOKENIZERS] = _tokenizers(app, settings)
     # The prefill and decode pools' own policies.
     prefill, decode = role_policies(settings, kv_index, tracker)

@@ -201,6 +201,10 @@ def expected(tracker: LatencyTracker, step: Step, chosen: BackendSnapshot) -> Ex
     cached = held(facts, chosen.id) if held is not None else 0.0
     load = tracker.load(chosen, prompt_size(facts), cached)
     predicted = tracker.predict(chosen.id, load)
+    if tracker.solve_ahead and tracker.want_refresh():
+        # Solved when this task next waits (for the backend, once the request is sent), not
+        # on a request's way to its backend; this one was predicted from the last solution.
+        asyncio.get_running_loop().call_soon(tracker.refresh)
     return Expected(load, predicted, tracker.begin(chosen.id, load.uncached))
 
 

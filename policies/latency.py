@@ -22,7 +22,9 @@ take over as they come. Slopes are kept non-negative: more load never predicts a
 answer.
 
 Solving is a 4x4 linear system per fit, done when a backend's fits have changed and their
-last solution is older than ``resolve_s``; a prediction is a dot product. Each backend also
+last solution is older than ``resolve_s``: at a prediction, or (``solve_ahead``) ahead of the
+predictions, in ``refresh``, which the gateway calls while it waits on backends; a prediction
+is then a dot product. Each backend also
 keeps the error of the predictions made when it was chosen (absolute error over observed TTFT:
 its mean is the MAPE), before the observation is learned. Backends are bounded by
 ``max_backends`` (the oldest-seen forgotten first). Pure: the clock is passed in, nothing does
@@ -303,7 +305,11 @@ class LatencyTracker:
     """Per-backend TTFT and ITL fits, learned from every attempt's outcome."""
 
     def __init__(
-        self, config: LatencyConfig | None = None, clock: Callable[[], float] | None = None
+        self,
+        config: LatencyConfig | None = None,
+        clock: Callable[[], float] | None = None,
+        *,
+        solve_ahead: bool = False,
     ) -> None:
         self.config = config or LatencyConfig()
         self.clock = clock or time.monotonic
@@ -314,6 +320,11 @@ class LatencyTracker:
         self._pending: dict[str, float] = {}  # backend -> prompt tokens awaiting a first token
         # The mean answer length lately (tokens), for answers that give no max_tokens.
         self.mean_tokens = DEFAULT_ANSWER_TOKENS
+        # Set by a caller that calls ``refresh`` while it waits on backends (``want_refresh``):
+        # a prediction then solves only fits past the age limit, and uses the last solution
+        # otherwise, however many observations came since.
+        self.solve_ahead = solve_ahead
+        self._refresh_pending = False
 
     def configure(self, config: LatencyConfig) -> None:
         """New half-lives and ridge (live); what was learned is kept."""
@@ -369,34 +380,72 @@ class LatencyTracker:
         f = self._coefs(backend)
         return Prediction(_ttft(f.ttft_coef, load), _itl(f.itl_coef, load))
 
+    def want_refresh(self) -> bool:
+        """Whether the caller should schedule a ``refresh`` now (one at a time)."""
+        if self._refresh_pending:
+            return False
+        self._refresh_pending = True
+        return True
+
+    def refresh(self, now: float | None = None) -> None:
+        """Solve ahead of the predictions (``solve_ahead``): the fits that changed and whose
+        solution is older than ``resolve_s``, and the others half way to the age limit, so
+        that a prediction is a dot product. Solving at the prediction put up to six solves
+        before the request's send when requests were sparse."""
+        self._refresh_pending = False
+        if now is None:
+            now = self.clock()
+        if self._ahead_due(self._fleet_solved_at, self._fleet_dirty, now):
+            self._solve_fleet(now)
+        for m in self._models.values():
+            if self._ahead_due(m.solved_at, m.dirty, now):
+                self._solve(m, now)
+
     def weigh(self, backend: str, load: Load, now: float) -> tuple[float, float, float]:
         """What a decision weighs per candidate, at ``now`` (one clock read per decision):
         the predicted TTFT, the predicted ITL, and the recent observations behind it."""
         f = self._coefs(backend, now)
         return _ttft(f.ttft_coef, load), _itl(f.itl_coef, load), self.weight(backend, now)
 
-    def _due(self, solved_at: float, dirty: bool, now: float) -> bool:
+    def _age_limit(self) -> float:
         # Data grows old even without new observations: solve now and then anyway, so that a
         # backend left alone drifts back to its long memory and then to the fleet's figures.
-        cfg = self.config
+        return max(self.config.resolve_s, self.config.half_life / 4)
+
+    def _due(self, solved_at: float, dirty: bool, now: float) -> bool:
+        """At a prediction."""
         age = now - solved_at
-        return (dirty and age >= cfg.resolve_s) or age >= max(cfg.resolve_s, cfg.half_life / 4)
+        if age >= self._age_limit():
+            return True
+        return dirty and age >= self.config.resolve_s and not self.solve_ahead
+
+    def _ahead_due(self, solved_at: float, dirty: bool, now: float) -> bool:
+        """At a ``refresh``."""
+        age = now - solved_at
+        return (dirty and age >= self.config.resolve_s) or age >= self._age_limit() / 2
 
     def _coefs(self, backend: str, now: float | None = None) -> _Fits:
         if now is None:
             now = self.clock()
-        cfg = self.config
         if self._due(self._fleet_solved_at, self._fleet_dirty, now):
-            self.fleet.solve(None, cfg.ridge / 4, now, cfg.memory)  # lightly held by the prior
-            self._fleet_solved_at, self._fleet_dirty = now, False
+            self._solve_fleet(now)
         m = self._models.get(backend)
         if m is None:
             return self.fleet
         if self._due(m.solved_at, m.dirty, now):
-            m.memory.solve(self.fleet, cfg.ridge, now, cfg.memory)
-            m.recent.solve(m.memory, cfg.ridge, now, cfg.half_life)
-            m.solved_at, m.dirty = now, False
+            self._solve(m, now)
         return m.recent
+
+    def _solve_fleet(self, now: float) -> None:
+        cfg = self.config
+        self.fleet.solve(None, cfg.ridge / 4, now, cfg.memory)  # lightly held by the prior
+        self._fleet_solved_at, self._fleet_dirty = now, False
+
+    def _solve(self, m: _Model, now: float) -> None:
+        cfg = self.config
+        m.memory.solve(self.fleet, cfg.ridge, now, cfg.memory)
+        m.recent.solve(m.memory, cfg.ridge, now, cfg.half_life)
+        m.solved_at, m.dirty = now, False
 
     # -- learning ---------------------------------------------------------------------------
 

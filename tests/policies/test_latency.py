@@ -133,6 +133,49 @@ def test_a_backend_left_alone_drifts_back_to_the_fleets_figures() -> None:
     assert t.predict("slow", probe).ttft == pytest.approx(t.predict("fast", probe).ttft, rel=0.25)
 
 
+def test_solving_ahead_a_prediction_is_a_dot_product_from_the_last_solution(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = Clock()
+    t = LatencyTracker(LatencyConfig(), clock=clock, solve_ahead=True)
+    feed(t, clock, "a", 50)
+    feed(t, clock, "b", 50, speed=2.0, rng=random.Random(4))
+    probe = Load(uncached=1000, queued=1, running=4)
+    assert t.want_refresh()
+    assert not t.want_refresh()  # one at a time: scheduled already
+    clock.t += 0.3
+    t.refresh()
+    assert t.want_refresh()
+    solves: list[int] = []
+    real = DecayingFit.solve
+    monkeypatch.setattr(DecayingFit, "solve", lambda self, *a: solves.append(1) or real(self, *a))
+    before = t.predict("b", probe).ttft
+    assert before > 1.5 * t.predict("a", probe).ttft
+    feed(t, clock, "b", 20, speed=6.0, dt=0.03)  # b slows down: 0.6 s of answers
+    assert t.predict("b", probe).ttft == before  # not solved on the way: the last solution
+    assert solves == []
+    t.refresh()  # the gateway's, while it waits on backends
+    assert len(solves) == 6  # TTFT and ITL: the fleet's and b's (memory, recent); a's is young
+    assert t.predict("b", probe).ttft > 1.2 * before
+    solves.clear()
+    clock.t += 0.5  # a's solution is past half the age limit (half_life / 4): solved, unchanged
+    t.refresh()
+    assert len(solves) == 4
+    solves.clear()
+    clock.t += 1.3  # no refresh for longer than the age limit: the prediction solves
+    t.predict("a", probe)
+    assert solves != []
+
+
+def test_without_solving_ahead_a_prediction_solves_what_changed() -> None:
+    t, clock = tracker()
+    feed(t, clock, "b", 50)
+    probe = Load(uncached=1000, queued=1, running=4)
+    before = t.predict("b", probe).ttft
+    feed(t, clock, "b", 20, speed=6.0, dt=0.03)
+    assert t.predict("b", probe).ttft > 1.2 * before
+
+
 def test_the_long_memory_keeps_what_the_recent_window_rarely_sees() -> None:
     t, clock = tracker(half_life=2.0, memory=60.0)
     rng = random.Random(7)

@@ -92,10 +92,21 @@ async def test_idle_backends_tie_under_least_load_but_the_faster_one_wins_when_l
         # than its steps say, and a backend predicted less than about twice as slow is tried
         # again now and then by design (``explore``), which is not what this test is about.
         async with fleet("predicted_latency", slowdown=30.0) as (sims, gw):
+            tracker = gw.app[LATENCY]
+            refreshes: list[float] = []
+            refresh = tracker.refresh
+
+            def counted(now: float | None = None) -> None:
+                refreshes.append(tracker.clock())
+                refresh(now)
+
+            tracker.refresh = counted  # type: ignore[method-assign]
             await one_at_a_time(s, gw, sims, 20)  # learning: both are tried
+            # The fits are solved while the gateway waits on backends, not on a request's way.
+            assert tracker.solve_ahead
+            assert refreshes
             fast, slow = await one_at_a_time(s, gw, sims, 40)
             assert fast >= 36, (fast, slow)
-            tracker = gw.app[LATENCY]
             # The slow one is predicted slower for this prompt (by less than 30x: it was
             # tried only once or twice, and a fit with few observations is pulled toward the
             # fleet's).

@@ -195,6 +195,14 @@ class _WriteFlow(Protocol):
     def writing_paused(self) -> bool: ...
 
 
+class EventStream(web.StreamResponse):
+    """A streamed answer whose head goes out with its first chunk: one write, not two, on the
+    way to the first token (as aiohttp sends a whole ``web.Response``). Where aiohttp has no
+    such switch, the head goes first, as with any ``StreamResponse``."""
+
+    _send_headers_immediately = False
+
+
 class Splice:
     """A tap's sink that writes each upstream read to a chunked client response.
 
@@ -319,7 +327,7 @@ async def relay_stream(
     if upstream.interrupt is not None and not upstream.interrupt.take():
         raise outrun(upstream.backend)  # a rival attempt (a hedge) took the client first
     # From the first write on, the stream is the client's.
-    resp = web.StreamResponse(status=upstream.status, headers=headers)
+    resp = EventStream(status=upstream.status, headers=headers)
     result.ending = Ending.COMPLETE
     chunks = Chunks(upstream.watch, result, usage, now, rename, keep=keep)
     fast_path_tried = not fast
@@ -329,7 +337,7 @@ async def relay_stream(
             out = chunks.take(chunk)
             if out or not fast_path_tried:
                 chunks.hold(True)  # a write waits while the client's buffer is full
-                await resp.write(out)  # the first write also sends the head
+                await resp.write(out)  # the first write also sends the head, with it
                 chunks.hold(False)
             if chunks.cut is not None:
                 result.ending = Ending.UPSTREAM_ERROR

@@ -189,3 +189,46 @@ async def test_usage_of_a_spliced_stream_is_recorded_and_the_chunk_removed() -> 
             fake.release.set()
             rest = await asyncio.wait_for(resp.content.read(), 5)
     assert rest == chat_chunk("t0 ") + b"data: [DONE]\n\n"
+
+
+async def test_the_answers_head_goes_out_with_its_first_chunk_in_one_write() -> None:
+    writes: list[bytes] = []
+
+    async def first_then_wait(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+        # The gateway has the client's request and has written nothing back yet: watch what
+        # it writes to the client from now on.
+        (conn,) = gw.runner.server.connections  # type: ignore[union-attr]
+        transport = conn.transport
+        assert transport is not None
+        write, writelines = transport.write, transport.writelines
+
+        def spy_write(data: bytes) -> None:
+            writes.append(bytes(data))
+            write(data)
+
+        def spy_writelines(lines: Any) -> None:
+            lines = [bytes(line) for line in lines]
+            writes.append(b"".join(lines))
+            writelines(lines)
+
+        transport.write = spy_write  # type: ignore[method-assign]
+        transport.writelines = spy_writelines  # type: ignore[method-assign]
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(chat_chunk(role=True))
+        await fake.release.wait()
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    fake = FakeBackend(behaviour=first_then_wait)
+    async with running_fake(fake), running_gateway([fake.url]) as gw:
+        async with aiohttp.ClientSession() as s:
+            resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
+            assert resp.status == 200
+            first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+            assert first == chat_chunk(role=True)
+            fake.release.set()
+            assert await asyncio.wait_for(resp.content.read(), 5) == b"data: [DONE]\n\n"
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert chat_chunk(role=True) in writes[0]  # not a write of its own before the first chunk

@@ -147,6 +147,18 @@ def leave_mid_stream(url: str, stop: threading.Event) -> None:
             stop.wait(1.0)
 
 
+def streams_on(fleet: Fleet, backend: str, within: float = 10.0) -> None:
+    """Wait until the gateway has a request in flight on ``backend`` (at most ``within`` s:
+    then it goes on, and the panels that need a broken stream say so)."""
+    deadline = time.monotonic() + within
+    with httpx.Client(timeout=5) as client:
+        while time.monotonic() < deadline:
+            r = client.get(fleet.admin_url + "/admin/backends", headers=fleet.admin_headers)
+            if any(b["id"] == backend and b["in_flight"] > 0 for b in r.json()["backends"]):
+                return
+            time.sleep(0.01)  # sleep-ok: polling another process, with a deadline
+
+
 @pytest.fixture(scope="module")
 def observed(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_redis_prefix: str
@@ -168,6 +180,7 @@ def observed(
             leaver.start()
             time.sleep(14)  # sleep-ok: traffic for the panels to show
             [victim] = [s for s in fleet.sims if s.name == KILLED]
+            streams_on(fleet, KILLED)  # so that a stream breaks, and is continued elsewhere
             victim.kill()
             killed_at = time.time()
             time.sleep(8)  # sleep-ok: traffic goes on without the killed backend

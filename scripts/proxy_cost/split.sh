@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# What one proxy costs per request and per event, on its own core: two fake vLLM backends
+# (../shared/bench's, paced: TTFT 20 ms, 10 ms a token) and its load generator on CPU 1, the
+# proxy on CPU 0; CPU from /proc/<pid>/stat over the measured run.
+#
+#   scripts/proxy_cost/split.sh TARGET MAX_TOKENS [CONCURRENCY=64] [SECONDS=10]
+#
+# TARGET: a directory holding the gateway's code (a worktree of any commit), or `raw`
+# (raw_proxy.py: the floor of Python + uvloop) or `bare` (bare_proxy.py: aiohttp's server and
+# backends.h1, no features). Run it at two MAX_TOKENS (say 16 and 64) and solve
+# cpu = requests x a + events x b for the cost per request (a) and per event (b).
+# BENCH (default ../shared/bench) holds fake_backend.py and loadgen.py; PY the Python.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+repo=$(cd "$here/../.." && pwd)
+target=$1 tokens=$2 conc=${3:-64} secs=${4:-10}
+bench=${BENCH:-$repo/../shared/bench}
+py=${PY:-$repo/.venv/bin/python}
+out=$(mktemp -d)
+pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$out"; }
+trap cleanup EXIT
+for port in 18001 18002; do
+  taskset -c 1 "$py" "$bench/fake_backend.py" --port $port --ttft-ms 20 --itl-ms 10 >/dev/null 2>&1 &
+  pids+=($!)
+done
+case $target in
+  raw) taskset -c 0 "$py" "$here/raw_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;
+  bare) PYTHONPATH=$repo taskset -c 0 "$py" "$here/bare_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;
+  *) PYTHONPATH=$target taskset -c 0 "$py" -m gateway serve --host 127.0.0.1 --port 18100 \
+       --backends http://127.0.0.1:18001,http://127.0.0.1:18002 >"$out/proxy.log" 2>&1 & ;;
+esac
+proxy=$!
+pids+=($proxy)
+body='{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
+for _ in $(seq 100); do
+  curl -sf -o /dev/null -m 2 -H 'content-type: application/json' -d "$body" \
+    http://127.0.0.1:18100/v1/chat/completions && break
+  sleep 0.2
+done
+taskset -c 1 "$py" "$bench/loadgen.py" --url http://127.0.0.1:18100 -c 16 -d 2 -t "$tokens" >/dev/null
+before=$(awk '{print $14, $15}' "/proc/$proxy/stat")
+taskset -c 1 "$py" "$bench/loadgen.py" --url http://127.0.0.1:18100 -c "$conc" -d "$secs" \
+  -t "$tokens" >"$out/load.json"
+after=$(awk '{print $14, $15}' "/proc/$proxy/stat")
+"$py" - "$target" "$before" "$after" "$out/load.json" <<'PY'
+import json, os, sys
+target, before, after, path = sys.argv[1:]
+hz = os.sysconf("SC_CLK_TCK")
+(u0, s0), (u1, s1) = (map(int, x.split()) for x in (before, after))
+user, system = (u1 - u0) / hz, (s1 - s0) / hz
+r = json.load(open(path))
+n, events = r["requests_ok"], r["events_per_s"] * r["duration_s"]
+print(
+    f"{target}: requests={n} events={events:.0f} cpu_s={user + system:.2f} (user {user:.2f},"
+    f" sys {system:.2f}) us_per_request={(user + system) / max(n, 1) * 1e6:.0f}"
+    f" ttft_p50={r['ttft_ms']['p50']} ttft_p99={r['ttft_ms']['p99']}"
+    f" errors={r['errors'] + r['timeouts']}"
+)
+PY

@@ -508,6 +508,11 @@ class Pool:
     def idle(self) -> int:
         return sum(len(conns) for conns in self._idle.values())
 
+    def idle_origins(self) -> int:
+        """Origins with idle connections kept: none is kept for an origin without any (with
+        backends discovered and gone, the origins seen would otherwise only grow)."""
+        return len(self._idle)
+
     def tapped(self) -> list[Response]:
         """The responses now read by a sink (for tests and debugging)."""
         return [c.response for c in self._open if c.response is not None and c.response.tapped]
@@ -586,6 +591,8 @@ class Pool:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()
+            if not idle:
+                del self._idle[key]
             if conn.expiry is not None:
                 conn.expiry.cancel()
                 conn.expiry = None

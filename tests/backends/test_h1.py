@@ -455,3 +455,31 @@ def test_a_connection_not_made_in_time_times_out(run: Any) -> None:
     finally:
         for s in [*fillers, listener]:
             s.close()
+
+
+@RUNNERS
+def test_an_origin_whose_idle_connections_are_all_taken_is_not_kept(run: Any) -> None:
+    async def script(srv: Server, reader: Any, writer: Any) -> None:
+        for _ in range(2):  # one connection, reused
+            await srv.request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def test() -> None:
+        async with Server(script) as srv:
+            p = pool(keepalive=30)
+            resp = await p.request("GET", srv.url, "/", {})
+            assert await resp.read() == b"ok"
+            p.release(resp, complete=True)
+            assert (p.idle(), p.idle_origins()) == (1, 1)
+            resp = await p.request("GET", srv.url, "/", {})  # the idle one, taken
+            # Nothing is kept for the origin now (with backends discovered and gone, the
+            # origins ever seen would otherwise only grow).
+            assert (p.idle(), p.idle_origins()) == (0, 0)
+            assert await resp.read() == b"ok"
+            p.release(resp, complete=True)
+            assert (p.idle(), p.idle_origins(), srv.connections) == (1, 1, 1)
+            await p.close()
+            assert (p.idle(), p.idle_origins()) == (0, 0)
+
+    run_test(run, test)

@@ -7,7 +7,9 @@
 #
 # TARGET: a directory holding the gateway's code (a worktree of any commit), or `raw`
 # (raw_proxy.py: the floor of Python + uvloop) or `bare` (bare_proxy.py: aiohttp's server and
-# backends.h1, no features). Run it at two MAX_TOKENS (say 16 and 64) and solve
+# backends.h1, no features), or `vllm-router` (the bench's install of it, under
+# /tmp/peerbench/venvs), or `direct` (no proxy: the load generator on one backend; its TTFT is
+# the reference the others add to, its CPU figures mean nothing). Run it at two MAX_TOKENS (say 16 and 64) and solve
 # cpu = requests x a + events x b for the cost per request (a) and per event (b).
 # BENCH (default ../shared/bench) holds fake_backend.py and loadgen.py; PY the Python.
 set -euo pipefail
@@ -27,20 +29,26 @@ done
 case $target in
   raw) taskset -c 0 "$py" "$here/raw_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;
   bare) PYTHONPATH=$repo taskset -c 0 "$py" "$here/bare_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;
+  vllm-router) taskset -c 0 "${ROUTER:-/tmp/peerbench/venvs/vllm-router/bin/vllm-router}" \
+       --host 127.0.0.1 --port 18100 --worker-urls http://127.0.0.1:18001 http://127.0.0.1:18002 \
+       --policy round_robin --prometheus-port 18101 --log-level warning >"$out/proxy.log" 2>&1 & ;;
+  direct) taskset -c 0 "$py" "$here/raw_proxy.py" 18100 18001 >"$out/proxy.log" 2>&1 & ;;
   *) PYTHONPATH=$target taskset -c 0 "$py" -m gateway serve --host 127.0.0.1 --port 18100 \
        --backends http://127.0.0.1:18001,http://127.0.0.1:18002 >"$out/proxy.log" 2>&1 & ;;
 esac
 proxy=$!
 pids+=($proxy)
+url=http://127.0.0.1:18100
+[ "$target" = direct ] && url=http://127.0.0.1:18001
 body='{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 for _ in $(seq 100); do
   curl -sf -o /dev/null -m 2 -H 'content-type: application/json' -d "$body" \
-    http://127.0.0.1:18100/v1/chat/completions && break
+    "$url/v1/chat/completions" && break
   sleep 0.2
 done
-taskset -c 1 "$py" "$bench/loadgen.py" --url http://127.0.0.1:18100 -c 16 -d 2 -t "$tokens" >/dev/null
+taskset -c 1 "$py" "$bench/loadgen.py" --url "$url" -c 16 -d 2 -t "$tokens" >/dev/null
 before=$(awk '{print $14, $15}' "/proc/$proxy/stat")
-taskset -c 1 "$py" "$bench/loadgen.py" --url http://127.0.0.1:18100 -c "$conc" -d "$secs" \
+taskset -c 1 "$py" "$bench/loadgen.py" --url "$url" -c "$conc" -d "$secs" \
   -t "$tokens" >"$out/load.json"
 after=$(awk '{print $14, $15}' "/proc/$proxy/stat")
 "$py" - "$target" "$before" "$after" "$out/load.json" <<'PY'

@@ -232,3 +232,50 @@ async def test_the_answers_head_goes_out_with_its_first_chunk_in_one_write() -> 
             assert await asyncio.wait_for(resp.content.read(), 5) == b"data: [DONE]\n\n"
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
     assert chat_chunk(role=True) in writes[0]  # not a write of its own before the first chunk
+
+
+async def head_then_break(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
+    """A backend that sends its answer's head, then breaks off before its first chunk."""
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    await asyncio.sleep(0.05)  # sleep-ok: the gateway is waiting for the first chunk by now
+    assert request.transport is not None
+    request.transport.abort()
+    return resp
+
+
+async def test_a_backend_breaking_between_its_head_and_first_chunk_leaves_the_client_unsent() -> (
+    None
+):
+    """A backend that sends its head and breaks off before its first chunk has sent the client
+    nothing (the client's head goes with the first chunk): another backend's stream reaches
+    the client whole, as a stream; with no backend left the client gets the gateway's JSON
+    error, framed as a whole answer (not chunked); the connection serves the next request."""
+    breaking, healthy = (
+        FakeBackend(behaviour=head_then_break),
+        FakeBackend(behaviour=stream_chat(3)),
+    )
+    async with running_fake(breaking), running_fake(healthy):
+        async with running_gateway([breaking.url, healthy.url], policy="round_robin") as gw:
+            conn = aiohttp.TCPConnector(limit=1)  # one connection: every answer's framing counts
+            async with aiohttp.ClientSession(connector=conn) as s:
+                for _ in range(4):  # round robin: half of them try the breaking backend first
+                    async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
+                        assert resp.status == 200
+                        assert resp.headers["Transfer-Encoding"] == "chunked"
+                        body = await resp.read()
+                    assert body.endswith(b"data: [DONE]\n\n")
+                    assert body.count(b"data: ") == 6  # role, 3 tokens, the finish, [DONE]
+        assert len(breaking.seen) >= 2  # the breaking backend was tried (and failed over)
+        async with running_gateway([breaking.url], retry={"max_attempts": 2}) as gw:
+            conn = aiohttp.TCPConnector(limit=1)
+            async with aiohttp.ClientSession(connector=conn) as s:
+                for _ in range(2):
+                    async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
+                        assert resp.status == 502, await resp.text()
+                        assert "Transfer-Encoding" not in resp.headers
+                        assert int(resp.headers["Content-Length"]) > 0
+                        doc = await resp.json()
+                    assert doc["error"]["type"]
+                async with s.post(gw.url + "/v1/models") as resp:
+                    assert resp.status in (200, 405)

@@ -49,6 +49,15 @@ def free_port() -> int:
         return port
 
 
+def free_ports(n: int) -> list[int]:
+    """``n`` different ports that were free a moment ago (held all at once, so none repeats)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def pin(pid: int, cpus: set[int] | None) -> None:
     """Restrict ``pid`` to ``cpus`` if given and if this machine has them."""
     if cpus and cpus <= set(range(os.cpu_count() or 1)):
@@ -218,6 +227,46 @@ async def put_faults(
         if resp.status != 200:
             text = await resp.text()
             raise RuntimeError(f"{proc.name}: /sim/faults answered {resp.status}: {text}")
+
+
+_ADMIN_TIMEOUT: Final = aiohttp.ClientTimeout(total=5.0)
+
+
+async def admin_backend_ids(
+    session: aiohttp.ClientSession, admin: str, token: str, urls: Sequence[str]
+) -> list[str]:
+    """The ids that the gateway whose admin API is at ``admin`` gives the backends at ``urls``
+    (``GET /admin/backends``), in the same order; a backend it does not list raises."""
+    headers = {"Authorization": f"Bearer {token}"}
+    async with session.get(
+        f"{admin}/admin/backends", headers=headers, timeout=_ADMIN_TIMEOUT
+    ) as resp:
+        if resp.status != 200:
+            raise RuntimeError(
+                f"{admin}/admin/backends answered {resp.status}: {await resp.text()}"
+            )
+        listed = await resp.json()
+    by_url = {b["url"].rstrip("/"): b["id"] for b in listed["backends"]}
+    missing = [u for u in urls if u.rstrip("/") not in by_url]
+    if missing:
+        raise RuntimeError(f"{admin}: no backend at {missing} (it lists {sorted(by_url)})")
+    return [by_url[u.rstrip("/")] for u in urls]
+
+
+async def set_draining(
+    session: aiohttp.ClientSession, admin: str, token: str, backend_id: str, draining: bool
+) -> None:
+    """Drain (or undrain) ``backend_id`` in the gateway whose admin API is at ``admin``, as an
+    operator would; raises unless the gateway answers that it now is (or is not) draining."""
+    headers = {"Authorization": f"Bearer {token}"}
+    verb = "drain" if draining else "undrain"
+    url = f"{admin}/admin/backends/{backend_id}/{verb}"
+    async with session.post(url, headers=headers, timeout=_ADMIN_TIMEOUT) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"POST {url} answered {resp.status}: {await resp.text()}")
+        view = await resp.json()
+    if view.get("draining") is not draining:
+        raise RuntimeError(f"POST {url}: the backend's draining is {view.get('draining')!r}")
 
 
 def start_redis(port: int, log_dir: Path, *, name: str = "redis") -> Proc:

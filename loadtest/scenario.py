@@ -9,7 +9,8 @@ A scenario file (TOML, ``loadtest/scenarios/*.toml``) says what to start and wha
     [gateway]
     env = { GATEWAY_LOG_LEVEL = "warning" }      # GATEWAY_* settings for this run
     replicas = 1                                 # gateway processes; request i goes to
-                                                 # replica i % replicas (admin: the first)
+                                                 # replica i % replicas (GATEWAY_ADMIN__* env:
+                                                 # the first's only)
 
     [[backends]]                                 # each entry: `count` x `llm-gateway sim ARGS`
     count = 2
@@ -35,14 +36,19 @@ A scenario file (TOML, ``loadtest/scenarios/*.toml``) says what to start and wha
     ttft_ms = 2000
     itl_ms = 100
 
-    [[events]]                                   # at `at` seconds: kill backend N (0-based,
-    at = 10                                      # in the order listed), or change its faults
-    backend = 2                                  # through /sim/faults
-    action = "kill"                              # or: faults = { slowdown = 3 }
+    [[events]]                                   # at `at` seconds, to backend N (0-based,
+    at = 10                                      # in the order listed): "kill" it, change
+    backend = 2                                  # its faults through /sim/faults ("faults",
+    action = "kill"                              # with faults = { slowdown = 3 }), or, as an
+                                                 # operator would, "drain" or "undrain" it in
+                                                 # every replica through the admin API (the
+                                                 # runner then gives each replica an admin
+                                                 # listener of its own)
 
 Parsing is pure (``parse_scenario``); ``run_scenario`` starts the processes, drives the load
-through the gateway, fires the events, and scrapes every simulator's ``/metrics`` before and
-after, so the report shows both sides: where requests went, prefix-cache hits, preemptions.
+through the gateway, fires the events (one that fails ends the run with its error), and
+scrapes every simulator's ``/metrics`` before and after, so the report shows both sides: where
+requests went, prefix-cache hits, preemptions.
 """
 
 from __future__ import annotations
@@ -51,7 +57,7 @@ import asyncio
 import json
 import secrets
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -60,13 +66,15 @@ import aiohttp
 
 from loadtest import procs, promtext
 from loadtest.arrivals import ClosedLoop, LoadShape, OpenLoop
-from loadtest.client import ClientOptions, Live, run_load
+from loadtest.client import ClientOptions, Live, RunResult, run_load
 from loadtest.report import LabeledRun
 from loadtest.stats import Slo
 from loadtest.workload import LengthDist, PrefixGroups, Workload
 from policies import POLICY_NAMES
 
 SCENARIO_DIR: Final = Path(__file__).parent / "scenarios"
+_ACTIONS: Final = ("kill", "faults", "drain", "undrain")
+_GATEWAY_ACTIONS: Final = ("drain", "undrain")  # through each gateway replica's admin API
 POLICIES: Final = POLICY_NAMES  # the gateway's --policy choices
 
 
@@ -78,7 +86,7 @@ class ScenarioError(ValueError):
 class Event:
     at: float
     backend: int
-    action: Literal["kill", "faults"]
+    action: Literal["kill", "faults", "drain", "undrain"]
     faults: dict[str, Any] = field(default_factory=dict)
 
 
@@ -176,6 +184,26 @@ def _load(lt: dict[str, Any]) -> LoadShape:
         raise ScenarioError(f"[load]: {exc}") from exc
 
 
+def _events(raw: list[dict[str, Any]], n_backends: int) -> list[Event]:
+    events = []
+    for i, e in enumerate(raw):
+        _check_keys(f"[[events]] #{i}", e, {"at", "backend", "action", "faults"})
+        action = e.get("action", "faults")
+        if action not in _ACTIONS:
+            raise ScenarioError(
+                f"[[events]] #{i}: action must be one of {', '.join(_ACTIONS)}, got {action!r}"
+            )
+        backend = int(e.get("backend", -1))
+        if not 0 <= backend < n_backends:
+            raise ScenarioError(f"[[events]] #{i}: no backend {backend} (0..{n_backends - 1})")
+        if action != "faults" and "faults" in e:
+            raise ScenarioError(f"[[events]] #{i}: a {action} event takes no faults table")
+        if action == "faults" and not e.get("faults"):
+            raise ScenarioError(f"[[events]] #{i}: a faults event needs a faults table")
+        events.append(Event(float(e["at"]), backend, action, dict(e.get("faults", {}))))
+    return events
+
+
 def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
     """A ``Scenario`` from TOML text; ``ScenarioError`` names what is wrong."""
     try:
@@ -210,18 +238,7 @@ def parse_scenario(text: str, *, source: str = "<scenario>") -> Scenario:
         raise ScenarioError("[gateway] replicas must be a whole number, at least 1")
     slo = _table(doc, "slo")
     _check_keys("[slo]", slo, {"ttft_ms", "itl_ms", "e2e_ms"})
-    events = []
-    for i, e in enumerate(doc.get("events", [])):
-        _check_keys(f"[[events]] #{i}", e, {"at", "backend", "action", "faults"})
-        action = e.get("action", "faults")
-        if action not in ("kill", "faults"):
-            raise ScenarioError(f"[[events]] #{i}: action must be 'kill' or 'faults'")
-        backend = int(e.get("backend", -1))
-        if not 0 <= backend < len(backends):
-            raise ScenarioError(f"[[events]] #{i}: no backend {backend} (0..{len(backends) - 1})")
-        if action == "faults" and not e.get("faults"):
-            raise ScenarioError(f"[[events]] #{i}: a faults event needs a faults table")
-        events.append(Event(float(e["at"]), backend, action, dict(e.get("faults", {}))))
+    events = _events(doc.get("events", []), len(backends))
     policies = tuple(doc.get("policies", ("least_load", "round_robin")))
     for p in policies:
         if p not in POLICIES:
@@ -288,6 +305,110 @@ async def _settled(
         await asyncio.sleep(0.1)  # sleep-ok: interval between two comparison scrapes
 
 
+def _start_gateways(
+    sc: Scenario,
+    policy: str,
+    urls: list[str],
+    *,
+    env: dict[str, str],
+    log_dir: Path,
+    token: str,
+    gateways: list[procs.Proc],
+) -> list[str]:
+    """Start the replicas into ``gateways``; with drain or undrain events, each replica's admin
+    API (an admin listener of its own, ``token`` its bearer token)."""
+    operated = any(e.action in _GATEWAY_ACTIONS for e in sc.events)
+    # Each replica's port and, with drain events, its admin port: all taken at once, so that no
+    # two replicas are given the same one.
+    ports = procs.free_ports(sc.replicas * (2 if operated else 1))
+    admins: list[str] = []
+    for k in range(sc.replicas):
+        # Replicas after the first share nothing with it, not even the admin listener.
+        own = env if k == 0 else {n: v for n, v in env.items() if "_ADMIN__" not in n}
+        if operated:
+            admin_port = ports[sc.replicas + k]
+            own = {
+                **own,
+                "GATEWAY_ADMIN__HOST": "127.0.0.1",
+                "GATEWAY_ADMIN__PORT": str(admin_port),
+                "GATEWAY_ADMIN__TOKEN": token,
+            }
+            admins.append(f"http://127.0.0.1:{admin_port}")
+        name = "gateway" if k == 0 else f"gateway{k}"
+        gateways.append(
+            procs.start_gateway(urls, policy, log_dir, env=own, name=name, port=ports[k])
+        )
+    return admins
+
+
+@dataclass(slots=True)
+class _Events:
+    """Fires a scenario's events. The first that fails voids the run: ``until_failed`` stops the
+    load and raises its error (``run_load`` itself drops what its timed actions raise)."""
+
+    session: aiohttp.ClientSession
+    sims: list[procs.Proc]
+    admins: list[str]  # each gateway replica's admin API (only with drain or undrain events)
+    token: str
+    ids: list[list[str]]  # per replica, each backend's id there
+    failed: asyncio.Future[None]
+
+    @classmethod
+    async def ready(
+        cls,
+        session: aiohttp.ClientSession,
+        sims: list[procs.Proc],
+        admins: list[str],
+        token: str,
+    ) -> _Events:
+        """Looks up each replica's backend ids now, before the load: an admin listener that
+        does not answer fails the run before there is a run to lose."""
+        urls = [s.url for s in sims]
+        ids = [await procs.admin_backend_ids(session, a, token, urls) for a in admins]
+        failed = asyncio.get_running_loop().create_future()
+        return cls(session, sims, admins, token, ids, failed)
+
+    def action(self, e: Event) -> Callable[[], Awaitable[None]]:
+        async def act() -> None:
+            try:
+                await self._apply(e)
+            except Exception as exc:
+                if not self.failed.done():
+                    why = f"event at {e.at} s ({e.action} backend {e.backend}) failed: {exc}"
+                    self.failed.set_exception(RuntimeError(why))
+
+        return act
+
+    async def _apply(self, e: Event) -> None:
+        if e.action == "kill":
+            self.sims[e.backend].kill()
+        elif e.action in _GATEWAY_ACTIONS:  # every replica at once
+            draining = e.action == "drain"
+            await asyncio.gather(
+                *(
+                    procs.set_draining(self.session, a, self.token, ids[e.backend], draining)
+                    for a, ids in zip(self.admins, self.ids, strict=True)
+                )
+            )
+        else:
+            await procs.put_faults(self.session, self.sims[e.backend], e.faults)
+
+    async def until_failed(self, run: Awaitable[RunResult]) -> RunResult:
+        """``run``'s result, unless an event fails first: then ``run`` is cancelled and the
+        event's error raised."""
+        load = asyncio.ensure_future(run)
+        try:
+            either: list[asyncio.Future[Any]] = [load, self.failed]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not load.done():
+                load.cancel()
+                await asyncio.gather(load, return_exceptions=True)
+        if self.failed.done():
+            self.failed.result()  # raises the event's error
+        return load.result()
+
+
 async def run_scenario(
     sc: Scenario,
     policy: str,
@@ -312,24 +433,13 @@ async def run_scenario(
             urls = [
                 json.dumps([{"url": u, "role": r} for u, r in zip(urls, sc.roles, strict=True)])
             ]
-        for k in range(sc.replicas):
-            # Replicas after the first share nothing with it, not even the admin listener.
-            own = env if k == 0 else {n: v for n, v in env.items() if "_ADMIN__" not in n}
-            name = "gateway" if k == 0 else f"gateway{k}"
-            gateways.append(procs.start_gateway(urls, policy, log_dir, env=own, name=name))
+        admins = _start_gateways(
+            sc, policy, urls, env=env, log_dir=log_dir, token=token, gateways=gateways
+        )
         await asyncio.gather(*(procs.wait_ok(g, "/ready") for g in gateways))
         gateway = gateways[0]
         async with aiohttp.ClientSession() as session:
-
-            def event_action(e: Event) -> Callable[[], Any]:
-                async def act() -> None:
-                    if e.action == "kill":
-                        sims[e.backend].kill()
-                    else:
-                        await procs.put_faults(session, sims[e.backend], e.faults)
-
-                return act
-
+            events = await _Events.ready(session, sims, admins, token)
             before = await _scrape(session, sims)
             gw_before = await _scrape_gateway(session, gateway)
             warm: list[dict[str, float]] = []
@@ -337,17 +447,19 @@ async def run_scenario(
             async def warmed_up() -> None:
                 warm[:] = await _scrape(session, sims)
 
-            timed = [(e.at, event_action(e)) for e in sc.events]
+            timed = [(e.at, events.action(e)) for e in sc.events]
             if sc.load.warmup > 0:
                 timed.append((sc.load.warmup, warmed_up))
             cpu0 = [procs.cpu_seconds(g.pid) for g in gateways]
-            result = await run_load(
-                [g.url for g in gateways],
-                sc.workload,
-                sc.load,
-                options,
-                on_tick=on_tick,
-                timed=timed,
+            result = await events.until_failed(
+                run_load(
+                    [g.url for g in gateways],
+                    sc.workload,
+                    sc.load,
+                    options,
+                    on_tick=on_tick,
+                    timed=timed,
+                )
             )
             gw_cpu = sum(procs.cpu_seconds(g.pid) for g in gateways) - sum(cpu0)
             gw_rss = sum(procs.rss_bytes(g.pid) for g in gateways)

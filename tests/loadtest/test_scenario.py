@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+
+import aiohttp
 import pytest
 
+from loadtest import procs
 from loadtest.arrivals import OpenLoop
+from loadtest.client import RunResult
 from loadtest.scenario import (
     SCENARIO_DIR,
+    Event,
     ScenarioError,
+    _Events,
     find_scenario,
     load_scenario,
     parse_scenario,
@@ -120,3 +127,37 @@ def test_policies_and_load_mode_are_checked() -> None:
 def test_unknown_scenario_name_lists_the_bundled_ones() -> None:
     with pytest.raises(ScenarioError, match="slow-backend"):
         find_scenario("no-such-scenario")
+
+
+def test_drain_and_undrain_events_parse_and_take_no_faults() -> None:
+    base = MINIMAL + "[[events]]\nat = 1\nbackend = 1\n"
+    sc = parse_scenario(base + "action = 'drain'\n")
+    assert sc.events[0].action == "drain"
+    assert parse_scenario(base + "action = 'undrain'\n").events[0].action == "undrain"
+    for action in ("drain", "undrain", "kill"):
+        with pytest.raises(ScenarioError, match=f"a {action} event takes no faults table"):
+            parse_scenario(base + f"action = '{action}'\nfaults = {{ slowdown = 2 }}\n")
+    with pytest.raises(ScenarioError, match="action must be one of kill, faults, drain, undrain"):
+        parse_scenario(base + "action = 'pause'\n")
+
+
+async def test_a_failing_event_voids_the_run() -> None:
+    """A drain whose admin call fails (nothing listens there) stops the load and raises: the
+    run does not go on as if the backend had been drained."""
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as session:
+        nobody = f"http://127.0.0.1:{procs.free_port()}"
+        events = _Events(session, [], [nobody], "token", [["b0", "b1"]], loop.create_future())
+        load_cancelled = asyncio.Event()
+
+        async def load() -> RunResult:
+            await events.action(Event(at=0.0, backend=1, action="drain"))()
+            try:
+                await asyncio.Event().wait()  # a load that would not end by itself
+            finally:
+                load_cancelled.set()
+            raise AssertionError("unreachable")
+
+        with pytest.raises(RuntimeError, match=r"event at 0.0 s \(drain backend 1\) failed"):
+            await events.until_failed(load())
+    assert load_cancelled.is_set()

@@ -88,3 +88,32 @@ async def test_requests_alternate_between_gateway_replicas(tmp_path: Path) -> No
     # The first replica's own count: every other request (or one fewer, see above).
     assert 0 < run.extra["gateway"]["metrics"]["llm_gateway_requests_total"] <= 6
     assert (tmp_path / "logs" / "round_robin" / "gateway1.log").exists()
+
+
+async def test_a_drain_event_stops_every_replica_sending_to_that_backend(tmp_path: Path) -> None:
+    """``drain`` acts through each replica's admin API: after backend 1 is drained (t = 1 s)
+    neither replica sends it a request (requests alternate between the replicas, so one replica
+    left out would still send it a quarter of them), while before it took its share."""
+    sc = parse_scenario(
+        TINY.replace("[[backends]]", "[gateway]\nreplicas = 2\n\n[[backends]]", 1)
+        .replace(
+            'mode = "closed"\nconcurrency = 2\nrequests = 12',
+            'mode = "open"\nrate = 40.0\nduration = 2.0\nwarmup = 1.5',
+        )
+        .replace(
+            "[[events]]\nat = 0.0\nbackend = 1\nfaults = { slowdown = 2.0 }\n",
+            "[[events]]\nat = 1.0\nbackend = 1\naction = 'drain'\n",
+        )
+    )
+    assert [(e.at, e.action) for e in sc.events] == [(1.0, "drain")]
+    run = await run_scenario(sc, "round_robin", tmp_path)
+    assert not run.summary.errors, run.summary.errors
+    whole, measured = (
+        [b[window]["vllm:request_success_total"] for b in run.extra["backends"]]
+        for window in ("metrics", "measured")
+    )
+    assert whole[1] > 0  # served before the drain
+    # From the end of the warm-up (t = 1.5 s, half a second after the drain, when every request
+    # sent to it before had long finished) on: nothing to backend 1, everything to backend 0.
+    assert measured[1] == 0, (whole, measured)
+    assert measured[0] >= 40, (whole, measured)  # about 80 requests in those 2 s

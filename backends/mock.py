@@ -30,10 +30,10 @@ from backends.idle import IdleWatch
 from backends.state import BackendSpec
 from backends.upstream import (
     CLIENT_ERRORS,
+    HeadWait,
     Interrupt,
     RequestBody,
     Upstream,
-    head_wait,
     translate,
 )
 
@@ -136,7 +136,7 @@ class MockTransport:
             body = b"".join([chunk async for chunk in body.chunks()])
         request = MockRequest(backend, "POST", path, body, CIMultiDict(headers))
         self.requests.append(request)
-        async with head_wait(backend, self.idle_timeout, interrupt):
+        async with HeadWait(backend, interrupt, self.idle_timeout):
             response = await self.handler(request)
         content = _Body(response.body)
         if interrupt is not None:

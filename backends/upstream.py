@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -129,10 +128,10 @@ class Interrupt:
     the client's, and only the idle watchdog cuts it.
     """
 
-    __slots__ = ("_body", "_late", "_timeout", "armed", "cause", "race")
+    __slots__ = ("_body", "_late", "_wait", "armed", "cause", "race")
 
     def __init__(self, race: Claim | None = None) -> None:
-        self._timeout: asyncio.Timeout | None = None
+        self._wait: HeadWait | None = None
         self._body: Body | None = None
         self._late: asyncio.TimerHandle | None = None
         self.armed = True
@@ -173,8 +172,8 @@ class Interrupt:
         self.cause = cause
         if self._body is not None:
             self._body.set_exception(cause)
-        elif self._timeout is not None:
-            self._timeout.reschedule(asyncio.get_running_loop().time())
+        elif self._wait is not None:
+            self._wait.end(cause)
 
     def disarm(self) -> None:
         self.armed = False
@@ -189,24 +188,65 @@ class Interrupt:
             body.set_exception(self.cause)
 
 
-@asynccontextmanager
-async def head_wait(
-    backend: BackendSpec, within: float, interrupt: Interrupt | None
-) -> AsyncIterator[None]:
-    """The wait for a response head: bounded by ``within``, ended at once by ``interrupt``;
-    client and OS errors become the gateway's (``BackendDown`` if it was the interrupt)."""
-    try:
-        async with asyncio.timeout(within) as timeout:
-            if interrupt is not None:
-                interrupt._timeout = timeout
-            yield
-    except CLIENT_ERRORS as exc:
-        if interrupt is not None and interrupt.cause is not None:
-            raise translate(interrupt.cause, backend) from exc
-        raise translate(exc, backend) from exc
-    finally:
+class HeadWait:
+    """The wait for a response head (``async with``), ended at once by ``end(cause)``: from
+    the interrupt, or from the idle watchdog (the real client) or a timer of ``within``
+    seconds (``backends.mock``). Client and OS errors become the gateway's, and so does the
+    cause (``BackendDown`` for a backend marked down, ``UpstreamTimeout`` for a timeout...).
+
+    No timer on the usual way: a head that comes costs no ``call_at`` and no cancellation.
+    """
+
+    __slots__ = ("_backend", "_cancelling", "_interrupt", "_task", "_timer", "cause")
+
+    def __init__(
+        self, backend: BackendSpec, interrupt: Interrupt | None, within: float | None = None
+    ) -> None:
+        self._backend = backend
+        self._interrupt = interrupt
+        self._task: asyncio.Task[Any] | None = None
+        self._cancelling = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self.cause: Broken | None = None
+        if within is not None:
+            self._timer = asyncio.get_running_loop().call_later(
+                within, self.end, Idle("idle timeout")
+            )
+
+    async def __aenter__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task = task
+        self._cancelling = task.cancelling()
+        if self._interrupt is not None:
+            self._interrupt._wait = self
+
+    def end(self, cause: Broken) -> None:
+        """End the wait (if it still is one) with ``cause``."""
+        task = self._task
+        if task is None or self.cause is not None:
+            return
+        self.cause = cause
+        task.cancel()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        task, self._task = self._task, None
+        if self._timer is not None:
+            self._timer.cancel()
+        interrupt = self._interrupt
         if interrupt is not None:
-            interrupt._timeout = None
+            interrupt._wait = None
+        cause = self.cause
+        if cause is not None and task is not None:
+            others = task.uncancel() > self._cancelling  # cancelled by someone else too
+            if exc_type is asyncio.CancelledError and not others:
+                raise translate(cause, self._backend) from exc
+        if exc is not None and isinstance(exc, CLIENT_ERRORS):
+            if interrupt is not None and interrupt.cause is not None:
+                raise translate(interrupt.cause, self._backend) from exc
+            raise translate(exc, self._backend) from exc
 
 
 @dataclass(slots=True)
@@ -294,23 +334,31 @@ class UpstreamClient:
         if backend.api_key:
             headers = CIMultiDict(headers)
             headers["Authorization"] = f"Bearer {backend.api_key}"
-        async with head_wait(backend, self._idle_timeout, interrupt):
-            if isinstance(body, bytes):
-                resp = await self.pool.request("POST", backend.url, path, headers, body=body)
-            else:  # sent as it is read, with its length (not chunked)
-                resp = await self.pool.request(
-                    "POST", backend.url, path, headers, stream=body.chunks(), length=body.size
-                )
-        if interrupt is not None:
-            interrupt.watch(resp)
+        wait = HeadWait(backend, interrupt)
+        resp: h1.Response | None = None
 
-        def on_idle() -> None:
-            if watch.stalled:
-                resp.set_exception(Stalled(f"{self.watchdog.stall_after:g} s"))
+        def on_idle() -> None:  # the idle watchdog bounds the head's wait as the body's
+            stalled = watch.stalled
+            cause = Stalled(f"{self.watchdog.stall_after:g} s") if stalled else Idle("idle timeout")
+            if resp is None:
+                wait.end(cause)
             else:
-                resp.set_exception(Idle("idle timeout"))
+                resp.set_exception(cause)
 
         watch = self.watchdog.watch(on_idle, backend.id)
+        try:
+            async with wait:
+                if isinstance(body, bytes):
+                    resp = await self.pool.request("POST", backend.url, path, headers, body=body)
+                else:  # sent as it is read, with its length (not chunked)
+                    resp = await self.pool.request(
+                        "POST", backend.url, path, headers, stream=body.chunks(), length=body.size
+                    )
+        except BaseException:
+            self.watchdog.unwatch(watch)
+            raise
+        if interrupt is not None:
+            interrupt.watch(resp)
         return Upstream(
             backend, resp.status, resp.headers, resp.content_type, resp, watch, interrupt, resp
         )

@@ -47,8 +47,11 @@ async def read_json_body(
     if request.content_length is not None and request.content_length > limit:
         raise BodyTooLarge(f"Request body is larger than the limit of {limit} bytes.")
     try:
-        async with asyncio.timeout(within):
+        if request.content.is_eof():  # the whole body came with the head: no wait, no timer
             raw = await request.read()
+        else:
+            async with asyncio.timeout(within):
+                raw = await request.read()
     except web.HTTPRequestEntityTooLarge as exc:
         raise BodyTooLarge(f"Request body is larger than the limit of {limit} bytes.") from exc
     except TimeoutError as exc:

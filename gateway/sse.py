@@ -8,6 +8,7 @@ events of a stream and not on the rest.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from typing import Any, Final
 
 _MAX_PENDING: Final = 1 << 20  # an event larger than this is not an LLM chunk
@@ -28,6 +29,11 @@ class SSEParser:
         self.overflowed = False
 
     def feed(self, chunk: bytes) -> list[bytes]:
+        return list(self.events(chunk))
+
+    def events(self, chunk: bytes) -> Iterator[bytes]:
+        """The payloads ``chunk`` completes, one at a time: a reader that stops early has the
+        rest unparsed (and the parser in no state to be fed again)."""
         buf = self._buf + chunk if self._buf else chunk
         if b"\r" in buf:
             # A lone trailing \r may be the first half of \r\n: keep it for the next read.
@@ -37,7 +43,6 @@ class SSEParser:
             buf = buf.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
             if keep_cr:
                 buf += b"\r"
-        events: list[bytes] = []
         start = 0
         while True:
             nl = buf.find(b"\n", start)
@@ -47,8 +52,8 @@ class SSEParser:
             start = nl + 1
             if not line:
                 if self._data:
-                    events.append(b"\n".join(self._data))
-                    self._data = []
+                    data, self._data = self._data, []
+                    yield b"\n".join(data)
                 continue
             if line.startswith(b":"):
                 continue
@@ -60,7 +65,6 @@ class SSEParser:
             self.overflowed = True
             self._buf = b""
             self._data = []
-        return events
 
 
 def carries_token(payload: bytes) -> bool:
@@ -117,7 +121,7 @@ class FirstTokenWatch:
         parser = self._parser
         if parser is None:
             return False
-        for payload in parser.feed(chunk):
+        for payload in parser.events(chunk):  # no further than the first token
             if carries_token(payload):
                 self.seen = True
                 self._parser = None

@@ -31,7 +31,7 @@ _MAX_DEPTH: Final = 4
 _NON_TEXT_PART_TOKENS: Final = 512  # an image or audio part: its bytes say nothing useful
 _MAX_CHOICES: Final = 128
 _USAGE: Final = b'"usage"'
-_BOUNDARY: Final = re.compile(rb"(\r\n\r\n|\n\n|\r\r)")
+_BOUNDARY: Final = re.compile(rb"\r\n\r\n|\n\n|\r\r")
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,11 +263,26 @@ class UsageFilter:
         data = self._tail + chunk if self._tail else chunk
         end = _last_boundary(data)
         complete, self._tail = data[:end], data[end:]
-        if _USAGE not in complete:
+        at = complete.find(_USAGE)
+        if at < 0:
             return complete if self.strip else chunk
-        parts = _BOUNDARY.split(complete)
-        out = [self.event(parts[i] + parts[i + 1]) for i in range(0, len(parts) - 1, 2)]
-        return b"".join(out) if self.strip else chunk
+        # Only the events that name "usage" are parsed (a read may hold a whole answer).
+        kept: list[bytes] = []
+        done = 0  # where the bytes not yet kept begin
+        while at >= 0:
+            start = _last_boundary(complete, at)
+            found = _BOUNDARY.search(complete, at)
+            stop = found.end() if found is not None else len(complete)
+            if not self.event(complete[start:stop]):  # removed (strip only)
+                kept.append(complete[done:start])
+                done = stop
+            at = complete.find(_USAGE, stop)
+        if not self.strip:
+            return chunk
+        if not kept:
+            return complete
+        kept.append(complete[done:])
+        return b"".join(kept)
 
     def flush(self) -> bytes:
         """What is left at the end of the stream (an unterminated event), unfiltered."""
@@ -275,10 +290,12 @@ class UsageFilter:
         return tail if self.strip else b""
 
 
-def _last_boundary(data: bytes) -> int:
+def _last_boundary(data: bytes, before: int | None = None) -> int:
+    """Where the last event boundary in ``data`` (before ``before``) ends; 0 if none."""
     end = 0
+    stop = len(data) if before is None else before
     for sep in (b"\n\n", b"\r\n\r\n", b"\r\r"):
-        i = data.rfind(sep)
+        i = data.rfind(sep, 0, stop)
         if i >= 0:
             end = max(end, i + len(sep))
     return end

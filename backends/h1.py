@@ -378,7 +378,7 @@ class Connection(asyncio.Protocol):
         "_drain",
         "_reading_paused",
         "_write_paused",
-        "expiry",
+        "idle_since",
         "key",
         "loop",
         "lost",
@@ -396,7 +396,7 @@ class Connection(asyncio.Protocol):
         self.response: Response | None = None
         self.reusable = True
         self.lost = False
-        self.expiry: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0  # when it went back to the pool (loop time)
         self._reading_paused = False
         self._write_paused = False
         self._drain: asyncio.Future[None] | None = None
@@ -435,9 +435,6 @@ class Connection(asyncio.Protocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.lost = True
         self.reusable = False
-        if self.expiry is not None:
-            self.expiry.cancel()
-            self.expiry = None
         self.pool._gone(self)
         resp = self.response
         if resp is not None:
@@ -483,7 +480,6 @@ class Connection(asyncio.Protocol):
             self.transport.close()
 
     def expire(self) -> None:
-        self.expiry = None
         self.pool._drop_idle(self)
         self.close()
 
@@ -500,6 +496,9 @@ class Pool:
         self._connecting = 0
         self._waiters: list[asyncio.Future[None]] = []
         self._tls: ssl.SSLContext | None = None
+        # One timer for the pool's idle connections, not one per request: it closes those
+        # idle for the keep-alive timeout, then waits for the next to be.
+        self._sweep: asyncio.TimerHandle | None = None
 
     def __len__(self) -> int:
         """Connections open (in use or idle)."""
@@ -571,13 +570,18 @@ class Pool:
             and resp.keep_alive
         ):
             conn.resume_reading()
-            conn.expiry = conn.loop.call_later(self.keepalive_timeout, conn.expire)
-            self._idle.setdefault(conn.key, []).append(conn)
+            conn.idle_since = conn.loop.time()
+            self._idle.setdefault(conn.key, []).append(conn)  # oldest first
+            if self._sweep is None:
+                self._sweep = conn.loop.call_later(self.keepalive_timeout, self._expire_idle)
             self._wake_one()
         else:
             conn.close()
 
     async def close(self) -> None:
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for conn in list(self._open):
             conn.close()
         self._idle.clear()
@@ -590,12 +594,12 @@ class Pool:
     async def _acquire(self, key: Origin) -> Connection:
         idle = self._idle.get(key)
         while idle:
-            conn = idle.pop()
+            conn = idle.pop()  # the most recent: the least likely to be closing
             if not idle:
                 del self._idle[key]
-            if conn.expiry is not None:
-                conn.expiry.cancel()
-                conn.expiry = None
+            if conn.loop.time() - conn.idle_since >= self.keepalive_timeout:
+                conn.close()  # expired, and the sweep has not come yet
+                continue
             if not conn.lost and conn.transport is not None and not conn.transport.is_closing():
                 return conn
         while self.limit and len(self._open) + self._connecting >= self.limit:
@@ -652,6 +656,21 @@ class Pool:
                 conn.expire()
                 return True
         return False
+
+    def _expire_idle(self) -> None:
+        """Close the connections idle for the keep-alive timeout; come back for the next."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        # A timer may run a hair early: a connection that close to its end is closed now.
+        now, ttl = loop.time() + 0.005, self.keepalive_timeout
+        nearest: float | None = None
+        for conns in list(self._idle.values()):
+            while conns and now - conns[0].idle_since >= ttl:
+                conns[0].expire()  # drops it from ``conns`` (and the origin when empty)
+            if conns and (nearest is None or conns[0].idle_since < nearest):
+                nearest = conns[0].idle_since
+        if nearest is not None:
+            self._sweep = loop.call_at(nearest + ttl, self._expire_idle)
 
     def _drop_idle(self, conn: Connection) -> None:
         conns = self._idle.get(conn.key)

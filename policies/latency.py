@@ -105,40 +105,78 @@ def _itl(c: Sequence[float], load: Load) -> float:
 
 
 class DecayingFit:
-    """Weighted least squares whose observations' weights halve every ``half_life`` seconds."""
+    """Weighted least squares whose observations' weights halve every ``half_life`` seconds.
 
-    __slots__ = ("at", "n", "weight", "xtx", "xty")
+    The sums are kept in the units of a base time ``at``: an observation made ``t`` seconds
+    after it is added with weight 2^(t / half_life), and the sums are brought to the present
+    (``decay``) only when read or when those weights grow large. Adding costs no pass over
+    the sums to age them.
+    """
+
+    __slots__ = ("_half_life", "_last", "_weight", "at", "n", "xtx", "xty")
+
+    _REBASE: Final = 2.0**40  # weights beyond this are brought back to 1 (``decay``)
 
     def __init__(self, dims: int) -> None:
         self.xtx = [[0.0] * dims for _ in range(dims)]
         self.xty = [0.0] * dims
-        self.weight = 0.0  # the sum of the observations' weights now
-        self.at = 0.0  # when the weights were last decayed
+        self._weight = 0.0  # the sum of the observations' weights, in the units of ``at``
+        self.at = 0.0  # the base time of the sums' units
+        self._last = 0.0  # the latest time seen: the present, for the weights
+        self._half_life = 0.0  # what the sums' units assume (0: nothing yet)
         self.n = 0  # observations ever added
 
+    @property
+    def weight(self) -> float:
+        """The sum of the observations' weights at the latest time seen."""
+        if self._half_life <= 0.0 or self._last <= self.at:
+            return self._weight
+        age: float = 0.5 ** ((self._last - self.at) / self._half_life)
+        return self._weight * age
+
     def decay(self, now: float, half_life: float) -> None:
-        if now <= self.at:
-            return
-        f = 0.5 ** ((now - self.at) / half_life)
-        self.at = now
-        if f >= 1.0 or self.weight == 0.0:
-            return
-        for row in self.xtx:
-            for j in range(len(row)):
-                row[j] *= f
-        for j in range(len(self.xty)):
-            self.xty[j] *= f
-        self.weight *= f
+        """Bring the sums to the present (``now``, or the latest time seen if later)."""
+        self._units(half_life)
+        self._last = max(self._last, now)
+        self._rebase(self._last, half_life)
 
     def add(self, x: Sequence[float], y: float, now: float, half_life: float) -> None:
-        self.decay(now, half_life)
+        self._units(half_life)
+        self._last = max(self._last, now)
+        g = 2.0 ** ((self._last - self.at) / half_life)
+        if g > self._REBASE:
+            self._rebase(self._last, half_life)
+            g = 1.0
         for i, xi in enumerate(x):
-            row = self.xtx[i]
-            for j, xj in enumerate(x):
-                row[j] += xi * xj
-            self.xty[i] += xi * y
-        self.weight += 1.0
+            if xi:
+                gx = g * xi
+                row = self.xtx[i]
+                for j, xj in enumerate(x):
+                    row[j] += gx * xj
+                self.xty[i] += gx * y
+        self._weight += g
         self.n += 1
+
+    def _units(self, half_life: float) -> None:
+        """Use ``half_life`` from the latest time seen on (the time before it aged at the one
+        before)."""
+        if half_life != self._half_life:
+            if self._half_life > 0.0:
+                self._rebase(self._last, self._half_life)
+            self._half_life = half_life
+
+    def _rebase(self, to: float, half_life: float) -> None:
+        """The sums in the units of ``to``."""
+        if to > self.at and self._weight != 0.0:
+            f = 0.5 ** ((to - self.at) / half_life)
+            if f < 1.0:
+                for row in self.xtx:
+                    for j in range(len(row)):
+                        row[j] *= f
+                for j in range(len(self.xty)):
+                    self.xty[j] *= f
+                self._weight *= f
+        self.at = max(self.at, to)
 
     def solve(self, prior: Sequence[float], ridge: float) -> tuple[float, ...]:
         """The coefficients minimising the weighted squared error plus the squared distance
@@ -151,8 +189,10 @@ class DecayingFit:
         any more than one with small values is. A term the data never varies keeps the
         prior's coefficient.
         """
+        if self._half_life > 0.0:
+            self._rebase(self._last, self._half_life)  # the sums in the present's units
         d = len(prior)
-        w = self.weight
+        w = self._weight
         pull = [ridge * max(self.xtx[i][i] / w if w > 1e-12 else 1.0, _MIN_SCALE) for i in range(d)]
         a = [[self.xtx[i][j] + (pull[i] if i == j else 0.0) for j in range(d)] for i in range(d)]
         b = [self.xty[i] + pull[i] * prior[i] for i in range(d)]

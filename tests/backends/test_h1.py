@@ -483,3 +483,37 @@ def test_an_origin_whose_idle_connections_are_all_taken_is_not_kept(run: Any) ->
             assert (p.idle(), p.idle_origins()) == (0, 0)
 
     run_test(run, test)
+
+
+@RUNNERS
+def test_idle_connections_each_expire_after_the_keepalive_timeout_on_one_timer(run: Any) -> None:
+    async def script(srv: Server, reader: Any, writer: Any) -> None:
+        while True:
+            await srv.request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def fetch(p: h1.Pool, url: str) -> h1.Response:
+        resp = await p.request("GET", url, "/", {})
+        assert await resp.read() == b"ok"
+        return resp
+
+    async def test() -> None:
+        async with Server(script) as srv:
+            p = pool(keepalive=0.4)
+            first, second = await fetch(p, srv.url), await fetch(p, srv.url)  # two connections
+            p.release(first, complete=True)
+            await asyncio.sleep(0.2)  # sleep-ok: the second goes idle 0.2 s after the first
+            p.release(second, complete=True)
+            assert p.idle() == 2
+            await asyncio.sleep(0.3)  # sleep-ok: the first's keep-alive is over, not the second's
+            assert p.idle() == 1
+            again = await fetch(p, srv.url)  # the second, reused
+            assert srv.connections == 2
+            p.release(again, complete=True)
+            await asyncio.sleep(0.5)  # sleep-ok: past its keep-alive too
+            assert p.idle() == 0
+            assert len(p) == 0
+            await p.close()
+
+    run_test(run, test)

@@ -57,7 +57,8 @@ async def test_a_head_that_never_comes_times_out_with_the_idle_timeout() -> None
         with pytest.raises(UpstreamTimeout):
             await c.open(backend, "/v1/completions", b"{}", {})
         took = time.monotonic() - started
-        assert got and got[0].startswith(b"POST /v1/completions HTTP/1.1")
+        assert got
+        assert got[0].startswith(b"POST /v1/completions HTTP/1.1")
         assert 0.2 <= took < 0.2 + c.watchdog.interval + 0.2
         assert len(c.watchdog) == 0  # nothing left watched
         await closed(c)  # the connection was closed: the backend learns to abort

@@ -107,13 +107,13 @@ def _itl(c: Sequence[float], load: Load) -> float:
 class DecayingFit:
     """Weighted least squares whose observations' weights halve every ``half_life`` seconds.
 
-    The sums are kept in the units of a base time ``at``: an observation made ``t`` seconds
+    The sums are kept in the units of a base time: an observation made ``t`` seconds
     after it is added with weight 2^(t / half_life), and the sums are brought to the present
     (``decay``) only when read or when those weights grow large. Adding costs no pass over
     the sums to age them.
     """
 
-    __slots__ = ("_half_life", "_last", "_weight", "at", "n", "xtx", "xty")
+    __slots__ = ("_base", "_half_life", "_last", "_weight", "n", "xtx", "xty")
 
     _REBASE: Final = 2.0**40  # weights beyond this are brought back to 1 (``decay``)
 
@@ -121,17 +121,22 @@ class DecayingFit:
         self.xtx = [[0.0] * dims for _ in range(dims)]
         self.xty = [0.0] * dims
         self._weight = 0.0  # the sum of the observations' weights, in the units of ``at``
-        self.at = 0.0  # the base time of the sums' units
+        self._base = 0.0  # the base time of the sums' units
         self._last = 0.0  # the latest time seen: the present, for the weights
         self._half_life = 0.0  # what the sums' units assume (0: nothing yet)
         self.n = 0  # observations ever added
 
     @property
+    def at(self) -> float:
+        """The latest time seen (of an observation, or brought to by ``decay``)."""
+        return self._last
+
+    @property
     def weight(self) -> float:
         """The sum of the observations' weights at the latest time seen."""
-        if self._half_life <= 0.0 or self._last <= self.at:
+        if self._half_life <= 0.0 or self._last <= self._base:
             return self._weight
-        age: float = 0.5 ** ((self._last - self.at) / self._half_life)
+        age: float = 0.5 ** ((self._last - self._base) / self._half_life)
         return self._weight * age
 
     def decay(self, now: float, half_life: float) -> None:
@@ -143,7 +148,7 @@ class DecayingFit:
     def add(self, x: Sequence[float], y: float, now: float, half_life: float) -> None:
         self._units(half_life)
         self._last = max(self._last, now)
-        g = 2.0 ** ((self._last - self.at) / half_life)
+        g = 2.0 ** ((self._last - self._base) / half_life)
         if g > self._REBASE:
             self._rebase(self._last, half_life)
             g = 1.0
@@ -167,8 +172,8 @@ class DecayingFit:
 
     def _rebase(self, to: float, half_life: float) -> None:
         """The sums in the units of ``to``."""
-        if to > self.at and self._weight != 0.0:
-            f = 0.5 ** ((to - self.at) / half_life)
+        if to > self._base and self._weight != 0.0:
+            f = 0.5 ** ((to - self._base) / half_life)
             if f < 1.0:
                 for row in self.xtx:
                     for j in range(len(row)):
@@ -176,7 +181,7 @@ class DecayingFit:
                 for j in range(len(self.xty)):
                     self.xty[j] *= f
                 self._weight *= f
-        self.at = max(self.at, to)
+        self._base = max(self._base, to)
 
     def solve(self, prior: Sequence[float], ridge: float) -> tuple[float, ...]:
         """The coefficients minimising the weighted squared error plus the squared distance

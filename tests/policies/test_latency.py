@@ -289,3 +289,23 @@ def test_bad_configuration_is_refused() -> None:
     for bad in bad_ones:
         with pytest.raises(ValueError, match="must be"):
             LatencyConfig(**bad)  # type: ignore[arg-type]
+
+
+def test_a_backends_weight_is_its_observations_each_faded_by_its_age() -> None:
+    t, clock = tracker(half_life=5.0)
+    times = [0.0, 1.0, 2.5, 7.0, 7.0, 9.0]
+    for at in times:
+        clock.t = at
+        t.observe("a", Load(), Outcome(ok=True, first_token_s=0.05, tokens=1, duration_s=0.05))
+    for now in (9.0, 12.0, 30.0):
+        faded = sum(0.5 ** ((now - at) / 5.0) for at in times)
+        assert t.weight("a", now) == pytest.approx(faded, rel=1e-9)
+
+
+def test_a_fit_whose_half_life_changes_ages_each_stretch_at_its_own() -> None:
+    fit = DecayingFit(2)
+    fit.add((1.0, 0.0), 1.0, now=0.0, half_life=2.0)
+    fit.add((1.0, 0.0), 1.0, now=4.0, half_life=2.0)  # the first is a quarter by now
+    fit.add((1.0, 0.0), 1.0, now=14.0, half_life=10.0)  # ten seconds more, at the new one
+    assert fit.weight == pytest.approx((0.25 + 1.0) * 0.5 + 1.0, rel=1e-12)
+    assert fit.at == 14.0

@@ -115,7 +115,8 @@ class DecayingFit:
 
     __slots__ = ("_base", "_half_life", "_last", "_weight", "n", "xtx", "xty")
 
-    _REBASE: Final = 2.0**40  # weights beyond this are brought back to 1 (``decay``)
+    # Weights beyond 2^_REBASE are brought back to 1 (a float's exponent ends at 2^1023).
+    _REBASE: Final = 40.0
 
     def __init__(self, dims: int) -> None:
         self.xtx = [[0.0] * dims for _ in range(dims)]
@@ -148,10 +149,12 @@ class DecayingFit:
     def add(self, x: Sequence[float], y: float, now: float, half_life: float) -> None:
         self._units(half_life)
         self._last = max(self._last, now)
-        g = 2.0 ** ((self._last - self._base) / half_life)
-        if g > self._REBASE:
-            self._rebase(self._last, half_life)
+        age = (self._last - self._base) / half_life  # in half-lives
+        if age > self._REBASE or self._weight == 0.0:
+            self._rebase(self._last, half_life)  # (an empty fit only moves its base)
             g = 1.0
+        else:
+            g = 2.0**age
         for i, xi in enumerate(x):
             if xi:
                 gx = g * xi

@@ -309,3 +309,14 @@ def test_a_fit_whose_half_life_changes_ages_each_stretch_at_its_own() -> None:
     fit.add((1.0, 0.0), 1.0, now=14.0, half_life=10.0)  # ten seconds more, at the new one
     assert fit.weight == pytest.approx((0.25 + 1.0) * 0.5 + 1.0, rel=1e-12)
     assert fit.at == 14.0
+
+
+def test_a_fit_on_a_clock_far_from_zero_keeps_its_weights_finite() -> None:
+    # time.monotonic() is the machine's uptime: 2 ** (uptime / half-life) overflows a float
+    # after 85 minutes at a 5-s half-life, unless the sums' base time follows the clock.
+    fit = DecayingFit(2)
+    for i in range(300):
+        fit.add((1.0, float(i % 4)), 0.1 + 0.01 * (i % 4), now=1e6 + i * 7.0, half_life=5.0)
+    coef = fit.solve((0.05, 0.0), ridge=1e-6)
+    assert coef == pytest.approx((0.1, 0.01), abs=1e-6)
+    assert 0.0 < fit.weight < 2.0  # one at a time, seven seconds (1.4 half-lives) apart

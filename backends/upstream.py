@@ -310,7 +310,6 @@ class UpstreamClient:
             keepalive_timeout=keepalive_timeout,
             limit=max_connections,
         )
-        self._idle_timeout = idle_timeout
         self.watchdog = IdleWatchdog(idle_timeout, stall_after=stall_after, on_stall=on_stall)
         self._watchdog_task = (supervisor or Supervisor()).spawn(
             "idle_watchdog", "idle-watchdog", self.watchdog.run

@@ -14,6 +14,7 @@ import pytest
 from backends.errors import BackendDown, UpstreamTimeout
 from backends.state import BackendSpec
 from backends.upstream import Interrupt, UpstreamClient
+from tests.waiting import wait_for
 
 
 @asynccontextmanager
@@ -44,11 +45,8 @@ async def client(idle_timeout: float) -> AsyncIterator[UpstreamClient]:
 
 
 async def closed(c: UpstreamClient) -> None:
-    for _ in range(100):
-        if len(c.pool) == 0:
-            return
-        await asyncio.sleep(0.01)  # sleep-ok: the transport reports its close a turn later
-    raise AssertionError("the connection was kept open")
+    """The connection is closed (the transport reports it a turn later)."""
+    await wait_for(lambda: len(c.pool) == 0, what="the connection closed")
 
 
 async def test_a_head_that_never_comes_times_out_with_the_idle_timeout() -> None:
@@ -65,13 +63,16 @@ async def test_a_head_that_never_comes_times_out_with_the_idle_timeout() -> None
 
 
 async def test_an_interrupt_ends_the_wait_at_once_as_the_backend_marked_down() -> None:
-    async with silent_backend() as (backend, _), client(30.0) as c:
+    async with silent_backend() as (backend, got), client(30.0) as c:
         interrupt = Interrupt()
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.05, interrupt.fire)
+        opening = asyncio.create_task(
+            c.open(backend, "/v1/completions", b"{}", {}, interrupt=interrupt)
+        )
+        await wait_for(lambda: bool(got), what="the request sent")
         started = time.monotonic()
+        interrupt.fire()
         with pytest.raises(BackendDown):
-            await c.open(backend, "/v1/completions", b"{}", {}, interrupt=interrupt)
+            await opening
         assert time.monotonic() - started < 1.0
         assert len(c.watchdog) == 0
         await closed(c)
@@ -80,9 +81,9 @@ async def test_an_interrupt_ends_the_wait_at_once_as_the_backend_marked_down() -
 
 
 async def test_a_cancelled_wait_stays_a_cancellation_and_leaves_nothing_behind() -> None:
-    async with silent_backend() as (backend, _), client(30.0) as c:
+    async with silent_backend() as (backend, got), client(30.0) as c:
         task = asyncio.create_task(c.open(backend, "/v1/completions", b"{}", {}))
-        await asyncio.sleep(0.05)
+        await wait_for(lambda: bool(got), what="the request sent")
         task.cancel()  # the client went away
         with pytest.raises(asyncio.CancelledError):
             await task

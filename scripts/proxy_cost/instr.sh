@@ -17,14 +17,7 @@ target=$1 tokens=${2:-16} conc=${3:-4} secs=${4:-10}
 bench=${BENCH:-$repo/../shared/bench}
 py=${PY:-$repo/.venv/bin/python}
 command -v valgrind >/dev/null || { echo "instr.sh: needs valgrind (apt-get install valgrind)" >&2; exit 2; }
-out=$(mktemp -d)
-pids=()
-cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$out"; }
-trap cleanup EXIT
-for port in 18001 18002; do
-  taskset -c 1 "$py" "$bench/fake_backend.py" --port $port --ttft-ms 20 --itl-ms 10 >/dev/null 2>&1 &
-  pids+=($!)
-done
+. "$here/harness.sh"  # $out, ${pids[@]}, the two fake backends
 grind=(valgrind --tool=callgrind --callgrind-out-file="$out/cg.out" --dump-instr=no)
 case $target in
   bare) PYTHONPATH=$repo taskset -c 0 "${grind[@]}" "$py" "$here/bare_proxy.py" 18100 18001 18002 \

@@ -18,14 +18,7 @@ repo=$(cd "$here/../.." && pwd)
 target=$1 tokens=$2 conc=${3:-64} secs=${4:-10}
 bench=${BENCH:-$repo/../shared/bench}
 py=${PY:-$repo/.venv/bin/python}
-out=$(mktemp -d)
-pids=()
-cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$out"; }
-trap cleanup EXIT
-for port in 18001 18002; do
-  taskset -c 1 "$py" "$bench/fake_backend.py" --port $port --ttft-ms 20 --itl-ms 10 >/dev/null 2>&1 &
-  pids+=($!)
-done
+. "$here/harness.sh"  # $out, ${pids[@]}, the two fake backends
 case $target in
   raw) taskset -c 0 "$py" "$here/raw_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;
   bare) PYTHONPATH=$repo taskset -c 0 "$py" "$here/bare_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;

@@ -9,12 +9,12 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
-import openai
 
 from gateway.keys import POOL
 from tests.e2e.observe import KV_USAGE, RUNNING, WAITING, poll_until, server_metrics
 from tests.e2e.servers import MAX_NUM_SEQS, SERVED_MODEL, VllmServer, gateway_for
 from tests.helpers import RunningGateway
+from tests.waiting import wait_for
 
 # Long enough (tens of seconds of generation) to still be running when the test ends and
 # cancels it; ignore_eos so a random model does not stop early.
@@ -23,12 +23,6 @@ LONG_BODY: dict[str, Any] = {
     "prompt": "Keep going",
     "max_tokens": 16000,
     "ignore_eos": True,
-}
-LONG: dict[str, Any] = {
-    "model": SERVED_MODEL,
-    "prompt": "Keep going",
-    "max_tokens": 16000,
-    "extra_body": {"ignore_eos": True},
 }
 
 
@@ -99,27 +93,48 @@ async def test_scraped_queue_depth_and_kv_usage_match_the_servers_metrics(
     assert idle_scraped.kv_cache_usage == idle_page[KV_USAGE] == 0.0
 
 
+async def held_open(client: httpx.AsyncClient, url: str) -> None:
+    """A long stream through the gateway, held open and unread until cancelled: the client's
+    window fills and the gateway stops reading the backend, so the test adds no load of its
+    own to what the servers' engines do."""
+    async with client.stream("POST", url, json=LONG_BODY | {"stream": True}) as r:
+        assert r.status_code == 200, await r.aread()
+        await asyncio.Event().wait()
+
+
 async def test_least_load_puts_concurrent_requests_on_different_servers(
     servers: list[VllmServer], http: httpx.AsyncClient
 ) -> None:
-    """least_load counts its own in-flight requests: two at once land one on each server."""
+    """least_load counts its own in-flight requests: the second of two long ones, sent once the
+    first is on its way (whatever the first's server has scraped so far), lands on the other
+    server, and both run there at once.
+
+    No first token is waited for: on two shared cores, a server streaming at full speed can
+    starve the other's (or its own API server) for many seconds, and where each request went
+    does not depend on when its tokens come."""
     async with (
         gateway_for(servers, policy="least_load") as gateway,
-        openai.AsyncOpenAI(
-            base_url=f"{gateway.url}/v1", api_key="not-checked", max_retries=0
-        ) as client,
+        httpx.AsyncClient(timeout=None) as client,
     ):
-        first = await client.completions.create(**LONG, stream=True)
-        second = None
-        try:
-            await anext(aiter(first))
-            second = await client.completions.create(**LONG, stream=True)
-            await anext(aiter(second))
-            for server in servers:
-                page = await server_metrics(http, server)
-                assert page[RUNNING] == 1, f"{server.name} runs {page[RUNNING]} requests"
-            assert sorted(gateway.in_flight().values()) == [1, 1]
-        finally:
-            await first.close()
-            if second is not None:
-                await second.close()
+        url = f"{gateway.url}/v1/completions"
+        async with background(held_open(client, url)):
+            await wait_for(
+                lambda: sum(gateway.in_flight().values()) == 1, what="the first request sent"
+            )
+            async with background(held_open(client, url)):
+                await wait_for(
+                    lambda: sorted(gateway.in_flight().values()) == [1, 1],
+                    what="the second request sent, to the other server",
+                )
+
+                async def running() -> list[float]:
+                    pages = [await server_metrics(http, s) for s in servers]
+                    return [page[RUNNING] for page in pages]
+
+                await poll_until(
+                    running,
+                    lambda counts: counts == [1, 1],
+                    within=15.0,  # a bound on a hang: a starved engine schedules late
+                    what="one request running on each server",
+                )
+                assert sorted(gateway.in_flight().values()) == [1, 1]

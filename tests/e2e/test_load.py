@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
@@ -93,13 +94,23 @@ async def test_scraped_queue_depth_and_kv_usage_match_the_servers_metrics(
     assert idle_scraped.kv_cache_usage == idle_page[KV_USAGE] == 0.0
 
 
-async def held_open(client: httpx.AsyncClient, url: str) -> None:
-    """A long stream through the gateway, held open and unread until cancelled: the client's
-    window fills and the gateway stops reading the backend, so the test adds no load of its
-    own to what the servers' engines do."""
-    async with client.stream("POST", url, json=LONG_BODY | {"stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
+async def held_open(port: int) -> None:
+    """A long stream through the gateway on a bare socket, sent and then never read until
+    cancelled: the socket's buffers fill, the gateway stops reading the backend, and vLLM
+    merges what it generates meanwhile, so the test adds no load of its own (an HTTP client's
+    stream reads on into memory whether or not its body is consumed)."""
+    body = json.dumps(LONG_BODY | {"stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head.encode() + body)
+        await writer.drain()
         await asyncio.Event().wait()
+    finally:
+        writer.close()  # the client gone: the gateway aborts the upstream request
 
 
 async def test_least_load_puts_concurrent_requests_on_different_servers(
@@ -112,18 +123,18 @@ async def test_least_load_puts_concurrent_requests_on_different_servers(
     No first token is waited for: on two shared cores, a server streaming at full speed can
     starve the other's (or its own API server) for many seconds, and where each request went
     does not depend on when its tokens come."""
-    async with (
-        gateway_for(servers, policy="least_load") as gateway,
-        httpx.AsyncClient(timeout=None) as client,
-    ):
-        url = f"{gateway.url}/v1/completions"
-        async with background(held_open(client, url)):
+    async with gateway_for(servers, policy="least_load") as gateway:
+        port = gateway.runner.addresses[0][1]
+        async with background(held_open(port)):
             await wait_for(
-                lambda: sum(gateway.in_flight().values()) == 1, what="the first request sent"
+                lambda: sum(gateway.in_flight().values()) == 1,
+                within=15.0,  # bounds on a hang: a starved machine routes late
+                what="the first request sent",
             )
-            async with background(held_open(client, url)):
+            async with background(held_open(port)):
                 await wait_for(
                     lambda: sorted(gateway.in_flight().values()) == [1, 1],
+                    within=15.0,
                     what="the second request sent, to the other server",
                 )
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any
 
 import httpx
 
 from gateway.keys import POOL
-from tests.e2e.observe import KV_USAGE, RUNNING, WAITING, poll_until, server_metrics
+from tests.e2e.observe import KV_USAGE, RUNNING, WAITING, log_lines, poll_until, server_metrics
 from tests.e2e.servers import MAX_NUM_SEQS, SERVED_MODEL, VllmServer, gateway_for
 from tests.helpers import RunningGateway
 from tests.waiting import wait_for
@@ -94,58 +94,57 @@ async def test_scraped_queue_depth_and_kv_usage_match_the_servers_metrics(
     assert idle_scraped.kv_cache_usage == idle_page[KV_USAGE] == 0.0
 
 
-async def held_open(port: int) -> None:
-    """A long stream through the gateway on a bare socket, sent and then never read until
-    cancelled: the socket's buffers fill, the gateway stops reading the backend, and vLLM
-    merges what it generates meanwhile, so the test adds no load of its own (an HTTP client's
-    stream reads on into memory whether or not its body is consumed)."""
-    body = json.dumps(LONG_BODY | {"stream": True}).encode()
-    head = (
-        f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-    )
-    _, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        writer.write(head.encode() + body)
-        await writer.drain()
-        await asyncio.Event().wait()
-    finally:
-        writer.close()  # the client gone: the gateway aborts the upstream request
+async def streamed(client: httpx.AsyncClient, url: str, request_id: str) -> None:
+    """A long stream through the gateway, read as it comes (and dropped) until cancelled, as
+    a client would. (Never read, it would leave vLLM's API server merging what its engine
+    generates into an ever longer pending output, and slow to answer anything else.)"""
+    body = LONG_BODY | {"stream": True}
+    headers = {"X-Request-Id": request_id}
+    async with client.stream("POST", url, json=body, headers=headers) as r:
+        assert r.status_code == 200, await r.aread()
+        async for _ in r.aiter_raw():
+            pass
 
 
 async def test_least_load_puts_concurrent_requests_on_different_servers(
-    servers: list[VllmServer], http: httpx.AsyncClient
+    servers: list[VllmServer],
 ) -> None:
     """least_load counts its own in-flight requests: the second of two long ones, sent once the
-    first is on its way (whatever the first's server has scraped so far), lands on the other
-    server, and both run there at once.
+    first is on its way (whatever the first's server has scraped so far), goes to the other
+    server while the first is still in flight, and each server receives one of the two.
 
-    No first token is waited for: on two shared cores, a server streaming at full speed can
-    starve the other's (or its own API server) for many seconds, and where each request went
-    does not depend on when its tokens come."""
-    async with gateway_for(servers, policy="least_load") as gateway:
-        port = gateway.runner.addresses[0][1]
-        async with background(held_open(port)):
+    Where each request went is read from the gateway's in-flight counts and the servers' own
+    logs, not from when tokens come or what runs at one instant: on two shared cores, a
+    server streaming at full speed can starve the other, or its own API server, for many
+    seconds."""
+    ids = [f"e2e-place-{uuid.uuid4().hex[:12]}" for _ in range(2)]
+    async with (
+        gateway_for(servers, policy="least_load") as gateway,
+        httpx.AsyncClient(timeout=None) as client,
+    ):
+        url = f"{gateway.url}/v1/completions"
+        async with background(streamed(client, url, ids[0])):
             await wait_for(
                 lambda: sum(gateway.in_flight().values()) == 1,
                 within=15.0,  # bounds on a hang: a starved machine routes late
                 what="the first request sent",
             )
-            async with background(held_open(port)):
+            async with background(streamed(client, url, ids[1])):
                 await wait_for(
                     lambda: sorted(gateway.in_flight().values()) == [1, 1],
                     within=15.0,
                     what="the second request sent, to the other server",
                 )
 
-                async def running() -> list[float]:
-                    pages = [await server_metrics(http, s) for s in servers]
-                    return [page[RUNNING] for page in pages]
+                async def received() -> list[list[str]]:
+                    return [
+                        [r for r in ids if log_lines([s], "Received request", r)] for s in servers
+                    ]
 
-                await poll_until(
-                    running,
-                    lambda counts: counts == [1, 1],
-                    within=15.0,  # a bound on a hang: a starved engine schedules late
-                    what="one request running on each server",
+                got, _ = await poll_until(
+                    received,
+                    lambda per_server: sum(map(len, per_server)) == 2,
+                    within=30.0,
+                    what="both requests in the servers' logs",
                 )
-                assert sorted(gateway.in_flight().values()) == [1, 1]
+                assert sorted(map(len, got)) == [1, 1], got

@@ -18,18 +18,13 @@ bench=${BENCH:-$repo/../shared/bench}
 py=${PY:-$repo/.venv/bin/python}
 . "$here/harness.sh"  # $out, ${pids[@]}, the two fake backends
 url=http://127.0.0.1:18100
-body='{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
 
 profile() {  # $1: seconds of load; writes $out/$1.prof and $out/$1.json
   PYTHONPATH=$target taskset -c 0 "$py" -m cProfile -o "$out/$1.prof" -m gateway serve \
     --host 127.0.0.1 --port 18100 --backends http://127.0.0.1:18001,http://127.0.0.1:18002 \
     >"$out/proxy-$1.log" 2>&1 &
   local proxy=$!
-  for _ in $(seq 300); do
-    curl -sf -o /dev/null -m 5 -H 'content-type: application/json' -d "$body" \
-      "$url/v1/chat/completions" && break
-    sleep 0.5
-  done
+  answering "$url"
   taskset -c 1 "$py" "$bench/loadgen.py" --url "$url" -c "$conc" -d "$1" -t "$tokens" >"$out/$1.json"
   kill -INT $proxy  # a graceful stop: cProfile writes its file
   wait $proxy || true

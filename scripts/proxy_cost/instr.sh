@@ -28,12 +28,7 @@ esac
 proxy=$!
 pids+=($proxy)
 url=http://127.0.0.1:18100
-body='{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
-for _ in $(seq 300); do
-  curl -sf -o /dev/null -m 5 -H 'content-type: application/json' -d "$body" \
-    "$url/v1/chat/completions" && break
-  sleep 0.5
-done
+answering "$url"
 if [ "$conc" -gt 0 ]; then
   taskset -c 1 "$py" "$bench/loadgen.py" --url "$url" -c "$conc" -d 3 -t "$tokens" >/dev/null
 fi

@@ -33,12 +33,7 @@ proxy=$!
 pids+=($proxy)
 url=http://127.0.0.1:18100
 [ "$target" = direct ] && url=http://127.0.0.1:18001
-body='{"model":"tiny","messages":[{"role":"user","content":"hi"}],"max_tokens":2}'
-for _ in $(seq 100); do
-  curl -sf -o /dev/null -m 2 -H 'content-type: application/json' -d "$body" \
-    "$url/v1/chat/completions" && break
-  sleep 0.2
-done
+answering "$url"
 taskset -c 1 "$py" "$bench/loadgen.py" --url "$url" -c 16 -d 2 -t "$tokens" >/dev/null
 before=$(awk '{print $14, $15}' "/proc/$proxy/stat")
 taskset -c 1 "$py" "$bench/loadgen.py" --url "$url" -c "$conc" -d "$secs" \

@@ -208,7 +208,12 @@ def launch(
             stdin=subprocess.DEVNULL,
             env=env,
             cwd=ROOT,
-            start_new_session=True,  # its own process group, so stop() reaches every child
+            # Its own process group, so stop() reaches every child; not its own session: with
+            # the kernel's autogroup scheduling (on by default), a session is a scheduling
+            # group, and a CPU vLLM server in one (its worker's threads pinned and spinning)
+            # starved this session's processes, the gateway and the test, for as long as it
+            # generated: 13-30 s stalls, a client's disconnect seen at the end of the answer.
+            process_group=0,
         )
     return VllmServer(name=name, port=port, log_path=log_path, proc=proc, cpu=cpu)
 

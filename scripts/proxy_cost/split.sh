@@ -7,7 +7,8 @@
 #
 # TARGET: a directory holding the gateway's code (a worktree of any commit), or `raw`
 # (raw_proxy.py: the floor of Python + uvloop) or `bare` (bare_proxy.py: aiohttp's server and
-# backends.h1, no features), or `vllm-router` (the bench's install of it, under
+# backends.h1, no features) or `lean` (lean_proxy.py: bare without aiohttp's server, httptools
+# parsing the requests), or `vllm-router` (the bench's install of it, under
 # /tmp/peerbench/venvs), or `direct` (no proxy: the load generator on one backend; its TTFT is
 # the reference the others add to, its CPU figures mean nothing). Run it at two MAX_TOKENS (say 16 and 64) and solve
 # cpu = requests x a + events x b for the cost per request (a) and per event (b).
@@ -22,6 +23,7 @@ py=${PY:-$repo/.venv/bin/python}
 case $target in
   raw) taskset -c 0 "$py" "$here/raw_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;
   bare) PYTHONPATH=$repo taskset -c 0 "$py" "$here/bare_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;
+  lean) PYTHONPATH=$repo taskset -c 0 "$py" "$here/lean_proxy.py" 18100 18001 18002 >"$out/proxy.log" 2>&1 & ;;
   vllm-router) taskset -c 0 "${ROUTER:-/tmp/peerbench/venvs/vllm-router/bin/vllm-router}" \
        --host 127.0.0.1 --port 18100 --worker-urls http://127.0.0.1:18001 http://127.0.0.1:18002 \
        --policy round_robin --prometheus-port 18101 --log-level warning >"$out/proxy.log" 2>&1 & ;;

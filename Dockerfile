@@ -15,6 +15,7 @@ COPY gateway ./gateway
 COPY backends ./backends
 COPY policies ./policies
 COPY loadtest ./loadtest
+COPY tools ./tools
 COPY deploy/wheelhouse ./wheelhouse
 RUN python3 -m venv /opt/llm-gateway \
     && if ls wheelhouse/*.whl >/dev/null 2>&1; then \

@@ -23,7 +23,7 @@ lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	@# the console's script (no build step): at least it parses, where Node.js is at hand
-	@if command -v node >/dev/null; then node --check gateway/console/console.js; fi
+	@if command -v node >/dev/null; then node --check gateway/admin/console/console.js; fi
 
 typecheck:
 	$(BIN)/mypy
@@ -36,7 +36,7 @@ run: install
 	$(BIN)/llm-gateway demo
 
 bench: install
-	$(BIN)/python -m loadtest.overhead
+	$(BIN)/python -m loadtest.bench.overhead
 
 # Every scenario under its policies plus the overhead benchmark; rewrites docs/benchmarks.md
 # (plots in docs/img/, raw results in docs/results/). About 8 minutes on 2 cores.

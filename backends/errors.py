@@ -124,7 +124,7 @@ class NotFound(GatewayError):
 
 class AdminConflict(GatewayError):
     """An admin change that a worker of ``serve --workers`` takes only in order, from worker 0
-    (``gateway.admin_fanout``): sent to another worker directly, or ahead of one it missed."""
+    (``gateway.admin.fanout``): sent to another worker directly, or ahead of one it missed."""
 
     status = 409
     type = "invalid_request_error"

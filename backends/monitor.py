@@ -22,7 +22,7 @@ from backends.health import Health
 from backends.pool import BackendPool
 from backends.state import BackendSpec, BackendState
 from backends.supervise import Supervisor
-from backends.upstream import json_or_none
+from backends.upstream.client import json_or_none
 from backends.vllm_metrics import MetricsFormatError, parse_load
 
 log = structlog.get_logger("backends.monitor")
@@ -33,7 +33,7 @@ READ_PATHS: Final = ("/health", "/v1/models", "/metrics")
 
 class Reader(Protocol):
     """How the monitor reads a backend (``Transport.get``, or reads shared by the workers of
-    a host: ``gateway.shared_reads``)."""
+    a host: ``gateway.workers.shared_reads``)."""
 
     async def get(self, backend: BackendSpec, path: str, *, within: float) -> tuple[int, bytes]: ...
 

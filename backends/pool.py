@@ -207,7 +207,7 @@ class BackendPool:
     ) -> list[BackendSnapshot]:
         """Snapshots of the routable backends serving ``model``, less ``exclude``.
 
-        ``only``: if given, just these backends (a model pool's, ``gateway.rollout``).
+        ``only``: if given, just these backends (a model pool's, ``gateway.request.rollout``).
         ``endpoint``: if given, not the backends known to lack it (``record_lacks``).
 
         ``role`` None: every backend but prefill-only ones (normal routing); otherwise only

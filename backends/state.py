@@ -19,7 +19,7 @@ class BackendSpec:
     url: str
     api_key: str | None = None
     source: str = "static"  # "static", or the DNS name it was discovered under
-    # "prefill"/"decode": one half of disaggregated serving (gateway.disagg); "both": either
+    # "prefill"/"decode": one half of disaggregated serving (gateway.request.disagg); "both": either
     role: Literal["both", "prefill", "decode"] = "both"
 
 
@@ -30,7 +30,7 @@ class BackendState:
     circuit: CircuitBreaker = field(default_factory=lambda: CircuitBreaker(CircuitPolicy()))
     models: frozenset[str] = frozenset()
     models_known: bool = False
-    # Endpoints (``gateway.endpoints`` names) it answered with "no such route": a generation
+    # Endpoints (``gateway.request.endpoints`` names) it answered with "no such route": a generation
     # server asked to embed, a pooling one asked to chat. Forgotten when it comes back up or
     # its models change (it may have been restarted as the other kind).
     lacks: frozenset[str] = frozenset()

@@ -19,13 +19,12 @@ from backends.monitor import BackendMonitor, MonitorSettings, Reader
 from backends.pool import BackendPool
 from backends.shared_inflight import SharedInFlight
 from backends.supervise import Supervisor
-from backends.upstream import Transport, UpstreamClient
-from gateway import host_metrics, info, proxy, stored
-from gateway.admin_fanout import JOURNAL_PATH, journal_handler
-from gateway.admin_journal import AdminJournal
-from gateway.disagg import role_policies
-from gateway.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
-from gateway.hedge import HedgeBudget
+from backends.upstream.client import Transport, UpstreamClient
+from gateway.admin.fanout import JOURNAL_PATH, journal_handler
+from gateway.admin.journal import AdminJournal
+from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
+from gateway.config.policies import build_policy, latency_config, weights_of
+from gateway.config.settings import Settings
 from gateway.keys import (
     ADMIN_JOURNAL,
     ADMISSION,
@@ -52,29 +51,31 @@ from gateway.keys import (
     WORKER,
     Lifecycle,
 )
-from gateway.kv_metrics import KvEventsCollector
-from gateway.latency_metrics import LatencyCollector
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.fairqueue import SaturationThresholds, fleet_saturated
 from gateway.limits.limiter import open_limiter
-from gateway.metrics import GatewayMetrics
-from gateway.middleware import request_context
-from gateway.policy_config import build_policy, latency_config, weights_of
-from gateway.relay import splice_problem
-from gateway.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
-from gateway.responses import open_homes, peer_home
-from gateway.retry import RetryPolicy
-from gateway.rollout import ROLLOUT, Rollout
-from gateway.router import Router
-from gateway.settings import Settings
-from gateway.shared_reads import READ_PATH, ReadCache, SharedReads, read_handler
-from gateway.slo import CHANGES, ChangeSignal
-from gateway.tracing import provider_from_settings, tracer_from
-from gateway.workers import Worker
+from gateway.observe import host_metrics
+from gateway.observe.kv_metrics import KvEventsCollector
+from gateway.observe.latency_metrics import LatencyCollector
+from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.tracing import provider_from_settings, tracer_from
+from gateway.request import info, proxy, stored
+from gateway.request.disagg import role_policies
+from gateway.request.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
+from gateway.request.hedge import HedgeBudget
+from gateway.request.middleware import request_context
+from gateway.request.relay import splice_problem
+from gateway.request.responses import open_homes, peer_home
+from gateway.request.retry import RetryPolicy
+from gateway.request.rollout import ROLLOUT, Rollout
+from gateway.request.router import Router
+from gateway.request.slo import CHANGES, ChangeSignal
+from gateway.workers.shared_reads import READ_PATH, ReadCache, SharedReads, read_handler
+from gateway.workers.supervisor import Worker
 from policies import KvIndex, LatencyTracker
 
 if TYPE_CHECKING:
-    from backends.kv_feed import KvFeeds
+    from backends.kv.feed import KvFeeds
     from gateway.tokenizer import Tokenizers
 
 log = structlog.get_logger("gateway.app")
@@ -107,7 +108,7 @@ def _pool(settings: Settings, shared: SharedInFlight | None) -> BackendPool:
 
 def _reader(app: web.Application, client: Transport) -> Reader:
     """How the monitor reads the backends: itself, or with ``serve --workers`` through worker
-    0's latest readings (``gateway.shared_reads``)."""
+    0's latest readings (``gateway.workers.shared_reads``)."""
     worker = app.get(WORKER)
     if worker is None:
         return client
@@ -230,8 +231,8 @@ def _kv_feeds(
 ) -> KvFeeds | None:
     if not s.follows_kv_events:
         return None
-    from backends.kv_feed import KvFeeds  # ZMQ is loaded only when events are followed
-    from backends.kv_sources import FeedSettings
+    from backends.kv.feed import KvFeeds  # ZMQ is loaded only when events are followed
+    from backends.kv.sources import FeedSettings
 
     k = s.kv_events
     return KvFeeds(
@@ -317,7 +318,7 @@ async def own_response_home(request: web.Request) -> web.Response:
 def worker_private_app(gateway: web.Application) -> web.Application:
     """What a worker answers the other workers of its host (``serve --workers``), on its
     private socket: its own figures, the stored responses it knows the home of, and the admin
-    changes it applied (``gateway.admin_fanout``)."""
+    changes it applied (``gateway.admin.fanout``)."""
     app = web.Application()
     app[GATEWAY] = gateway
     app.router.add_get("/metrics", own_metrics)
@@ -342,8 +343,8 @@ def create_app(
 
     ``loader`` re-reads the configuration for a reload (SIGHUP, ``POST /admin/reload``);
     ``resolver``, ``tracer_provider`` and ``transport`` (how backends are reached:
-    ``backends.mock.MockTransport`` in tests) replace the real ones. ``relay_check`` says
-    whether the stream relay's fast path (``gateway.relay.Splice``) can be trusted with this
+    ``backends.upstream.mock.MockTransport`` in tests) replace the real ones. ``relay_check`` says
+    whether the stream relay's fast path (``gateway.request.relay.Splice``) can be trusted with this
     aiohttp.
     ``worker``: this process is one of ``serve --workers``' (its in-flight counts shared).
     """

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from backends.helpfmt import DefaultsHelp
+from gateway.helpfmt import DefaultsHelp
 from policies import POLICY_NAMES
 
 Setup = Callable[[argparse.ArgumentParser], None]
@@ -48,8 +48,8 @@ def _setup_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from gateway.config.settings import load_settings
     from gateway.server import ListenError, serve
-    from gateway.settings import load_settings
 
     overrides = {
         "host": args.host,
@@ -89,7 +89,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _setup_sim(p: argparse.ArgumentParser) -> None:
-    import backends.sim.cli as sim_cli
+    import tools.sim.cli as sim_cli
 
     p.description = sim_cli.DESCRIPTION
     sim_cli.add_arguments(p)
@@ -97,7 +97,7 @@ def _setup_sim(p: argparse.ArgumentParser) -> None:
 
 
 def _setup_plan(p: argparse.ArgumentParser) -> None:
-    import gateway.plan.cli as plan_cli
+    import tools.plan.cli as plan_cli
 
     p.description = plan_cli.DESCRIPTION
     plan_cli.add_arguments(p)
@@ -123,8 +123,8 @@ def _setup_demo(p: argparse.ArgumentParser) -> None:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from gateway.demo import run_demo
     from gateway.server import ListenError
+    from tools.demo import run_demo
 
     try:
         return run_demo(
@@ -173,7 +173,7 @@ def _setup_loadtest(p: argparse.ArgumentParser) -> None:
 
 
 def _setup_top(p: argparse.ArgumentParser) -> None:
-    from gateway import top
+    from tools import top
 
     p.description = top.DESCRIPTION
     top.add_arguments(p)
@@ -181,7 +181,7 @@ def _setup_top(p: argparse.ArgumentParser) -> None:
 
 
 def _setup_kv_events(p: argparse.ArgumentParser) -> None:
-    from gateway import kv_check
+    from tools import kv_check
 
     p.description = (
         "Tools for vLLM's KV-cache events (what the precise_prefix policy routes on). "

@@ -11,23 +11,23 @@ from opentelemetry.trace import Tracer
 from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
-from backends.upstream import Transport
-from gateway.admin_journal import AdminJournal
-from gateway.hedge import HedgeBudget
+from backends.upstream.client import Transport
+from gateway.admin.journal import AdminJournal
+from gateway.config.settings import Settings
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
-from gateway.metrics import GatewayMetrics
-from gateway.responses import ResponseHomes
-from gateway.retry import RetryPolicy
-from gateway.router import Router
-from gateway.settings import Settings
-from gateway.shared_reads import ReadCache
-from gateway.workers import Worker
+from gateway.observe.metrics import GatewayMetrics
+from gateway.request.hedge import HedgeBudget
+from gateway.request.responses import ResponseHomes
+from gateway.request.retry import RetryPolicy
+from gateway.request.router import Router
+from gateway.workers.shared_reads import ReadCache
+from gateway.workers.supervisor import Worker
 from policies.kv_index import KvIndex
 from policies.latency import LatencyTracker
 
 if TYPE_CHECKING:  # loaded only when used: ZMQ, tokenizers and Jinja cost memory and start-up
-    from backends.kv_feed import KvFeeds  # noqa: F401 - named in KV_FEEDS below
+    from backends.kv.feed import KvFeeds  # noqa: F401 - named in KV_FEEDS below
     from gateway.tokenizer import Tokenizers  # noqa: F401 - named in TOKENIZERS below
 
 
@@ -62,7 +62,7 @@ READ_CACHE: Final = web.AppKey("read_cache", ReadCache)  # worker 0's latest bac
 LATENCY: Final = web.AppKey("latency", LatencyTracker)  # each backend's learned speed
 KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not followed
 TOKENIZERS: Final = web.AppKey["Tokenizers | None"]("tokenizers")  # None: none configured
-# the Responses API: which backend holds each stored response (``gateway.responses``)
+# the Responses API: which backend holds each stored response (``gateway.request.responses``)
 RESPONSE_HOMES: Final = web.AppKey[ResponseHomes]("response_homes")
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -18,14 +18,14 @@ import structlog
 from aiohttp import web
 
 from backends.errors import InvalidRequest
-from gateway.admin import create_admin_app
-from gateway.admin_fanout import CATCH_UP, reload_everywhere
+from gateway.admin.api import create_admin_app
+from gateway.admin.fanout import CATCH_UP, reload_everywhere
+from gateway.admin.reload import SettingsLoader, reload_settings
 from gateway.app import create_app, worker_private_app
+from gateway.config.settings import Settings, TlsSettings
 from gateway.keys import ADMIN_JOURNAL, LIFECYCLE
-from gateway.logs import configure_logging
-from gateway.reload import SettingsLoader, reload_settings
-from gateway.settings import Settings, TlsSettings
-from gateway.workers import Supervisor, Worker
+from gateway.observe.logs import configure_logging
+from gateway.workers.supervisor import Supervisor, Worker
 
 log = structlog.get_logger("gateway.server")
 
@@ -67,7 +67,7 @@ def _on_sighup(
 ) -> Callable[[], None]:
     """What SIGHUP does: re-read the configuration here, or with ``serve --workers`` and the
     admin API on (the supervisor sends it to worker 0 alone) ask worker 0 to reload as an admin
-    change, sent on to every worker (``gateway.admin_fanout.reload_everywhere``)."""
+    change, sent on to every worker (``gateway.admin.fanout.reload_everywhere``)."""
     if worker is None or settings.admin.token is None:
 
         def reload() -> None:

@@ -185,9 +185,9 @@ def _rel(path: Path, doc: Path) -> str:
 
 
 def regenerate(doc: Path, img: Path, *, quick: bool = False) -> int:
+    from loadtest.bench.overhead import add_arguments, measure, print_report
     from loadtest.cli import progress
     from loadtest.client import run
-    from loadtest.overhead import add_arguments, measure, print_report
     from loadtest.report import plot, write_json
     from loadtest.scenario import load_scenario, run_scenario
 
@@ -285,7 +285,7 @@ def overhead_section(
     lines = [
         "## Gateway overhead",
         "",
-        "The same closed-loop load against two fake backends (`loadtest/fakebackend.py`: paced "
+        "The same closed-loop load against two fake backends (`tools/fake_vllm.py`: paced "
         "token streams, no engine model) directly and through one gateway process "
         f"(policy `{oargs.policy}`, log level info). Gateway pinned to CPU {oargs.gateway_cpu}; "
         f"backends and the load generator to CPU {oargs.client_cpu}; {oargs.duration:g} s per "

@@ -132,7 +132,7 @@ def _pool(args: argparse.Namespace) -> int:
 
 
 def _add_overhead(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from loadtest.overhead import add_arguments as overhead_arguments
+    from loadtest.bench.overhead import add_arguments as overhead_arguments
 
     p = sub.add_parser(
         "overhead", help="the gateway's own cost: direct vs through one gateway process"
@@ -331,13 +331,13 @@ def _compare(args: argparse.Namespace) -> int:
 
 
 def _overhead(args: argparse.Namespace) -> int:
-    from loadtest.overhead import main_from_args
+    from loadtest.bench.overhead import main_from_args
 
     return main_from_args(args)
 
 
 def _soak(args: argparse.Namespace) -> int:
-    from loadtest.soak import main_from_args
+    from loadtest.soak.runner import main_from_args
 
     return main_from_args(args)
 

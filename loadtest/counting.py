@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from aiohttp import web
 
-from loadtest.fakebackend import Behaviour, FakeBackend, Seen, sse
+from tools.fake_vllm import Behaviour, FakeBackend, Seen, sse
 
 _COUNTED = re.compile(r"w(\d+)\s*$")
 _FIRST_ID = 1000  # token id of " w0"; " wk" is 1000 + k

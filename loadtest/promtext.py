@@ -21,7 +21,7 @@ FAMILIES: Final = (
     "sim:injected_errors_total",
     "sim:clock_lag_seconds",
 )
-# The gateway's own page (gateway/metrics.py), for the other side of a scenario.
+# The gateway's own page (gateway/observe/metrics.py), for the other side of a scenario.
 GATEWAY_FAMILIES: Final = (
     "llm_gateway_requests_total",
     "llm_gateway_retries_total",

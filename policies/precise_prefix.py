@@ -2,7 +2,7 @@
 
 Where ``prefix_affinity`` guesses what each backend caches from what this gateway sent it,
 this policy reads it from the engines' own KV-cache events (``policies.kv_index``, fed by
-``backends.kv_feed``): evictions, preemptions, restarts and what other gateway replicas sent
+``backends.kv.feed``): evictions, preemptions, restarts and what other gateway replicas sent
 are all in it. Each decision, in order:
 
 1. **Exact or not.** The prompt's token ids (the model's own tokenizer, ``Needs.tokens``) are

@@ -1,7 +1,7 @@
 """A screenshot of the operator's console under load, for the README (docs/img/console.png).
 
 Starts the gateway with the shipped production configuration in front of three simulators
-(``tests/gateway/console/fleet.py``), streams through it, drains one backend half-way and
+(``tests/gateway/admin/console/fleet.py``), streams through it, drains one backend half-way and
 shifts the canary, then photographs the page in headless Chromium.
 
     .venv/bin/python scripts/console_screenshot.py [--seconds 90] [--out docs/img/console.png]
@@ -21,7 +21,7 @@ from playwright.sync_api import expect, sync_playwright
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.gateway.console.fleet import Traffic, running_fleet  # noqa: E402
+from tests.gateway.admin.console.fleet import Traffic, running_fleet  # noqa: E402
 
 
 def main() -> int:

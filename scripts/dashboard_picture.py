@@ -1,7 +1,7 @@
 """The Grafana dashboard drawn from real data, for docs/img/dashboard.png (Grafana itself cannot
 be installed here: ``loadtest.dashboard`` runs the panels' queries and plots them).
 
-The shipped production configuration in front of three simulators (``tests/gateway/console/
+The shipped production configuration in front of three simulators (``tests/gateway/admin/console/
 fleet.py``), a real Prometheus scraping them every second (``tests/deploy/prometheus_server``),
 streaming traffic with an over-limit key, then: a backend drained, the canary moved to 30 %,
 a backend killed.
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 from loadtest.dashboard import DASHBOARD, fetch, render  # noqa: E402
 from tests.deploy.prometheus_server import running_prometheus  # noqa: E402
-from tests.gateway.console.fleet import Traffic, running_fleet  # noqa: E402
+from tests.gateway.admin.console.fleet import Traffic, running_fleet  # noqa: E402
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Chromium for the console's browser tests (tests/gateway/console), driven by Playwright.
+# Chromium for the console's browser tests (tests/gateway/admin/console), driven by Playwright.
 # Does nothing when a Chromium is already there (on PATH, or named by LLM_GATEWAY_CHROMIUM);
 # else installs Debian's package (as root, with apt), else says what to do.
 set -euo pipefail

@@ -1,6 +1,6 @@
 """Small real servers on loopback for tests: the gateway itself, a server that never answers.
 
-The one fake vLLM (``FakeBackend`` and its behaviours) lives in ``loadtest.fakebackend``, the
+The one fake vLLM (``FakeBackend`` and its behaviours) lives in ``tools.fake_vllm``, the
 one way to wait in ``tests.waiting``; both are re-exported here for the tests' convenience.
 """
 
@@ -15,12 +15,13 @@ from typing import Any
 
 from aiohttp import web
 
-from gateway.admin import create_admin_app
+from gateway.admin.api import create_admin_app
 from gateway.app import create_app
+from gateway.config.settings import Settings
 from gateway.keys import METRICS, POOL
 from gateway.server import make_runner, ssl_context
-from gateway.settings import Settings
-from loadtest.fakebackend import (
+from tests.waiting import wait_for
+from tools.fake_vllm import (
     Behaviour,
     FakeBackend,
     Seen,
@@ -34,7 +35,6 @@ from loadtest.fakebackend import (
     sse,
     stream_chat,
 )
-from tests.waiting import wait_for
 
 __all__ = [
     "Behaviour",

@@ -18,10 +18,10 @@ import re
 from dataclasses import dataclass
 from typing import Any, Final
 
-from gateway.body import with_field
+from gateway.request.body import with_field
 
 _MESSAGE_OVERHEAD_TOKENS: Final = 4  # role and separators of the chat template, per message
-# Where the text of the other endpoints' bodies is (``gateway.endpoints``): the input of an
+# Where the text of the other endpoints' bodies is (``gateway.request.endpoints``): the input of an
 # embeddings, pooling or Responses request, the query and documents of a score or rerank one.
 _TEXT_FIELDS: Final = (
     "input", "query", "documents", "queries", "items", "text_1", "text_2", "data_1", "data_2",

@@ -24,7 +24,7 @@ DEFAULT_INLINE_CHARS: Final = 4_000
 """Prompts up to this many characters are tokenized on the event loop (about a millisecond
 at most; most prompts are far shorter and cost less than the ~50 µs hop to a thread).
 Longer ones go to the pool: a 100k-character prompt takes ~50 ms, and the encoder releases
-the GIL while it runs (loadtest/bench_tokenize.py has the figures)."""
+the GIL while it runs (loadtest/bench/tokenize.py has the figures)."""
 
 _CHARS_CAP: Final = 1 << 40
 

@@ -1,6 +1,6 @@
 """``SimTokenizer``: the simulator's prompt ids, for a gateway in front of simulators.
 
-The simulator (``backends/sim``) tokenizes by words; this computes a request's prompt from
+The simulator (``tools/sim``) tokenizes by words; this computes a request's prompt from
 its body as the simulator does, with the simulator's own functions.
 """
 
@@ -13,8 +13,8 @@ from gateway.tokenizer.protocol import PathKind, _refuse
 
 
 class SimTokenizer:
-    """The simulator's prompt ids (``backends/sim/protocol.py``: `_completion_prompt`,
-    `_chat_prompt`, `_generation_prompt`), from its word tokenizer (``backends/sim/tokens.py``).
+    """The simulator's prompt ids (``tools/sim/protocol.py``: `_completion_prompt`,
+    `_chat_prompt`, `_generation_prompt`), from its word tokenizer (``tools/sim/tokens.py``).
 
     Only the prompt is checked: a body the simulator would reject for another field (``n``,
     ``max_tokens``, ...) still gets its prompt's ids, which nobody will cache.
@@ -24,7 +24,7 @@ class SimTokenizer:
     kind: Final = "sim"
 
     def __init__(self) -> None:
-        from backends.sim import tokens  # the simulator package, only when asked for
+        from tools.sim import tokens  # the simulator package, only when asked for
 
         self._tokenize = tokens.tokenize
         self._render_chat = tokens.render_chat

@@ -1,7 +1,7 @@
-"""The least a streaming proxy on the gateway's stack does: aiohttp's server, ``backends.h1``'s
-client, a ``readany``/``write`` loop; no limits, routing, metrics or logs. Usage:
-``bare_proxy.py LISTEN_PORT BACKEND_PORT [BACKEND_PORT ...]`` (all on 127.0.0.1; run with the
-repository on ``PYTHONPATH``)."""
+"""The least a streaming proxy on the gateway's stack does: aiohttp's server,
+``backends.upstream.h1``'s client, a ``readany``/``write`` loop; no limits, routing, metrics or
+logs. Usage: ``bare_proxy.py LISTEN_PORT BACKEND_PORT [BACKEND_PORT ...]`` (all on 127.0.0.1; run
+with the repository on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import uvloop
 from aiohttp import web
 
-from backends import h1
+from backends.upstream import h1
 
 POOL = web.AppKey("pool", h1.Pool)
 PORTS = web.AppKey("ports", itertools.cycle)

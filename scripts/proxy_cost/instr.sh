@@ -8,7 +8,7 @@
 #   scripts/proxy_cost/instr.sh TARGET [MAX_TOKENS=16] [CONCURRENCY=4] [SECONDS=10]
 #
 # TARGET: a directory holding the gateway's code (a worktree of any commit), or `bare`
-# (bare_proxy.py: aiohttp's server and backends.h1, no features). CONCURRENCY 0 measures the
+# (bare_proxy.py: aiohttp's server and backends.upstream.h1, no features). CONCURRENCY 0 measures the
 # idle gateway over SECONDS (its scrapes and probes), to subtract.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)

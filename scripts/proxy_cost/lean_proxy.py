@@ -1,8 +1,8 @@
 """What a server of our own would cost: an HTTP/1.1 server protocol on uvloop (``httptools``,
-llhttp, parses the requests), ``backends.h1``'s client, a ``readany``/write loop; no limits,
-routing, metrics or logs. The same work as ``bare_proxy.py`` with aiohttp's server side taken
-out, to measure that side. Usage: ``lean_proxy.py LISTEN_PORT BACKEND_PORT [BACKEND_PORT ...]``
-(all on 127.0.0.1; run with the repository on ``PYTHONPATH``).
+llhttp, parses the requests), ``backends.upstream.h1``'s client, a ``readany``/write loop; no
+limits, routing, metrics or logs. The same work as ``bare_proxy.py`` with aiohttp's server side
+taken out, to measure that side. Usage: ``lean_proxy.py LISTEN_PORT BACKEND_PORT [BACKEND_PORT
+...]`` (all on 127.0.0.1; run with the repository on ``PYTHONPATH``).
 
 A measuring tool, not a server: one request at a time per connection (no pipelining), bodies
 in memory, no limits on sizes, errors answered 502 and the connection closed.
@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import httptools
 import uvloop
 
-from backends import h1
+from backends.upstream import h1
 
 _HEAD = b"HTTP/1.1 %d OK\r\nContent-Type: %b\r\nTransfer-Encoding: chunked\r\n\r\n"
 

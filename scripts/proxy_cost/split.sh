@@ -7,7 +7,7 @@
 #
 # TARGET: a directory holding the gateway's code (a worktree of any commit), or `raw`
 # (raw_proxy.py: the floor of Python + uvloop) or `bare` (bare_proxy.py: aiohttp's server and
-# backends.h1, no features) or `lean` (lean_proxy.py: bare without aiohttp's server, httptools
+# backends.upstream.h1, no features) or `lean` (lean_proxy.py: bare without aiohttp's server, httptools
 # parsing the requests), or `vllm-router` (the bench's install of it, under
 # /tmp/peerbench/venvs), or `direct` (no proxy: the load generator on one backend; its TTFT is
 # the reference the others add to, its CPU figures mean nothing). Run it at two MAX_TOKENS (say 16 and 64) and solve

@@ -1,4 +1,4 @@
-"""The upstream HTTP/1.1 client (``backends.h1``) against loopback servers that send exact
+"""The upstream HTTP/1.1 client (``backends.upstream.h1``) against loopback servers that send exact
 bytes, on asyncio's loop and on uvloop (the one ``serve`` runs on)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from backends import h1
+from backends.upstream import h1
 
 RUNNERS = pytest.mark.parametrize("run", [asyncio.run, uvloop.run], ids=["asyncio", "uvloop"])
 SSE_HEAD = (

@@ -1,4 +1,4 @@
-"""The wait for a response head (``backends.upstream.HeadWait``): bounded by the idle
+"""The wait for a response head (``backends.upstream.client.HeadWait``): bounded by the idle
 watchdog, ended at once by the attempt's interrupt, and on every way out nothing left watched
 and no connection kept."""
 
@@ -13,7 +13,7 @@ import pytest
 
 from backends.errors import BackendDown, UpstreamTimeout
 from backends.state import BackendSpec
-from backends.upstream import Interrupt, UpstreamClient
+from backends.upstream.client import Interrupt, UpstreamClient
 from tests.waiting import wait_for
 
 

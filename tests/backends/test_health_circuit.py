@@ -11,7 +11,7 @@ from backends.discovery import backend_for, diff
 from backends.health import Health, HealthPolicy, HealthTracker
 from backends.pool import BackendPool
 from backends.state import BackendSpec
-from gateway.retry import RetryPolicy
+from gateway.request.retry import RetryPolicy
 
 
 def test_new_backend_is_unknown_until_its_first_probe() -> None:

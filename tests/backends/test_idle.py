@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from backends.idle import IdleWatchdog
+from backends.upstream.idle import IdleWatchdog
 
 
 def test_a_stream_idle_for_the_timeout_is_cut_and_a_moving_one_is_not() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from backends.upstream import Interrupt, Late
+from backends.upstream.client import Interrupt, Late
 
 
 async def test_a_deadline_ends_the_wait_when_confirmed() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from backends.kv_events import END_SEQ, Decoded, decode, seq_of
+from backends.kv.wire import END_SEQ, Decoded, decode, seq_of
 from policies.kv_index import Cleared, KvIndex, Removed, Stored, chain_keys
 
 TOKENS = list(range(100, 116))  # four blocks of four

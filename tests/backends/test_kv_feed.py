@@ -14,11 +14,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from backends.kv_feed import KvFeeds
-from backends.kv_sources import FeedSettings, FeedStatus, parse_sources, reach
-from backends.mock import MockRequest, MockResponse, MockTransport
+from backends.kv.feed import KvFeeds
+from backends.kv.sources import FeedSettings, FeedStatus, parse_sources, reach
 from backends.pool import BackendPool
 from backends.state import BackendSpec
+from backends.upstream.mock import MockRequest, MockResponse, MockTransport
 from policies.kv_index import KvIndex, chain_keys
 from tests.waiting import wait_for
 

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from gateway.cli import build_parser
-from gateway.settings import Settings
+from gateway.config.settings import Settings
 from tests.deploy.manifests import (
     COMPOSE,
     PROMETHEUS,

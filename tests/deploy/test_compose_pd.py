@@ -9,10 +9,10 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from backends.sim.cli import config_from_args
 from gateway.cli import build_parser
-from gateway.settings import Settings
+from gateway.config.settings import Settings
 from tests.deploy.manifests import compose, flags
+from tools.sim.cli import config_from_args
 
 KV_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
 

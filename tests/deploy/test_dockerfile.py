@@ -7,7 +7,7 @@ import re
 import tomllib
 
 from gateway.cli import build_parser
-from gateway.settings import Settings
+from gateway.config.settings import Settings
 from tests.deploy.manifests import DOCKERFILE, ROOT, compose
 
 

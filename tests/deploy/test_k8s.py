@@ -10,12 +10,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gateway.metrics import (
+from gateway.config.settings import Settings
+from gateway.observe.metrics import (
     ADMISSION_QUEUE_METRIC,
     FLEET_ENGINE_QUEUE_METRIC,
     QUEUE_DEPTH_METRIC,
 )
-from gateway.settings import Settings
 from tests.deploy.manifests import (
     K8S,
     KUBERNETES_VERSION,

@@ -21,7 +21,7 @@ import yaml
 
 from loadtest.dashboard import DASHBOARD, expand, fetch, panels, render
 from tests.deploy.prometheus_server import binary, instant, running_prometheus
-from tests.gateway.console.fleet import KEYS, MODEL, Fleet, Traffic, running_fleet
+from tests.gateway.admin.console.fleet import KEYS, MODEL, Fleet, Traffic, running_fleet
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 ALERTS = PROMETHEUS / "alerts.yml"

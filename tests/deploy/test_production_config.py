@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.settings import load_settings
+from gateway.config.settings import load_settings
 
 CONFIG = Path(__file__).resolve().parents[2] / "deploy" / "gateway.production.toml"
 

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from gateway.plan.arithmetic import GiB, vllm_kv_cache_report
-from gateway.plan.model import load_config_file, shape_from_config
 from tests.e2e.servers import MAX_MODEL_LEN, MODEL_DIR, VllmServer
+from tools.plan.arithmetic import GiB, vllm_kv_cache_report
+from tools.plan.model import load_config_file, shape_from_config
 
 pytestmark = pytest.mark.e2e
 

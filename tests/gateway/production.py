@@ -16,11 +16,11 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from backends.sim import FAST, running_sim
-from backends.sim.config import SimConfig
-from backends.sim.testing import RunningSim
 from gateway.limits.keys import hash_key
 from tests.helpers import RunningGateway, running_gateway
+from tools.sim import FAST, running_sim
+from tools.sim.config import SimConfig
+from tools.sim.testing import RunningSim
 
 ADMIN_TOKEN = "admin-secret-token"
 ADMIN = {"Authorization": f"Bearer {ADMIN_TOKEN}"}

@@ -15,7 +15,7 @@ from typing import Any
 
 import aiohttp
 
-from backends.mock import MockRequest, MockResponse, MockTransport
+from backends.upstream.mock import MockRequest, MockResponse, MockTransport
 from gateway.keys import ROUTER
 from policies import BackendSnapshot, Needs, Outcome, PrefixAffinity, RouteFacts, Weights
 from policies.least_load import LeastLoad

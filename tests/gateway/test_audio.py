@@ -20,12 +20,12 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 from openai import AsyncOpenAI
 
-from backends.sim import Faults, SimConfig
-from backends.sim.testing import running_sim
-from gateway import form
-from gateway.headers import upstream_headers
 from gateway.keys import METRICS, POOL
+from gateway.request import form
+from gateway.request.headers import upstream_headers
 from tests.helpers import RunningGateway, running_gateway, wait_for
+from tools.sim import Faults, SimConfig
+from tools.sim.testing import running_sim
 
 AUDIO = SimConfig(step_base_ms=1.0, audio=True)
 TEXT = SimConfig(step_base_ms=1.0)

@@ -1,4 +1,4 @@
-"""The per-read work of a stream relay (``gateway.relay.Chunks``), as plain calls."""
+"""The per-read work of a stream relay (``gateway.request.relay.Chunks``), as plain calls."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from backends.idle import IdleWatch
+from backends.upstream.idle import IdleWatch
 from gateway.limits.tokens import UsageFilter
-from gateway.relay import Chunks, Ending, RelayResult, partial_tail
+from gateway.request.relay import Chunks, Ending, RelayResult, partial_tail
 
 SERVED, ALIAS = b'"model":"m-v2"', b'"model":"chat"'
 

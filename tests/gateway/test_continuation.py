@@ -1,6 +1,6 @@
 """A stream whose backend fails mid-way goes on from another backend (issue 18).
 
-The fake backends run the counting "model" (``loadtest.fakebackend.counting``): its answer is
+The fake backends run the counting "model" (``tools.fake_vllm.counting``): its answer is
 " w0 w1 w2 ...", and a prompt ending in " wK" is answered from " wK+1" on, so the stitched
 stream can be checked word for word against an answer that never broke.
 """
@@ -19,7 +19,6 @@ from aiohttp import web
 from backends.health import Health
 from gateway.keys import POOL
 from loadtest.counting import counting
-from loadtest.fakebackend import Behaviour, Seen, sse
 from tests.helpers import (
     FakeBackend,
     RunningGateway,
@@ -29,6 +28,7 @@ from tests.helpers import (
     sample,
     wait_for,
 )
+from tools.fake_vllm import Behaviour, Seen, sse
 
 MAX = 20
 WHOLE = "".join(f" w{i}" for i in range(MAX))  # the answer of a stream that never broke

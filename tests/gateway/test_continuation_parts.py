@@ -1,4 +1,4 @@
-"""The pure parts of stream continuation (``gateway.continuation``): bytes and JSON only."""
+"""The pure parts of stream continuation (``gateway.request.continuation``): bytes and JSON only."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gateway.continuation import Keep, Progress, Stitch, can_resume, refusal, resume_body
+from gateway.request.continuation import Keep, Progress, Stitch, can_resume, refusal, resume_body
 
 
 def ev(obj: Any) -> bytes:

@@ -19,10 +19,10 @@ from typing import Any
 import aiohttp
 
 from backends.health import Health
-from backends.sim import FAST, Faults, RunningSim, SimConfig, running_sim
-from backends.sim.tokens import render_chat, tokenize
 from gateway.keys import METRICS, POOL
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
+from tools.sim import FAST, Faults, RunningSim, SimConfig, running_sim
+from tools.sim.tokens import render_chat, tokenize
 
 MODEL = FAST.model_name
 PACED = FAST.replace(step_base_ms=20.0)  # about 50 tokens a second for each stream

@@ -17,11 +17,11 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from backends.pool import BackendPool
-from backends.sim import FAST, Faults, RunningSim, SimConfig, running_sim
 from backends.state import BackendSpec
-from gateway.disagg import PREFILL_KV_PARAMS, prefill_body
 from gateway.keys import POOL
+from gateway.request.disagg import PREFILL_KV_PARAMS, prefill_body
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
+from tools.sim import FAST, Faults, RunningSim, SimConfig, running_sim
 
 MODEL = FAST.model_name
 PREFILL = FAST.replace(kv_role="kv_producer")

@@ -9,11 +9,11 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.sim import SimConfig
-from backends.sim.testing import running_sim
 from gateway.keys import POOL
 from gateway.limits.tokens import reservation
 from tests.helpers import running_gateway
+from tools.sim import SimConfig
+from tools.sim.testing import running_sim
 
 FAST = SimConfig(step_base_ms=1.0)
 POOLING = FAST.replace(runner="pooling")

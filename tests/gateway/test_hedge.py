@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from gateway.attempt import _rescue_plan
-from gateway.hedge import HedgeBudget, Race
+from gateway.request.attempt import _rescue_plan
+from gateway.request.hedge import HedgeBudget, Race
 
 
 def test_the_first_to_claim_takes_the_client_and_the_others_are_ended() -> None:
@@ -46,7 +46,7 @@ def test_an_attempt_that_ended_is_no_rival() -> None:
 
 
 def test_an_interrupt_outside_a_race_always_takes() -> None:
-    from backends.upstream import Interrupt
+    from backends.upstream.client import Interrupt
 
     alone = Interrupt()
     assert alone.take()

@@ -17,10 +17,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import LogCapture, capture_logs
 
-from backends.sim import FAST, Faults, running_sim
 from gateway.keys import POOL, ROUTER
-from gateway.logs import redact_secrets
-from gateway.metrics import QUEUE_DEPTH_METRIC
+from gateway.observe.logs import redact_secrets
+from gateway.observe.metrics import QUEUE_DEPTH_METRIC
 from policies import NO_NEEDS
 from tests.helpers import (
     FakeBackend,
@@ -31,6 +30,7 @@ from tests.helpers import (
     stream_chat,
     wait_for,
 )
+from tools.sim import FAST, Faults, running_sim
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -344,7 +344,7 @@ async def test_every_log_line_of_a_request_carries_its_id_bound_once() -> None:
 
 _LOG_WRITER = """
 import sys
-from gateway.logs import configure_logging
+from gateway.observe.logs import configure_logging
 import structlog
 configure_logging("info", "json")
 log = structlog.get_logger("t")

@@ -10,13 +10,13 @@ import aiohttp
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.sim import FAST
-from backends.sim.kvevents import KvEventsConfig
 from gateway.keys import ADMISSION, KV_INDEX, POOL, ROUTER
-from gateway.metrics import QUEUE_DEPTH_METRIC
+from gateway.observe.metrics import QUEUE_DEPTH_METRIC
 from policies import PrecisePrefix
 from tests.gateway.production import ADMIN, ALIAS, auth, running_production
 from tests.helpers import events, sample, wait_for
+from tools.sim import FAST
+from tools.sim.kvevents import KvEventsConfig
 
 CHAT = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 

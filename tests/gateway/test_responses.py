@@ -13,12 +13,12 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends.sim import SimConfig
-from backends.sim.http import STATE
-from backends.sim.testing import RunningSim, running_sim
 from gateway.keys import POOL
-from gateway.responses import with_response_id
+from gateway.request.responses import with_response_id
 from tests.helpers import RunningGateway, running_gateway
+from tools.sim import SimConfig
+from tools.sim.http import STATE
+from tools.sim.testing import RunningSim, running_sim
 
 FAST = SimConfig(step_base_ms=1.0)
 MODEL = "sim-model"

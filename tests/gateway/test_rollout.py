@@ -17,10 +17,9 @@ import pytest
 from pydantic import ValidationError
 from redis.asyncio import Redis
 
-from backends.sim import FAST, running_sim
+from gateway.config.settings import Settings, load_settings
 from gateway.keys import METRICS, POOL
-from gateway.rollout import ROLLOUT
-from gateway.settings import Settings, load_settings
+from gateway.request.rollout import ROLLOUT
 from tests.helpers import (
     FakeBackend,
     RunningGateway,
@@ -30,6 +29,7 @@ from tests.helpers import (
     wait_for,
 )
 from tests.redis_server import RedisServer
+from tools.sim import FAST, running_sim
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.settings import load_settings
+from gateway.config.settings import load_settings
 
 
 @pytest.fixture(autouse=True)

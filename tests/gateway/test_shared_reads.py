@@ -1,6 +1,6 @@
-"""Reads of the backends shared by the workers of a host (``gateway.shared_reads``): worker 0
-reads and keeps; another worker takes worker 0's reading while it is fresh, and reads the
-backend itself when it is stale, missing, or worker 0 cannot be asked."""
+"""Reads of the backends shared by the workers of a host (``gateway.workers.shared_reads``): worker
+0 reads and keeps; another worker takes worker 0's reading while it is fresh, and reads the backend
+itself when it is stale, missing, or worker 0 cannot be asked."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from aiohttp import web
 
 from backends.errors import UpstreamUnreachable
 from backends.state import BackendSpec
-from gateway.shared_reads import READ_PATH, ReadCache, Reading, SharedReads, read_handler
+from gateway.workers.shared_reads import READ_PATH, ReadCache, Reading, SharedReads, read_handler
 
 SPEC = BackendSpec(id="127.0.0.1:9", url="http://127.0.0.1:9")
 

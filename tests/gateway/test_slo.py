@@ -10,11 +10,11 @@ from typing import Any
 
 import aiohttp
 
-from backends.sim import FAST, Faults, running_sim
 from gateway.keys import LATENCY, POOL, SETTINGS
 from policies import Outcome
 from policies.latency import Load
 from tests.helpers import RunningGateway, running_gateway, sample, wait_for
+from tools.sim import FAST, Faults, running_sim
 
 # One backend, 40 ms a step: no first token comes within a few milliseconds.
 SLOW = replace(FAST, step_base_ms=5.0)

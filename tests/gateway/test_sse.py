@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.sse import FirstTokenWatch, SSEParser, carries_token, is_error_event
+from gateway.request.sse import FirstTokenWatch, SSEParser, carries_token, is_error_event
 from tests.helpers import chat_chunk, sse
 
 ROLE = chat_chunk(role=True)

@@ -22,7 +22,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import processors
 
-from backends.sim.protocol import ApiError, parse_generate
 from gateway.tokenizer import (
     HfTokenizer,
     PathKind,
@@ -43,6 +42,7 @@ from scripts.build_tiny_model import (
     train_tokenizer,
 )
 from tests.waiting import wait_for
+from tools.sim.protocol import ApiError, parse_generate
 
 
 def build_tiny_tokenizer(

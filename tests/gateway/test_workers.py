@@ -22,12 +22,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.parser import text_string_to_metric_families
 
 from backends.shared_inflight import SLOTS, SharedInFlight, table_bytes
-from backends.sim import FAST
-from backends.sim.testing import RunningSim, running_sim
-from gateway.host_metrics import REPORTING_METRIC, combine
-from gateway.metrics import ADMISSION_QUEUE_METRIC, FLEET_ENGINE_QUEUE_METRIC, QUEUE_DEPTH_METRIC
-from loadtest.fakebackend import FakeBackend, running_fake
+from gateway.observe.host_metrics import REPORTING_METRIC, combine
+from gateway.observe.metrics import (
+    ADMISSION_QUEUE_METRIC,
+    FLEET_ENGINE_QUEUE_METRIC,
+    QUEUE_DEPTH_METRIC,
+)
 from tests.waiting import wait_for
+from tools.fake_vllm import FakeBackend, running_fake
+from tools.sim import FAST
+from tools.sim.testing import RunningSim, running_sim
 
 TOKEN = "workers-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.soak_faults import FaultWindow
-from loadtest.soak_outcomes import ErrorInfo, Observation
+from loadtest.soak.faults import FaultWindow
+from loadtest.soak.outcomes import ErrorInfo, Observation
 
 BACKENDS = ("gpu-a", "gpu-b", "gpu-canary")
 MIB = 1 << 20

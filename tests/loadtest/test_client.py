@@ -6,10 +6,10 @@ from aiohttp import web
 
 from loadtest.arrivals import ClosedLoop, LoadShape, OpenLoop
 from loadtest.client import ClientOptions, run_load
-from loadtest.fakebackend import create_app
 from loadtest.stats import summarize
 from loadtest.workload import LengthDist, Workload
 from tests.helpers import bound_socket, serve_app
+from tools.fake_vllm import create_app
 
 W = Workload(model="tiny", prompt=LengthDist.fixed(4), output=LengthDist.fixed(5))
 

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
+from loadtest.bench.overhead import verdict
 from loadtest.cli import parse_length
-from loadtest.overhead import verdict
 from loadtest.promtext import delta, totals
 from loadtest.workload import CHAT_PROMPT
 

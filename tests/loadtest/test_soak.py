@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from gateway.settings import load_settings
-from loadtest import soak_config, soak_prom
-from loadtest.soak import SoakOptions, run_soak
-from loadtest.soak_faults import (
+from gateway.config.settings import load_settings
+from loadtest.soak import config as soak_config
+from loadtest.soak import prom as soak_prom
+from loadtest.soak.faults import (
     BACKEND_FAULTS,
     CANARY,
     STABLE,
@@ -26,14 +26,15 @@ from loadtest.soak_faults import (
     probe_times,
     probed_key_quiet,
 )
-from loadtest.soak_mix import BAD_INPUT, DISCONNECTS, NESTING, PROBED_KEY, Mix
-from loadtest.soak_outcomes import (
+from loadtest.soak.mix import BAD_INPUT, DISCONNECTS, NESTING, PROBED_KEY, Mix
+from loadtest.soak.outcomes import (
     Observation,
     classify,
     gateway_error_documented,
     parse_envelope,
     stream_error_event,
 )
+from loadtest.soak.runner import SoakOptions, run_soak
 from tests.loadtest.soak_data import BACKENDS, envelope, kill, obs
 from tests.redis_server import HOW_TO_GET_REDIS
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from loadtest.soak import Recorded, evaluate
-from loadtest.soak_aborts import AbortFigures, ClientLeaving, check_aborts, client_leaving
-from loadtest.soak_faults import (
+from loadtest.soak.aborts import AbortFigures, ClientLeaving, check_aborts, client_leaving
+from loadtest.soak.faults import (
     FaultWindow,
     plan_faults,
 )
-from loadtest.soak_invariants import (
+from loadtest.soak.invariants import (
     LeakState,
     LimitsProbe,
     MemorySample,
@@ -27,10 +26,11 @@ from loadtest.soak_invariants import (
     check_traces,
     taken_at_a_timeout,
 )
-from loadtest.soak_outcomes import (
+from loadtest.soak.outcomes import (
     classify,
 )
-from loadtest.soak_report import markdown, timeline
+from loadtest.soak.report import markdown, timeline
+from loadtest.soak.runner import Recorded, evaluate
 from tests.loadtest.soak_data import BACKENDS, MIB, envelope, kill, obs
 
 # -- invariants: each can pass, and each can fail ---------------------------------------------

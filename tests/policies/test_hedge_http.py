@@ -12,7 +12,6 @@ from typing import Any
 import aiohttp
 
 from gateway.keys import HEDGES, LATENCY, ROUTER
-from loadtest.fakebackend import Behaviour
 from policies import PredictedLatency
 from tests.helpers import (
     FakeBackend,
@@ -25,6 +24,7 @@ from tests.helpers import (
     stream_chat,
     wait_for,
 )
+from tools.fake_vllm import Behaviour
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

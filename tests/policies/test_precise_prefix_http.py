@@ -13,13 +13,13 @@ from typing import Any
 
 import aiohttp
 
-from backends.sim import FAST, running_sim
-from backends.sim.kvevents import KvEventsConfig
-from backends.sim.testing import RunningSim
 from gateway.keys import KV_FEEDS, KV_INDEX, POOL, ROUTER, TOKENIZERS
 from policies import PrecisePrefix
 from policies.kv_index import chain_keys
 from tests.helpers import RunningGateway, running_gateway, sample, wait_for
+from tools.sim import FAST, running_sim
+from tools.sim.kvevents import KvEventsConfig
+from tools.sim.testing import RunningSim
 
 EVENTS = KvEventsConfig(
     enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0"

@@ -13,8 +13,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from backends.sim import FAST, Faults, running_sim
-from backends.sim.testing import RunningSim
 from gateway.keys import LATENCY, ROUTER
 from policies import Outcome, PredictedLatency
 from policies.latency import TTFT_TERMS, Load, Prediction
@@ -28,6 +26,8 @@ from tests.helpers import (
     stream_chat,
     wait_for,
 )
+from tools.sim import FAST, Faults, running_sim
+from tools.sim.testing import RunningSim
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

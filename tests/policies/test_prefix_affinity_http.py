@@ -8,11 +8,11 @@ from typing import Any
 
 import aiohttp
 
-from backends.sim import FAST, running_sim
-from backends.sim.testing import RunningSim
 from gateway.keys import ROUTER
 from policies import PrefixAffinity
 from tests.helpers import RunningGateway, running_gateway, wait_for
+from tools.sim import FAST, running_sim
+from tools.sim.testing import RunningSim
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}

@@ -13,12 +13,12 @@ from pydantic import ValidationError
 
 from backends.errors import AuthenticationError, RateLimited
 from gateway.cli import main as cli_main
+from gateway.config.settings import Settings
 from gateway.limits.keys import Authenticator, hash_key, presented_key
 from gateway.limits.limiter import Limiter
 from gateway.limits.memory import MemoryLimitStore
 from gateway.limits.settings import LimitsSettings
 from gateway.limits.tokens import Usage
-from gateway.settings import Settings
 
 ALICE = "sk-alice-secret"
 BOB = "sk-bob-secret"

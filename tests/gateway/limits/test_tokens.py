@@ -7,7 +7,6 @@ from typing import Any
 
 import aiohttp
 
-from backends.sim.testing import FAST, running_sim
 from gateway.limits.tokens import (
     Usage,
     UsageFilter,
@@ -18,7 +17,8 @@ from gateway.limits.tokens import (
     usage_plan,
     with_include_usage,
 )
-from loadtest.fakebackend import chat_chunk, sse
+from tools.fake_vllm import chat_chunk, sse
+from tools.sim.testing import FAST, running_sim
 
 
 def usage_event(prompt: int = 5, completion: int = 7) -> bytes:

@@ -1,0 +1,1 @@
+"""Operations: the admin API, its fleet-wide changes, and the operator's console."""

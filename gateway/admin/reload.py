@@ -1,0 +1,244 @@
+"""Live changes: a new policy or weights, and a re-read configuration file.
+
+Both are validated in full before anything changes: a bad change leaves the running
+configuration as it was and says why.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import structlog
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from backends.errors import InvalidRequest
+from backends.state import BackendSpec
+from gateway.config.policies import (
+    affinity_config,
+    build_policy,
+    latency_config,
+    prediction_config,
+    weights_of,
+)
+from gateway.config.routing import AffinitySettings, LatencySettings, WeightSettings
+from gateway.config.settings import Settings
+from gateway.keys import KV_FEEDS, KV_INDEX, LATENCY, METRICS, MONITOR, POOL, ROUTER
+from gateway.request.rollout import ROLLOUT
+from policies import (
+    AffinityConfig,
+    Policy,
+    PolicyName,
+    PrecisePrefix,
+    PredictedLatency,
+    PredictionConfig,
+    PrefixAffinity,
+    Weights,
+)
+
+log = structlog.get_logger("gateway.admin.reload")
+
+SettingsLoader = Callable[[], Settings]
+
+
+@dataclass
+class ConfigSource:
+    """Where the configuration comes from, and what of it is in force now."""
+
+    load: SettingsLoader
+    current: Settings
+
+
+CONFIG: web.AppKey[ConfigSource] = web.AppKey("config_source")
+
+# Settings that take effect without a restart.
+_LIVE = frozenset(
+    {"backends", "policy", "weights", "affinity", "latency", "pools", "aliases", "rollout"}
+)
+_POLICY_FIELDS = frozenset({"policy", "weights", "affinity", "latency"})
+
+
+class PolicyChange(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    policy: PolicyName | None = None
+    weights: WeightSettings | None = None
+    # prefix_affinity's settings; only the fields given change.
+    affinity: dict[str, Any] | None = None
+    # [latency]: predicted_latency's objective and prefix source, the fits' half-life and
+    # ridge; only the fields given change.
+    latency: dict[str, Any] | None = None
+
+
+def describe_policy(app: web.Application) -> dict[str, Any]:
+    policy = app[ROUTER].policy
+    w = policy.weights
+    doc: dict[str, Any] = {
+        "policy": policy.name,
+        "weights": None if w is None else {"active": w.active, "queue": w.queue, "kv": w.kv},
+    }
+    if isinstance(policy, PrefixAffinity | PrecisePrefix | PredictedLatency):
+        doc["affinity"] = asdict(policy.config)
+    if isinstance(policy, PredictedLatency):
+        cfg = app[LATENCY].config
+        doc["latency"] = {
+            **asdict(policy.prediction),
+            "half_life": cfg.half_life,
+            "ridge": cfg.ridge,
+        }
+    return doc
+
+
+def _affinity(
+    app: web.Application, current: Policy, patch: dict[str, Any] | None
+) -> AffinityConfig:
+    """The running affinity settings (the policy's, else the configuration's), patched."""
+    if isinstance(current, PrefixAffinity | PrecisePrefix | PredictedLatency):
+        base = asdict(current.config)
+    else:
+        base = app[CONFIG].current.affinity.model_dump()
+    try:
+        return affinity_config(AffinitySettings.model_validate({**base, **(patch or {})}))
+    except ValidationError as exc:
+        raise InvalidRequest(f"Invalid policy change: affinity: {_errors(exc)}") from exc
+
+
+def _latency(
+    app: web.Application, current: Policy, patch: dict[str, Any] | None
+) -> LatencySettings:
+    """The running [latency] settings (the policy's and tracker's, else the configuration's),
+    patched."""
+    base = app[CONFIG].current.latency.model_dump()
+    if isinstance(current, PredictedLatency):
+        base.update(asdict(current.prediction))
+    cfg = app[LATENCY].config
+    base.update(half_life=cfg.half_life, ridge=cfg.ridge)
+    try:
+        return LatencySettings.model_validate({**base, **(patch or {})})
+    except ValidationError as exc:
+        raise InvalidRequest(f"Invalid policy change: latency: {_errors(exc)}") from exc
+
+
+def _needs_events(name: str, prediction: PredictionConfig) -> bool:
+    return name == "precise_prefix" or (
+        name == "predicted_latency" and prediction.prefix == "precise"
+    )
+
+
+def _refuse_untracked_events() -> None:
+    raise InvalidRequest(
+        "Invalid policy change: precise_prefix (and predicted_latency with prefix = "
+        "precise) routes on the backends' KV events, which "
+        "this gateway does not follow: set [kv_events] enabled = true and restart."
+    )
+
+
+def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
+    """Switch policy and/or weights; raises ``InvalidRequest`` and changes nothing if bad."""
+    try:
+        change = PolicyChange.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(f"Invalid policy change: {_errors(exc)}") from exc
+    old = describe_policy(app)
+    current = app[ROUTER].policy
+    name: PolicyName = change.policy or current.name  # type: ignore[assignment]
+    if change.weights is not None:
+        w = change.weights
+        weights = weights_of(w)
+    else:
+        weights = current.weights or Weights()
+    affinity = _affinity(app, current, change.affinity)
+    latency = _latency(app, current, change.latency)
+    prediction = prediction_config(latency)
+    if _needs_events(name, prediction) and app.get(KV_FEEDS) is None:
+        _refuse_untracked_events()
+    app[LATENCY].configure(latency_config(latency))
+    app[ROUTER].policy = build_policy(
+        app[CONFIG].current,
+        name,
+        weights,
+        app[KV_INDEX],
+        app[LATENCY],
+        previous=current,
+        affinity=affinity,
+        prediction=prediction,
+    )
+    new = describe_policy(app)
+    app[METRICS].policy_changes.inc()
+    log.info("policy_changed", old=old, new=new)
+    return new
+
+
+@dataclass
+class ReloadResult:
+    applied: list[str] = field(default_factory=list)
+    restart_required: list[str] = field(default_factory=list)
+
+
+def reload_settings(app: web.Application) -> ReloadResult:
+    """Re-read the configuration; apply what can change live, list what needs a restart."""
+    try:
+        new = app[CONFIG].load()
+    except (ValidationError, ValueError, OSError) as exc:
+        detail = _errors(exc) if isinstance(exc, ValidationError) else str(exc)
+        log.warning("reload_refused", reason=detail)
+        raise InvalidRequest(f"Configuration not reloaded: {detail}") from exc
+    old = app[CONFIG].current
+    result = ReloadResult()
+    for name in type(new).model_fields:
+        if getattr(old, name) != getattr(new, name):
+            (result.applied if name in _LIVE else result.restart_required).append(name)
+    if _needs_events(new.policy, prediction_config(new.latency)) and app.get(KV_FEEDS) is None:
+        _refuse_untracked_events()
+    if _POLICY_FIELDS & set(result.applied):
+        app[LATENCY].configure(latency_config(new.latency))
+        app[ROUTER].policy = build_policy(
+            new.model_copy(update={"kv_events": old.kv_events}),  # max_blocks needs a restart
+            new.policy,
+            weights_of(new.weights),
+            app[KV_INDEX],
+            app[LATENCY],
+            previous=app[ROUTER].policy,
+        )
+    if "backends" in result.applied:
+        _apply_backends(app, new)
+    if {"pools", "aliases", "rollout"} & set(result.applied):
+        app[ROLLOUT].reconfigure(new)
+        app[METRICS].known_pools(app[ROLLOUT].pairs())
+    # What needs a restart keeps its running value until then.
+    app[CONFIG].current = old.model_copy(update={k: getattr(new, k) for k in result.applied})
+    log.info("config_reloaded", applied=result.applied, restart_required=result.restart_required)
+    return result
+
+
+def _apply_backends(app: web.Application, new: Settings) -> None:
+    pool, monitor = app[POOL], app[MONITOR]
+    wanted = {spec.id: spec for spec in backend_specs(new)}
+    for b in pool.all():
+        if b.spec.source == "static" and b.id not in wanted:
+            monitor.unwatch(b.id)
+            pool.remove(b.id)
+    for spec in wanted.values():
+        monitor.watch(pool.add(spec))
+    for conf in new.backends:
+        pool.set_draining(conf.id, conf.drain)
+
+
+def backend_specs(settings: Settings) -> list[BackendSpec]:
+    return [
+        BackendSpec(
+            id=b.id,
+            url=b.url,
+            api_key=b.api_key.get_secret_value() if b.api_key else None,
+            role=b.role,
+        )
+        for b in settings.backends
+    ]
+
+
+def _errors(exc: ValidationError) -> str:
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors()
+    )

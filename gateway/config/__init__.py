@@ -1,0 +1,1 @@
+"""Configuration: the settings file and environment, read once, and what they build."""

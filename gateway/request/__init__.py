@@ -1,0 +1,1 @@
+"""The request path: parse, admit, route, attempt, relay, release."""

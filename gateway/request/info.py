@@ -1,0 +1,40 @@
+"""The gateway's own endpoints beside the routed API: the models it serves, and its probes.
+
+``GET /v1/models`` is the union of the backends' models and the aliases; ``GET /health`` says
+the process is alive; ``GET /ready`` that it can route (503 with ``Retry-After`` while it is
+shutting down or has no routable backend: load balancers and Kubernetes take it out).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gateway.keys import LIFECYCLE, ROUTER, SETTINGS
+from gateway.request.rollout import ROLLOUT
+
+
+async def list_models(request: web.Request) -> web.Response:
+    names = set(request.app[ROUTER].pool.models()) | set(request.app[ROLLOUT].names())
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "llm-gateway"} for m in sorted(names)
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    settings = request.app[SETTINGS]
+    if request.app[LIFECYCLE].stopping:
+        reason = "shutting down"
+    elif not request.app[ROUTER].pool.ready():
+        reason = "no routable backend"
+    else:
+        return web.json_response({"status": "ready"})
+    return web.json_response(
+        {"status": "not ready", "reason": reason},
+        status=503,
+        headers={"Retry-After": str(settings.retry_after_seconds)},
+    )

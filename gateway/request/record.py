@@ -1,0 +1,138 @@
+"""What happened to one request, and where that goes when it ends: one log event, metrics."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import structlog
+from aiohttp import web
+
+from gateway.keys import METRICS, ROUTER
+from gateway.limits.tokens import Usage
+from policies import BackendSnapshot, Weights, score
+
+log = structlog.get_logger("gateway.request")
+
+OTHER: Final = "other"  # the label of every name the fleet does not serve
+_LOGGED_NAME_CHARS: Final = 200  # a client's model name is cut to this in the log event
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request: for its log event, its metrics and its span."""
+
+    request_id: str
+    started: float
+    model: str = "unknown"
+    endpoint: str = "chat"  # ``gateway.request.endpoints``' name of what was asked
+    pool: str | None = None  # the model pool chosen for an alias (gateway.request.rollout)
+    key: str | None = None  # the API key's name (never the key)
+    sent: bool = False  # an attempt reached a backend
+    usage: Usage | None = None
+    backends: list[str] = field(default_factory=list)
+    candidates: list[BackendSnapshot] = field(default_factory=list)
+    status: int = 0
+    # How it ended: complete, upstream_error, client_disconnect, shutdown, internal_error, or
+    # the name of the GatewayError that refused it. None until one of those is known.
+    ending: str | None = None
+    first_token_at: float | None = None
+    ended_at: float | None = None
+    events: int = 0
+    abort_reason: str | None = None
+    continuations: int = 0  # times the stream went on from another backend
+    hedged: bool = False  # a copy raced on a second backend (``gateway.request.hedge``)
+
+    @property
+    def backend(self) -> str:
+        return self.backends[-1] if self.backends else "none"
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.started
+
+    @property
+    def duration(self) -> float:
+        return (self.ended_at or time.monotonic()) - self.started
+
+    def mean_itl(self) -> float | None:
+        """Mean gap between output tokens after the first (None if too few to tell).
+
+        Tokens from the usage the backend reported; without it, from the events relayed
+        (less the first token's and the closing [DONE]).
+        """
+        if self.first_token_at is None or self.ended_at is None:
+            return None
+        after_first = (
+            self.usage.completion_tokens - 1 if self.usage is not None else self.events - 2
+        )
+        if after_first < 1:
+            return None
+        return (self.ended_at - self.first_token_at) / after_first
+
+    def log_fields(self, weights: Weights | None) -> dict[str, Any]:
+        ttft = self.ttft
+        fields: dict[str, Any] = {
+            "request_id": self.request_id,
+            "model": self.model[:_LOGGED_NAME_CHARS],
+            "endpoint": self.endpoint,
+            "pool": self.pool,
+            "backend": self.backend,
+            "attempts": len(self.backends),
+            "status": self.status,
+            "ending": self.ending,
+            "ttft_ms": None if ttft is None else round(ttft * 1e3, 2),
+            "duration_ms": round(self.duration * 1e3, 2),
+            "events": self.events or None,
+            "key": self.key,
+            "prompt_tokens": self.usage.prompt_tokens if self.usage else None,
+            "completion_tokens": self.usage.completion_tokens if self.usage else None,
+        }
+        if self.continuations:
+            fields["continuations"] = self.continuations
+        if self.hedged:
+            fields["hedged"] = True
+        if len(self.backends) > 1:
+            fields["tried"] = self.backends
+        if self.candidates:
+            fields["candidates"] = {
+                c.id: round(score(c, weights), 3) if weights else c.in_flight
+                for c in self.candidates
+            }
+        return fields
+
+
+def finish(app: web.Application, record: RequestRecord) -> None:
+    """Record a finished request: metrics always, the log event when info is enabled.
+
+    The model label is the model's name only if the fleet serves it (or it is an alias):
+    any other name a client sends is ``other``, so clients cannot grow the series.
+    """
+    if record.ended_at is None:
+        record.ended_at = time.monotonic()
+    if record.ending is None:  # every path should have said; this one did not
+        record.ending = "unknown"
+    metrics = app[METRICS]
+    backend = record.backend
+    model = record.model if app[ROUTER].pool.serves(record.model) or record.pool else OTHER
+    metrics.requests.labels(model, backend, str(record.status), record.endpoint).inc()
+    metrics.duration.labels(model, backend).observe(record.duration)
+    ttft = record.ttft
+    if ttft is not None:
+        metrics.ttft.labels(model, backend).observe(ttft)
+    itl = record.mean_itl()
+    if itl is not None:
+        metrics.itl.labels(model, backend).observe(itl)
+    if record.pool is not None:
+        metrics.record_pool(
+            record.model, record.pool, record.status, record.ending, ttft=ttft, itl=itl
+        )
+    if record.abort_reason is not None:
+        metrics.aborts.labels(backend, record.abort_reason).inc()
+    if len(record.backends) > 1 and record.status and record.status < 500 and not record.hedged:
+        metrics.failovers.labels(model).inc()
+    if log.is_enabled_for(logging.INFO):
+        weights = app[ROUTER].policy.weights
+        log.info("request", **record.log_fields(weights))

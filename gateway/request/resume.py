@@ -1,0 +1,205 @@
+"""Continuing a stream on other backends when its own breaks mid-way: the I/O around
+``gateway.request.continuation``'s pure parts.
+
+``resume`` runs after an attempt raised ``StreamBroken`` (its lease released and its backend
+judged already): it decides whether the stream can be continued faithfully, and if so runs the
+attempt loop (``gateway.request.attempt.attempts``) with its own bounds, each attempt asking one
+backend for the rest of the answer (``_resume_attempt``) and relaying it into the client's
+open response through a ``Stitch``. What cannot be continued ends as before: vLLM's error
+event, then ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import replace
+from functools import partial
+
+import structlog
+from aiohttp import web
+from opentelemetry.trace import Span
+
+from backends.errors import (
+    BackendRefused,
+    BackendStalled,
+    EngineFailed,
+    GatewayError,
+    UpstreamError,
+    UpstreamProtocolError,
+)
+from backends.upstream.client import json_or_none
+from gateway.keys import METRICS, RETRY, SETTINGS, UPSTREAM
+from gateway.limits.tokens import UsageFilter
+from gateway.request.attempt import Call, Try, attempts, cancel_reason, error_kind, open_upstream
+from gateway.request.continuation import Progress, Stitch, can_resume, resume_body
+from gateway.request.relay import (
+    EVENT_STREAM,
+    Chunks,
+    Ending,
+    RelayResult,
+    StreamBroken,
+    end_stream,
+    relay_resumed,
+)
+from gateway.request.retry import RETRYABLE_STATUS
+from gateway.request.router import Step
+
+log = structlog.get_logger("gateway.request")
+
+
+async def resume(
+    call: Call, step: Step, span: Span | None, broken: StreamBroken
+) -> web.StreamResponse:
+    """Continue a broken stream on other backends, as many times as the settings allow.
+
+    What cannot be continued faithfully (or finds no backend in time) ends as it did before
+    continuations existed: vLLM's error event, then [DONE].
+    """
+    app, record = call.request.app, call.record
+    settings, metrics = app[SETTINGS].continuation, app[METRICS]
+    assert call.resumable is not None
+    resp, progress = broken.response, broken.progress
+    failed_on = [broken.backend]
+    retry = replace(app[RETRY], max_attempts=settings.max_attempts, deadline=settings.deadline)
+    while True:
+        reason = _break_reason(broken.error)
+        if progress.done or progress.finished is not None:  # only the stream's end was lost
+            metrics.continuations.labels(reason, "complete").inc()
+            await end_stream(resp, None, done=progress.done)
+            record.ending = Ending.COMPLETE.value
+            return resp
+        why = can_resume(call.resumable, call.chat, progress)
+        if why is None and record.continuations >= settings.max_continuations:
+            why = "limit"
+        if why is not None:
+            metrics.continuations.labels(reason, why).inc()
+            log.warning(
+                "stream_not_continued", backend=broken.backend, error=broken.error.message, why=why
+            )
+            await end_stream(resp, broken.error)
+            return resp
+        record.continuations += 1
+        log.info(
+            "stream_continuing",
+            backend=broken.backend,
+            error=broken.error.message,
+            sent_events=progress.events,
+            continuation=record.continuations,
+        )
+        attempt = partial(_resume_attempt, resp=resp, progress=progress)
+        try:
+            done = await attempts(
+                call, step, span, attempt, retry=retry, since=time.monotonic(), exclude=failed_on
+            )
+        except StreamBroken as again:
+            metrics.continuations.labels(reason, "broken").inc()
+            broken = again
+            failed_on.append(again.backend)
+            continue
+        except GatewayError as exc:  # no backend could take it
+            metrics.continuations.labels(reason, "failed").inc()
+            log.warning(
+                "stream_not_continued", backend=broken.backend, error=exc.message, why="failed"
+            )
+            await end_stream(resp, broken.error)
+            record.ending = Ending.UPSTREAM_ERROR.value
+            return resp
+        metrics.continuations.labels(reason, "continued").inc()
+        return done
+
+
+def _break_reason(error: UpstreamError) -> str:
+    """The ``reason`` label of a broken stream: ``error_kind``'s names, and two of its own."""
+    if isinstance(error, BackendStalled):
+        return "stalled"
+    if isinstance(error, EngineFailed):
+        return "engine_error"
+    kind = error_kind(error)
+    return kind if kind in ("timeout", "protocol") else "unreachable"
+
+
+async def _sent_tokens(t: Try, progress: Progress) -> int:
+    """How many tokens the client has received: the stream's own token ids when it carries
+    them, else the continuing backend's count of the text (its ``/tokenize``), else the
+    events (one token each, a lower bound with speculative decoding or a stream interval)."""
+    ids = progress.exact_ids
+    if ids is not None and (ids or not progress.events):
+        return len(ids)
+    text = progress.generated
+    if not text:
+        return progress.events
+    call = t.call
+    app = call.request.app
+    client = app[UPSTREAM]
+    assert call.resumable is not None
+    body = {"model": call.resumable.get("model"), "prompt": text, "add_special_tokens": False}
+    raw = json.dumps(body).encode()
+    try:
+        async with asyncio.timeout(app[SETTINGS].continuation.tokenize_timeout):
+            upstream = await client.open(t.lease.backend.spec, "/tokenize", raw, call.headers)
+            try:
+                answer = await client.read_body(upstream)
+            finally:
+                client.finish(upstream, complete=True)
+    except (UpstreamError, TimeoutError):
+        return progress.events
+    count = json_or_none(answer) if upstream.status == 200 else None
+    if isinstance(count, dict) and isinstance(count.get("count"), int):
+        return int(count["count"])
+    return progress.events
+
+
+async def _resume_attempt(
+    t: Try, *, resp: web.StreamResponse, progress: Progress
+) -> web.StreamResponse:
+    """One backend's try at the rest of a broken stream, into the client's open ``resp``."""
+    call = t.call
+    app, record = call.request.app, call.record
+    client = app[UPSTREAM]
+    assert call.resumable is not None
+    sent = await _sent_tokens(t, progress)
+    body = resume_body(call.resumable, call.chat, progress, sent)
+    upstream = await open_upstream(t, json.dumps(body, separators=(",", ":")).encode())
+    complete = False
+    try:
+        if upstream.status != 200 or upstream.content_type != EVENT_STREAM:
+            answer = await client.read_body(upstream)
+            complete = True
+            backend = t.lease.backend.id
+            if upstream.status in RETRYABLE_STATUS:
+                retry_after = upstream.headers.get("Retry-After")
+                raise BackendRefused(backend, upstream.status, answer, retry_after=retry_after)
+            raise UpstreamProtocolError(
+                f"backend {backend} answered the continuation with {upstream.status}: "
+                f"{answer[:200].decode(errors='replace')}"
+            )
+        stitch = Stitch(progress, sent)
+        usage = UsageFilter(strip=call.strip_usage)
+        result = RelayResult(ending=Ending.COMPLETE)
+        rename = call.choice.rename if call.choice is not None else None
+        chunks = Chunks(upstream.watch, result, usage, time.monotonic, rename)
+        try:
+            error = await relay_resumed(resp, upstream, stitch, chunks)
+        finally:
+            if usage.usage is not None:
+                record.usage = usage.usage
+            record.events += result.events
+            t.tally.first_token_at = result.first_token_at
+        if error is not None:
+            t.tally.error = "stream"
+            t.stream_error = error
+            raise StreamBroken(resp, error, t.lease.backend.id, progress)
+        complete = True
+        t.tally.answered = True
+        if usage.usage is not None:
+            t.tally.tokens = usage.usage.completion_tokens - sent
+        record.ending = Ending.COMPLETE.value
+        record.ended_at = time.monotonic()
+        return resp
+    except asyncio.CancelledError:  # the client left: closing the upstream aborts it
+        record.abort_reason = cancel_reason(app)
+        raise
+    finally:
+        client.finish(upstream, complete=complete)

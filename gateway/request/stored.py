@@ -1,0 +1,116 @@
+"""Stored responses of the Responses API: reaching the backend that holds one.
+
+``GET /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` go to the backend the gateway
+remembered for that id (``gateway.request.responses``), as a request with ``previous_response_id``
+does (``home_of``, used by ``gateway.request.proxy``). An id no backend is known to hold is a 404
+(``response_not_found``), one whose backend left the fleet a 404 that says so
+(``response_backend_gone``), one whose backend is there but cannot be reached now a 503 with
+``Retry-After``. Keys and request limits apply; they are counted under the ``responses`` endpoint
+like the requests that made them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from aiohttp import web
+
+from backends.errors import (
+    GatewayError,
+    InvalidRequest,
+    NoBackendAvailable,
+    ResponseBackendGone,
+    ResponseNotFound,
+)
+from backends.state import BackendState
+from gateway.keys import LIMITER, REQUEST_ID_KEY, RESPONSE_HOMES, ROUTER, SETTINGS, UPSTREAM
+from gateway.request.headers import upstream_headers
+from gateway.request.record import RequestRecord, finish
+
+_TRUE = frozenset({"true", "1", "True"})
+
+
+async def home_of(app: web.Application, response_id: Any, param: str) -> str | None:
+    """The backend holding ``response_id`` (None: none was named); raises if it is unknown,
+    or its backend is gone."""
+    if response_id is None:
+        return None
+    if not isinstance(response_id, str) or not response_id:
+        raise InvalidRequest(f"`{param}` must be a non-empty string.", param=param)
+    home = await app[RESPONSE_HOMES].home(response_id)
+    if home is None:
+        raise ResponseNotFound(f"Response with id '{response_id}' not found.", param=param)
+    if app[ROUTER].pool.get(home) is None:
+        raise ResponseBackendGone(
+            f"Response with id '{response_id}' was stored by backend {home}, which is no "
+            "longer in the fleet: it is lost.",
+            param=param,
+        )
+    return home
+
+
+def _reachable(app: web.Application, backend: str, response_id: str) -> BackendState:
+    pool = app[ROUTER].pool
+    b = pool.get(backend)
+    assert b is not None  # home_of checked
+    if not pool.routable(b, pool.now()):
+        raise NoBackendAvailable(
+            f"The backend holding response '{response_id}' ({backend}) cannot be reached "
+            "right now.",
+            retry_after=app[SETTINGS].retry_after_seconds,
+        )
+    return b
+
+
+async def _to_home(request: web.Request, *, cancel: bool) -> web.Response:
+    app = request.app
+    record = RequestRecord(request[REQUEST_ID_KEY], started=time.monotonic(), endpoint="responses")
+    limiter, grant = app[LIMITER], None
+    try:
+        principal = limiter.authenticate(request.headers)
+        record.key = principal.id
+        if not cancel and request.query.get("stream") in _TRUE:
+            raise InvalidRequest(
+                "Streaming a stored response back (stream=true) is not supported through the "
+                "gateway; ask for it whole.",
+                param="stream",
+            )
+        grant = await limiter.admit(principal, {}, generates=False)
+        rid = request.match_info["response_id"]
+        home = await home_of(app, rid, "response_id")
+        assert home is not None
+        backend = _reachable(app, home, rid)
+        record.backends.append(home)
+        record.sent = True
+        transport = app[UPSTREAM]
+        if cancel:
+            headers = upstream_headers(request.headers, record.request_id)
+            upstream = await transport.open(backend.spec, request.path, b"", headers)
+            try:
+                body = await transport.read_body(upstream)
+            finally:
+                transport.finish(upstream, complete=True)
+            status = upstream.status
+        else:
+            timeout = app[SETTINGS].upstream.idle_timeout
+            status, body = await transport.get(backend.spec, request.path_qs, within=timeout)
+        record.status, record.ending = status, "complete"
+        return web.Response(status=status, body=body, content_type="application/json")
+    except GatewayError as exc:
+        record.status, record.ending = exc.status, type(exc).__name__
+        raise
+    finally:
+        if grant is not None:
+            await limiter.finish(grant, 0)
+        finish(app, record)
+
+
+async def get_response(request: web.Request) -> web.Response:
+    """``GET /v1/responses/{id}``, answered by the backend that stored it."""
+    return await _to_home(request, cancel=False)
+
+
+async def cancel_response(request: web.Request) -> web.Response:
+    """``POST /v1/responses/{id}/cancel``, sent to the backend that runs it."""
+    return await _to_home(request, cancel=True)

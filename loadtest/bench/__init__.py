@@ -1,0 +1,1 @@
+"""Benchmarks of single parts: the gateway's overhead, admission, tokenizing, the simulator."""

@@ -1,0 +1,1 @@
+"""The soak: a long run with faults, its invariants and its report."""

@@ -1,0 +1,258 @@
+"""The operator's console in a real headless Chromium, against a running gateway (the shipped
+production configuration) in front of three simulators, with clients streaming through it.
+
+Each test records every request the page makes: all of them go to the admin listener, none
+carries the token in its URL, and nothing is left in the browser's storage.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from playwright.sync_api import Browser, Page, Playwright, Request, expect, sync_playwright
+
+from tests.gateway.admin.console.fleet import KEYS, MODEL, Fleet, Traffic, chat, running_fleet
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM_ENV = "LLM_GATEWAY_CHROMIUM"
+
+
+def chromium_path() -> str:
+    found = (
+        os.environ.get(CHROMIUM_ENV) or shutil.which("chromium") or shutil.which("chromium-browser")
+    )
+    if not found:
+        pytest.fail(
+            "No Chromium for the console's browser tests: `make browser` installs Debian's "
+            f"(apt), or set {CHROMIUM_ENV} to a Chromium binary.",
+            pytrace=False,
+        )
+    return found
+
+
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    with sync_playwright() as p:
+        yield p
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    b = playwright.chromium.launch(
+        executable_path=chromium_path(),
+        args=["--no-sandbox", "--disable-background-networking", "--no-first-run"],
+    )
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def fleet(tmp_path: Path, redis_url: str, redis_prefix: str) -> Iterator[Fleet]:
+    with running_fleet(tmp_path / "logs", redis_url, redis_prefix) as f:
+        traffic = Traffic(f.url).start()
+        try:
+            yield f
+        finally:
+            traffic.stop()
+
+
+@pytest.fixture
+def page(browser: Browser, fleet: Fleet) -> Iterator[Page]:
+    context = browser.new_context()
+    p = context.new_page()
+    requests: list[Request] = []
+    p.on("request", lambda r: requests.append(r))  # noqa: PLW0108 - a bound method is refused
+    p.goto(fleet.admin_url + "/")
+    yield p
+    # What the page did, whatever the test: only its own listener, the token in no URL and in
+    # no storage it keeps.
+    origin = urlsplit(fleet.admin_url).netloc
+    assert requests
+    assert {urlsplit(r.url).netloc for r in requests} == {origin}
+    assert not [r.url for r in requests if fleet.token in r.url]
+    assert fleet.token not in p.url
+    storage = p.evaluate("() => [localStorage.length, sessionStorage.length, document.cookie]")
+    assert storage == [0, 0, ""]
+    assert context.cookies() == []
+    context.close()
+
+
+def sign_in(page: Page, token: str) -> None:
+    page.fill("#token", token)
+    page.click("#sign-in")
+
+
+def signed_in(page: Page, fleet: Fleet) -> None:
+    sign_in(page, fleet.token)
+    expect(page.locator("#console")).to_be_visible()
+    for backend in ("gpu-a", "gpu-b", "gpu-canary"):
+        expect(page.locator(f'#backends tr[data-backend="{backend}"]')).to_be_visible()
+
+
+def apply_in_dialog(page: Page, expected_rows: list[tuple[str, str, str]]) -> None:
+    """The confirmation shows each change as (setting, now, after) before it is applied."""
+    dialog = page.locator("#confirm")
+    expect(dialog).to_be_visible()
+    rows = dialog.locator("#confirm-diff tbody tr")
+    expect(rows).to_have_count(len(expected_rows))
+    for i, row in enumerate(expected_rows):
+        expect(rows.nth(i).locator("td")).to_have_text(list(row))
+    page.click("#confirm-apply")
+    expect(dialog).to_be_hidden()
+
+
+def wait_until(condition: object, within: float = 10.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)  # sleep-ok: polling a condition with a deadline
+
+
+def test_the_page_loads_with_the_backends_and_their_live_figures(page: Page, fleet: Fleet) -> None:
+    signed_in(page, fleet)
+    for backend in ("gpu-a", "gpu-b", "gpu-canary"):
+        row = page.locator(f'#backends tr[data-backend="{backend}"]')
+        expect(row.locator("td").nth(1)).to_have_text("up")
+        expect(row.locator("td").nth(2)).to_have_text("closed")
+    expect(page.locator("#policy-name")).to_have_text("policy: prefix_affinity")
+    # Traffic is flowing: the request rate and a chart line appear once two polls are in.
+    rps = page.locator("#tiles .tile").filter(has_text="Requests/s").locator(".value")
+    expect(rps).not_to_have_text("\N{EN DASH}", timeout=15_000)  # the page's "no figure yet"
+    assert float(rps.inner_text()) > 0
+    expect(page.locator("#chart-rps polyline").first).to_be_attached(timeout=15_000)
+    # The default-tier key over its concurrency limit shows in the rejections, by key.
+    expect(page.locator("#rejections tbody tr").filter(has_text="internal-tools")).to_be_visible(
+        timeout=15_000
+    )
+    # The canary alias and its pools.
+    expect(
+        page.locator('#aliases tr[data-alias="chat"][data-pool="canary"] td').nth(1)
+    ).to_have_text("5")
+    expect(page.locator("#pools tbody tr")).to_have_count(2)
+
+
+def test_a_wrong_token_is_refused_and_shows_nothing(page: Page, fleet: Fleet) -> None:
+    with page.expect_response(lambda r: r.url.endswith("/admin/policy")) as answer:
+        sign_in(page, "not-the-token")
+    assert answer.value.status == 401
+    expect(page.locator("#login-error")).to_have_text("The admin API refused the token.")
+    expect(page.locator("#console")).to_be_hidden()
+    assert page.locator("#backends tbody tr").count() == 0
+    # The right one still works after a wrong one; a reload asks again (memory only).
+    signed_in(page, fleet)
+    page.reload()
+    expect(page.locator("#login")).to_be_visible()
+    expect(page.locator("#console")).to_be_hidden()
+
+
+def test_draining_a_backend_from_the_page_stops_traffic_to_it(page: Page, fleet: Fleet) -> None:
+    signed_in(page, fleet)
+    row = page.locator('#backends tr[data-backend="gpu-b"]')
+    row.locator("button.drain").click()
+    apply_in_dialog(page, [("draining", "false", "true")])
+    expect(row.locator("button.undrain")).to_be_visible()
+    expect(page.locator("#banner")).to_have_text("Drained gpu-b.")
+    assert fleet.backend("gpu-b")["draining"] is True
+    # Once its last stream has ended, nothing more reaches it; the others keep serving.
+    wait_until(lambda: fleet.backend("gpu-b")["in_flight"] == 0)
+    before_b, before_a = fleet.requests_to("gpu-b"), fleet.requests_to("gpu-a")
+    with httpx.Client(timeout=30) as client:
+        for _ in range(30):
+            assert chat(client, fleet.url, KEYS["web-app"], MODEL) == 200
+    assert fleet.requests_to("gpu-b") == before_b
+    assert fleet.requests_to("gpu-a") > before_a
+    # Undrained from the page, it takes requests again.
+    row.locator("button.undrain").click()
+    apply_in_dialog(page, [("draining", "true", "false")])
+    assert fleet.backend("gpu-b")["draining"] is False
+    wait_until(lambda: fleet.requests_to("gpu-b") > before_b, within=20)
+
+
+def test_a_weight_change_made_on_the_page_is_what_the_admin_api_reports(
+    page: Page, fleet: Fleet
+) -> None:
+    signed_in(page, fleet)
+    before = fleet.admin("GET", "/admin/policy").json()
+    assert before["weights"]["queue"] == 3.0
+    page.fill("#field-weights-queue", "7.5")
+    page.fill("#field-affinity-balance_abs", "12")
+    page.click("#policy-review")
+    apply_in_dialog(page, [("weights.queue", "3", "7.5"), ("affinity.balance_abs", "8", "12")])
+    expect(page.locator("#banner")).to_have_text("Policy changed.")
+    after = fleet.admin("GET", "/admin/policy").json()
+    assert after["weights"] == {**before["weights"], "queue": 7.5}
+    assert after["affinity"] == {**before["affinity"], "balance_abs": 12.0}
+    assert after["policy"] == before["policy"]
+    # A value the API refuses: its message on the page, and nothing changed.
+    page.fill("#field-weights-kv", "-1")
+    page.click("#policy-review")
+    apply_in_dialog(page, [("weights.kv", "1", "-1")])
+    expect(page.locator("#banner")).to_contain_text("weights.kv")
+    assert fleet.admin("GET", "/admin/policy").json() == after
+    # Switching the policy itself.
+    page.locator("#policy-select").select_option("least_load")
+    page.fill("#field-weights-kv", "1")
+    page.click("#policy-review")
+    apply_in_dialog(page, [("policy", "prefix_affinity", "least_load")])
+    expect(page.locator("#policy-name")).to_have_text("policy: least_load")
+    assert fleet.admin("GET", "/admin/policy").json()["policy"] == "least_load"
+
+
+def test_canary_weights_shift_from_the_page_and_roll_back(page: Page, fleet: Fleet) -> None:
+    signed_in(page, fleet)
+    block = page.locator('#aliases div.alias[data-alias="chat"]')
+    block.locator('input[name="weight.canary"]').fill("50")
+    block.locator('input[name="weight.stable"]').fill("50")
+    block.locator("button.review-weights").click()
+    apply_in_dialog(page, [("chat → stable", "95", "50"), ("chat → canary", "5", "50")])
+    assert fleet.admin("GET", "/admin/aliases/chat").json()["weights"] == {
+        "stable": 50.0,
+        "canary": 50.0,
+    }
+    expect(block.locator('tr[data-pool="canary"] td').nth(1)).to_have_text("50")
+    block.locator("button.rollback").click()
+    apply_in_dialog(page, [("chat → stable", "50", "95"), ("chat → canary", "50", "5")])
+    assert fleet.admin("GET", "/admin/aliases/chat").json()["weights"] == {
+        "stable": 95.0,
+        "canary": 5.0,
+    }
+    expect(block.locator('tr[data-pool="canary"] td').nth(1)).to_have_text("5")
+
+
+def test_reload_from_the_page_reports_what_it_applied(page: Page, fleet: Fleet) -> None:
+    signed_in(page, fleet)
+    page.click("#reload")
+    apply_in_dialog(page, [])
+    expect(page.locator("#reload-result")).to_have_text("Applied: nothing.")
+    expect(page.locator("#banner")).to_have_text("Configuration reloaded.")
+
+
+def test_a_change_made_elsewhere_shows_in_the_inputs_not_being_edited(
+    page: Page, fleet: Fleet
+) -> None:
+    signed_in(page, fleet)
+    page.fill("#field-weights-active", "4")  # being edited on the page
+    changed = {"weights": {"active": 2.0, "queue": 5.0, "kv": 1.0}}
+    assert fleet.admin("PUT", "/admin/policy", json=changed).status_code == 200
+    expect(page.locator("#field-weights-queue")).to_have_value("5")  # followed the gateway
+    expect(page.locator("#field-weights-active")).to_have_value("4")  # kept what was typed
+    expect(page.locator("#field-weights-active")).to_have_class("edited")
+    # The review compares with what runs now, not with what the page first showed.
+    page.click("#policy-review")
+    apply_in_dialog(page, [("weights.active", "2", "4")])
+    assert fleet.admin("GET", "/admin/policy").json()["weights"] == {
+        "active": 4.0,
+        "queue": 5.0,
+        "kv": 1.0,
+    }
+    block = page.locator('#aliases div.alias[data-alias="chat"]')
+    assert fleet.admin("PUT", "/admin/aliases/chat", json={"stable": 80, "canary": 20}).is_success
+    expect(block.locator('input[name="weight.canary"]')).to_have_value("20")

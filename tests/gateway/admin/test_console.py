@@ -1,0 +1,181 @@
+"""The console's server side: its assets without the token (and nothing else), its security
+headers, ``/admin/stats`` and the audit log of admin actions."""
+
+from __future__ import annotations
+
+import aiohttp
+from structlog.testing import capture_logs
+
+from gateway.admin.console import ASSETS, PUBLIC_PATHS
+from gateway.admin.stats import stats_document
+from gateway.observe.metrics import GatewayMetrics
+from policies import POLICY_NAMES
+from tests.helpers import FakeBackend, running_fake, running_gateway, stream_chat
+
+TOKEN = "console-t0ken"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+
+
+async def test_the_console_assets_are_served_without_the_token_with_a_strict_policy() -> None:
+    fake = FakeBackend()
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        assert gw.admin_url is not None
+        for path, (_name, content_type) in ASSETS.items():
+            async with s.get(gw.admin_url + path) as r:
+                assert r.status == 200, path
+                assert r.headers["Content-Type"] == content_type
+                csp = r.headers["Content-Security-Policy"]
+                assert "default-src 'none'" in csp
+                assert "connect-src 'self'" in csp
+                assert "frame-ancestors 'none'" in csp
+                assert r.headers["X-Content-Type-Options"] == "nosniff"
+                body = await r.text()
+                assert TOKEN not in body
+        async with s.get(gw.admin_url + "/") as r:
+            page = await r.text()
+        # Every asset the page names is one of ours, on this listener.
+        for ref in ("/console/console.js", "/console/console.css", "/console/icon.svg"):
+            assert ref in page
+        assert "http://" not in page
+        assert "https://" not in page
+
+
+async def test_only_the_assets_are_open_everything_else_needs_the_token() -> None:
+    fake = FakeBackend()
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        assert gw.admin_url is not None
+        for method, path in (
+            ("GET", "/admin/stats"),
+            ("GET", "/admin/backends"),
+            ("POST", "/"),  # an asset's path, but not a GET
+            ("GET", "/console/"),
+            ("GET", "/console/../admin/policy"),
+        ):
+            async with s.request(method, gw.admin_url + path) as r:
+                assert r.status in (401, 404, 405), (method, path, r.status)
+                assert r.status != 200
+        async with s.get(gw.admin_url + "/admin/stats", headers={"Authorization": "Bearer x"}) as r:
+            assert r.status == 401
+    assert all(p == "/" or p.startswith("/console/") for p in PUBLIC_PATHS)
+
+
+async def test_stats_count_requests_by_backend_and_status_and_their_ttft() -> None:
+    a, b = FakeBackend(behaviour=stream_chat(3)), FakeBackend(behaviour=stream_chat(3))
+    async with (
+        running_fake(a),
+        running_fake(b),
+        running_gateway([a.url, b.url], admin={"token": TOKEN}, policy="round_robin") as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        assert gw.admin_url is not None
+        for _ in range(6):
+            body = {"model": "m", "stream": True, "messages": []}
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+                await r.read()
+        async with s.get(gw.admin_url + "/admin/stats", headers=AUTH) as r:
+            assert r.status == 200
+            doc = await r.json()
+        ids = {a.url[7:], b.url[7:]}
+        assert set(doc["backends"]) >= ids
+        for bid in ids:
+            assert doc["backends"][bid]["requests"] == {"200": 3.0}
+            ttft = doc["backends"][bid]["ttft"]
+            assert ttft[-1][0] is None  # +Inf, as JSON can say it
+            assert ttft[-1][1] == 3.0
+            les = [le for le, _ in ttft[:-1]]
+            assert les == sorted(les)
+        assert doc["queue_depth"] == 0.0
+        assert doc["admission"]["waiting"] == 0.0
+        assert doc["rate_limit_rejections"] == []
+
+
+async def test_get_policy_lists_the_policies_a_put_accepts() -> None:
+    fake = FakeBackend()
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        assert gw.admin_url is not None
+        async with s.get(gw.admin_url + "/admin/policy", headers=AUTH) as r:
+            doc = await r.json()
+        assert doc["policies"] == list(POLICY_NAMES)
+        assert doc["policy"] in doc["policies"]
+
+
+async def test_admin_actions_and_refused_tokens_are_logged_without_the_token() -> None:
+    fake = FakeBackend()
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        assert gw.admin_url is not None
+        bid = fake.url[7:]
+        with capture_logs() as logs:
+            async with s.post(f"{gw.admin_url}/admin/backends/{bid}/drain", headers=AUTH) as r:
+                assert r.status == 200
+            async with s.post(f"{gw.admin_url}/admin/backends/nope/drain", headers=AUTH) as r:
+                assert r.status == 404
+            async with s.put(gw.admin_url + "/admin/policy", json={"policy": "x"}, headers=AUTH):
+                pass
+            bad = {"Authorization": "Bearer not-the-token"}
+            async with s.post(f"{gw.admin_url}/admin/backends/{bid}/undrain", headers=bad) as r:
+                assert r.status == 401
+            async with s.get(gw.admin_url + "/admin/backends", headers=AUTH):
+                pass  # reads are not actions
+        actions = [e for e in logs if e["event"] == "admin_action"]
+        assert [(e["method"], e["path"], e["status"]) for e in actions] == [
+            ("POST", f"/admin/backends/{bid}/drain", 200),
+            ("POST", "/admin/backends/nope/drain", 404),
+            ("PUT", "/admin/policy", 400),
+        ]
+        assert "error" in actions[2]
+        drained = [e for e in logs if e["event"] == "backend_drain_changed"]
+        assert drained == [
+            {
+                "event": "backend_drain_changed",
+                "backend": bid,
+                "draining": True,
+                "was": False,
+                "log_level": "info",
+            }
+        ]
+        refused = [e for e in logs if e["event"] == "admin_token_refused"]
+        assert len(refused) == 1
+        assert refused[0]["given"] == "wrong"
+        assert "not-the-token" not in repr(logs)
+        assert TOKEN not in repr(logs)
+
+
+def test_stats_document_groups_counters_from_the_registry() -> None:
+    m = GatewayMetrics()
+    m.requests.labels("m", "b1", "200", "chat").inc(3)
+    m.requests.labels("other", "b1", "200", "embeddings").inc(2)
+    m.requests.labels("m", "b1", "503", "chat").inc()
+    m.ttft.labels("m", "b1").observe(0.02)
+    m.ttft.labels("other", "b1").observe(0.2)
+    m.itl.labels("m", "b1").observe(0.01)
+    m.pool_requests.labels("chat", "stable", "200").inc(9)
+    m.pool_requests.labels("chat", "canary", "200").inc(1)
+    m.retries.labels("b1", "unreachable").inc()
+    doc = stats_document(m.registry.collect(), at=12.5)
+    assert doc["at"] == 12.5
+    b1 = doc["backends"]["b1"]
+    assert b1["requests"] == {"200": 5.0, "503": 1.0}  # summed over models and endpoints
+    ttft = dict(b1["ttft"])
+    assert ttft[0.025] == 1.0
+    assert ttft[0.25] == 2.0
+    assert ttft[None] == 2.0
+    assert dict(b1["itl"])[None] == 1.0
+    assert doc["aliases"] == {"chat": {"stable": {"200": 9.0}, "canary": {"200": 1.0}}}
+    assert doc["retries"] == {"unreachable": 1.0}

@@ -1,0 +1,73 @@
+"""``llm-gateway top`` against a live gateway, and its arithmetic on fixed inputs."""
+
+from __future__ import annotations
+
+import io
+
+import aiohttp
+import pytest
+from rich.console import Console
+
+from gateway.cli import main
+from tests.helpers import FakeBackend, running_fake, running_gateway, stream_chat
+from tools.top import MetricsSample, TopClient, bucket_quantile, frame
+
+TOKEN = "top-secret"
+
+
+def test_bucket_quantile_interpolates_like_prometheus() -> None:
+    buckets = [(0.1, 10.0), (0.5, 60.0), (1.0, 100.0), (float("inf"), 100.0)]
+    assert bucket_quantile(buckets, 0.1) == pytest.approx(0.1)
+    assert bucket_quantile(buckets, 0.5) == pytest.approx(0.1 + 0.4 * 40 / 50)
+    assert bucket_quantile(buckets, 0.99) == pytest.approx(0.5 + 0.5 * 39 / 40)
+    assert bucket_quantile([(1.0, 0.0), (float("inf"), 0.0)], 0.5) is None
+    assert bucket_quantile([(1.0, 0.0), (float("inf"), 4.0)], 0.5) == 1.0
+
+
+def test_rates_and_quantiles_cover_only_the_last_interval() -> None:
+    view = {
+        "backends": [
+            {"id": "a", "health": "up", "circuit": "closed", "draining": False, "in_flight": 3}
+        ]
+    }
+    prev = MetricsSample(10.0, {"a": 100.0}, {"a": [(0.1, 50.0), (float("inf"), 100.0)]})
+    cur = MetricsSample(12.0, {"a": 120.0}, {"a": [(0.1, 50.0), (float("inf"), 120.0)]})
+    (row,) = frame(view, cur, prev)
+    assert row.rps == 10.0
+    # All 20 new requests were slower than 0.1 s: the old fast ones no longer count.
+    assert row.ttft_p50 == 0.1
+    (first,) = frame(view, cur, None)
+    assert first.rps is None
+
+
+async def test_top_renders_a_frame_from_a_live_gateway() -> None:
+    fake = FakeBackend(behaviour=stream_chat(3))
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
+    async with (
+        running_fake(fake),
+        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
+        aiohttp.ClientSession() as s,
+    ):
+        assert gw.admin_url is not None
+        client = TopClient(s, gw.admin_url, TOKEN)
+        await client.next_frame()
+        for _ in range(4):
+            async with s.post(gw.url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+        table = await client.next_frame()
+    out = io.StringIO()
+    Console(file=out, width=160).print(table)
+    text = out.getvalue()
+    assert "policy: least_load" in text
+    assert fake.url[7:] in text
+    assert "up" in text
+    assert "closed" in text
+    assert " ms" in text  # a TTFT quantile was computed from the requests in the interval
+
+
+def test_top_without_a_token_says_how_to_give_one(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("LLM_GATEWAY_ADMIN_TOKEN", raising=False)
+    assert main(["top", "--admin", "http://127.0.0.1:9"]) == 2
+    assert "--token" in capsys.readouterr().out

@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from policies.setting import check_settings, setting
+
 
 class Circuit(enum.Enum):
     CLOSED = "closed"
@@ -24,14 +26,13 @@ class Circuit(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class CircuitPolicy:
-    threshold: int = 5
-    cooldown: float = 5.0
-    growth: float = 2.0
-    max_cooldown: float = 120.0
+    threshold: int = setting(5, "consecutive failures to open", ge=1)
+    cooldown: float = setting(5.0, "first open period, seconds", gt=0)
+    growth: float = setting(2.0, "cooldown factor on each re-opening", ge=1)
+    max_cooldown: float = setting(120.0, "longest open period, seconds", gt=0)
 
     def __post_init__(self) -> None:
-        if self.threshold < 1 or self.cooldown <= 0 or self.growth < 1:
-            raise ValueError("threshold >= 1, cooldown > 0 and growth >= 1 are required")
+        check_settings(self)
 
 
 @dataclass(slots=True)

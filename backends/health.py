@@ -12,6 +12,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from policies.setting import check_settings, setting
+
 
 class Health(enum.Enum):
     UNKNOWN = "unknown"
@@ -21,12 +23,11 @@ class Health(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class HealthPolicy:
-    fall: int = 3
-    rise: int = 2
+    fall: int = setting(3, "consecutive failed probes to mark a backend down", ge=1)
+    rise: int = setting(2, "consecutive good probes to bring it back", ge=1)
 
     def __post_init__(self) -> None:
-        if self.fall < 1 or self.rise < 1:
-            raise ValueError("fall and rise must be at least 1")
+        check_settings(self)
 
 
 @dataclass(slots=True)

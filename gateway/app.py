@@ -23,6 +23,7 @@ from backends.upstream.client import Transport, UpstreamClient
 from gateway.admin.fanout import JOURNAL_PATH, journal_handler
 from gateway.admin.journal import AdminJournal
 from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
+from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
 from gateway.keys import (
@@ -92,13 +93,8 @@ def _pool(settings: Settings, shared: SharedInFlight | None) -> BackendPool:
         shared=shared,
         stale_after=settings.scrape.stale_after,
         retry_after=settings.retry_after_seconds,
-        health=HealthPolicy(fall=h.fall, rise=h.rise),
-        circuit=CircuitPolicy(
-            threshold=h.circuit_threshold,
-            cooldown=h.circuit_cooldown,
-            growth=h.circuit_growth,
-            max_cooldown=h.circuit_max_cooldown,
-        ),
+        health=build(HealthPolicy, h),
+        circuit=build(CircuitPolicy, h, prefix="circuit_"),
     )
     for b in settings.backends:
         if b.drain:
@@ -234,21 +230,7 @@ def _kv_feeds(
     from backends.kv.feed import KvFeeds  # ZMQ is loaded only when events are followed
     from backends.kv.sources import FeedSettings
 
-    k = s.kv_events
-    return KvFeeds(
-        pool,
-        index,
-        client,
-        FeedSettings(
-            discover=k.discover,
-            endpoint=k.endpoint,
-            replay_endpoint=k.replay_endpoint,
-            topic=k.topic,
-            replay_timeout=k.replay_timeout,
-            rediscover_interval=k.rediscover_interval,
-        ),
-        supervisor=supervisor,
-    )
+    return KvFeeds(pool, index, client, build(FeedSettings, s.kv_events), supervisor=supervisor)
 
 
 def _admission(settings: Settings, pool: BackendPool) -> AdmissionQueue | None:
@@ -383,15 +365,7 @@ def create_app(
         decode=decode,
         retry_after=settings.retry_after_seconds,
     )
-    r = settings.retry
-    app[RETRY] = RetryPolicy(
-        max_attempts=r.max_attempts,
-        deadline=r.deadline,
-        backoff_base=r.backoff_base,
-        backoff_max=r.backoff_max,
-        backoff_factor=r.backoff_factor,
-        jitter=r.jitter,
-    )
+    app[RETRY] = build(RetryPolicy, settings.retry)
     rollout = app[ROLLOUT] = Rollout.from_settings(settings)  # model pools and aliases
     admission = _admission(settings, pool)
     app[ADMISSION] = admission

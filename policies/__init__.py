@@ -10,7 +10,7 @@ from typing import Final, Literal, get_args
 from policies.kv_index import KvIndex
 from policies.latency import LatencyConfig, LatencyTracker, Load
 from policies.least_load import LeastLoad
-from policies.precise_prefix import PrecisePrefix
+from policies.precise_prefix import MAX_BLOCKS, PrecisePrefix
 from policies.predicted_latency import PredictedLatency, PredictionConfig
 from policies.prefix import PrefixHasher, PrefixIndex
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity
@@ -38,7 +38,7 @@ def make_policy(
     affinity: AffinityConfig | None = None,
     previous: Policy | None = None,
     kv_index: KvIndex | None = None,
-    kv_max_blocks: int = 1024,
+    kv_max_blocks: int = MAX_BLOCKS,
     tracker: LatencyTracker | None = None,
     prediction: PredictionConfig | None = None,
 ) -> Policy:

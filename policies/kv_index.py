@@ -99,12 +99,16 @@ class CacheStats:
     evicted: int
 
 
+# Blocks remembered per backend by default: more than most engines' KV cache holds.
+KV_CAPACITY: Final = 262_144
+
+
 class KvIndex:
     """Per backend, the keys of the blocks its engine holds; bounded by ``capacity`` each."""
 
     __slots__ = ("_caches", "_free_bits", "_holders", "_live", "_next_bit", "capacity")
 
-    def __init__(self, capacity: int = 262_144) -> None:
+    def __init__(self, capacity: int = KV_CAPACITY) -> None:
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity

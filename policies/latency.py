@@ -42,6 +42,7 @@ from typing import Final
 
 from policies.facts import CHARS_PER_TOKEN
 from policies.fit import DecayingFit
+from policies.setting import check_settings, setting
 from policies.types import BackendSnapshot, Outcome, RouteFacts
 
 TTFT_TERMS: Final = ("base", "per_ktok", "per_queued", "per_running", "per_ktok_ahead")
@@ -106,15 +107,22 @@ def _itl(c: Sequence[float], load: Load) -> float:
 
 @dataclass(frozen=True, slots=True)
 class LatencyConfig:
-    half_life: float = 5.0  # seconds for a recent observation's weight to halve
+    half_life: float = setting(
+        5.0,
+        "seconds for an observation's weight to halve: how fast a backend that slows down or "
+        "recovers is seen",
+        gt=0,
+    )
     memory: float = 60.0  # the same, for the long-memory fit (what is rarely seen)
-    ridge: float = 2.0  # pseudo-observations pulling a fit toward the one behind it
+    # pseudo-observations pulling a fit toward the one behind it
+    ridge: float = setting(2.0, "observations' worth of pull toward the fleet's figures", gt=0)
     resolve_s: float = 0.25  # a changed fit is solved again at most this often
     max_backends: int = 4096
 
     def __post_init__(self) -> None:
-        if not (self.half_life > 0 and self.ridge > 0 and self.resolve_s >= 0):
-            raise ValueError("half_life and ridge must be positive, resolve_s not negative")
+        check_settings(self)
+        if not self.resolve_s >= 0:
+            raise ValueError("resolve_s must be at least 0")
         if not self.memory >= self.half_life:
             raise ValueError("memory must be at least half_life")
         if self.max_backends < 1:

@@ -45,6 +45,7 @@ from policies.prefix_affinity import (
     session_target,
 )
 from policies.scoring import Weights
+from policies.setting import check_settings, setting
 from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
 
 REASONS: Final = (
@@ -57,6 +58,8 @@ REASONS: Final = (
     "fallback_not_live",
 )
 _TENTATIVE_MAX: Final = 65_536
+# Leading blocks of a prompt that are keyed by default: 16k tokens at vLLM's block size.
+MAX_BLOCKS: Final = 1024
 
 
 @dataclass(slots=True)
@@ -65,7 +68,7 @@ class PrecisePrefix:
     weights: Weights = field(default_factory=Weights)
     rng: Rng = field(default_factory=random.Random)
     config: AffinityConfig = field(default_factory=AffinityConfig)
-    max_blocks: int = 1024  # leading blocks of a prompt that are keyed (16k tokens at 16)
+    max_blocks: int = setting(MAX_BLOCKS, "leading blocks of a prompt that are keyed", ge=1)
     # The block size assumed for a backend that has not reported one yet (no event so far),
     # so that tentative credit works on a fresh fleet too. vLLM's default is 16.
     default_block_size: int = 16
@@ -81,8 +84,9 @@ class PrecisePrefix:
     _credit: dict[str, Counter[int]] = field(init=False, repr=False)  # backend -> key -> n
 
     def __post_init__(self) -> None:
-        if self.max_blocks < 1 or self.default_block_size < 1:
-            raise ValueError("max_blocks and default_block_size must be at least 1")
+        check_settings(self)
+        if self.default_block_size < 1:
+            raise ValueError("default_block_size must be at least 1")
         self._load = LeastLoad(weights=self.weights, rng=self.rng)
         if self.fallback is None:
             self.fallback = PrefixAffinity(weights=self.weights, rng=self.rng, config=self.config)

@@ -48,6 +48,7 @@ from policies.latency import LatencyTracker, prompt_size
 from policies.precise_prefix import PrecisePrefix
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity, not_overloaded
 from policies.scoring import Weights
+from policies.setting import check_settings, setting
 from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
 
 Objective = Literal["ttft", "e2e"]
@@ -78,43 +79,64 @@ def rescue_declined(others: Sequence[BackendSnapshot]) -> str | None:
 class PredictionConfig:
     """What ``predicted_latency`` minimises and whose prefix knowledge it uses (live)."""
 
-    objective: Objective = "ttft"
-    prefix: PrefixSource = "approximate"
-    # Optimism where little is known: a prediction counts (1 - explore / sqrt(1 + w)) of itself,
-    # w the recent observations behind the backend's own fit. A backend that has not been
-    # chosen lately (a new one, one that was slow and may have recovered) is then tried again,
-    # while one that is known to be much slower is not.
-    explore: float = 0.5
-    # The load guard, on the least_load score (the engine's queue included): a candidate one
-    # more request would put more than balance_abs above the least loaded (and balance_rel
-    # times) is not chosen, however fast it is predicted. The fits know little of loads the
-    # policy itself avoids, so this keeps a backend that just turned fast from taking a herd.
-    balance_abs: float = 6.0
-    balance_rel: float = 1.5
-    # The rescue: no first token rescue_factor x later than predicted (and after rescue_min
-    # seconds): sent elsewhere. 0: never.
-    rescue_factor: float = 3.0
-    rescue_min: float = 0.1
-    # How: "move" takes the request back and sends it elsewhere; "hedge" sends a copy elsewhere
-    # and keeps the first, and whichever has its first token first answers.
-    rescue_mode: RescueMode = "move"
-    # Hedges running at once: at most this share of the requests in flight (at least one;
-    # 0: none).
-    hedge_budget: float = 0.1
+    objective: Objective = setting(
+        "ttft",
+        "what predicted_latency minimises: ttft (first token) or e2e (whole answer); a key "
+        "tier's objective overrides it",
+    )
+    prefix: PrefixSource = setting(
+        "approximate",
+        "prefix knowledge predicted_latency uses for cached tokens: approximate "
+        "(prefix_affinity's, [affinity]), precise (KV events, [kv_events]) or none",
+    )
+    # A backend that has not been chosen lately (a new one, one that was slow and may have
+    # recovered) is then tried again, while one that is known to be much slower is not.
+    explore: float = setting(
+        0.5,
+        "optimism for backends little observed lately: a prediction counts "
+        "(1 - explore / sqrt(1 + recent observations)) of itself, so they are tried again",
+        ge=0,
+        lt=1,
+    )
+    # The fits know little of loads the policy itself avoids, so the guard keeps a backend
+    # that just turned fast from taking a herd, however fast it is predicted.
+    balance_abs: float = setting(
+        6.0,
+        "predicted_latency's load guard: a backend one more request puts this far above the "
+        "least loaded (least_load score)...",
+        ge=0,
+    )
+    balance_rel: float = setting(1.5, "...and this many times, is not chosen", ge=1)
+    # 0 or at least 1 (checked below): a rescue must not fire before its prediction.
+    rescue_factor: float = setting(
+        3.0,
+        "predicted_latency: a streamed request with no first token this many times later than "
+        "predicted is sent to another backend, once, before anything reached its client "
+        "(0: never; else at least 1)",
+    )
+    rescue_min: float = setting(0.1, "...and never before this many seconds", ge=0)
+    rescue_mode: RescueMode = setting(
+        "move",
+        "how predicted_latency rescues a late stream: move (take it back and send it to "
+        "another backend) or hedge (send a copy to another backend and keep the first: "
+        "whichever has its first token first answers, the other is closed unsent)",
+    )
+    hedge_budget: float = setting(
+        0.1,
+        "hedges running at once: at most this share of the requests in flight (at least one; "
+        "0: none); a late stream over the budget waits on where it is",
+        ge=0,
+        le=1,
+    )
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.explore < 1.0:
-            raise ValueError("explore must be in [0, 1)")
-        if not self.balance_abs >= 0 or not self.balance_rel >= 1:
-            raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
-        if not (self.rescue_factor == 0 or self.rescue_factor >= 1) or not self.rescue_min >= 0:
-            raise ValueError("rescue_factor must be 0 (off) or at least 1, rescue_min >= 0")
+        check_settings(self)
+        if not (self.rescue_factor == 0 or self.rescue_factor >= 1):
+            raise ValueError("rescue_factor must be 0 (off) or at least 1")
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective must be one of {', '.join(OBJECTIVES)}")
         if self.prefix not in PREFIX_SOURCES:
             raise ValueError(f"prefix must be one of {', '.join(PREFIX_SOURCES)}")
-        if not 0 <= self.hedge_budget <= 1:
-            raise ValueError("hedge_budget must be in [0, 1]")
         if self.rescue_mode not in RESCUE_MODES:
             raise ValueError(f"rescue_mode must be one of {', '.join(RESCUE_MODES)}")
 

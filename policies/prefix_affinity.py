@@ -47,6 +47,7 @@ from policies.facts import CHARS_PER_TOKEN
 from policies.least_load import LeastLoad
 from policies.prefix import PrefixHasher, PrefixHeat, PrefixIndex
 from policies.scoring import Weights, score
+from policies.setting import check_settings, setting
 from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
 
 BalanceOn = Literal["in_flight", "score"]
@@ -61,25 +62,35 @@ _TENTATIVE_MAX: Final = 65_536
 class AffinityConfig:
     """Everything ``prefix_affinity`` can be tuned with (live, through the admin API)."""
 
-    block_chars: int = 64
-    max_blocks: int = 128
-    index_capacity: int = 50_000
-    balance_abs: float = 8.0
-    balance_rel: float = 1.5
-    balance_on: BalanceOn = "in_flight"
-    placement: Placement = "room"
-    session_header: str | None = None
+    block_chars: int = setting(64, "prompt characters per hashed block (about 16 tokens)", ge=8)
+    max_blocks: int = setting(128, "leading blocks of a prompt that are hashed", ge=1)
+    index_capacity: int = setting(
+        50_000, "block hashes remembered, least recently used dropped first", ge=128
+    )
+    balance_abs: float = setting(
+        8.0, "a backend one more request puts this far above the idlest loses affinity...", ge=0
+    )
+    balance_rel: float = setting(1.5, "...if also this many times above it", ge=1)
+    balance_on: BalanceOn = setting(
+        "in_flight", "load for the guard: in-flight count or least_load score"
+    )
+    placement: Placement = setting(
+        "room",
+        "a new prefix: least loaded, then most cache room; or hash (use with several gateway "
+        "replicas, so they agree)",
+    )
+    session_header: str | None = setting(
+        None, "request header naming a session (e.g. x-session-id); None: off"
+    )
 
     def __post_init__(self) -> None:
+        check_settings(self)
         if self.index_capacity < self.max_blocks:
             raise ValueError("index_capacity must be at least max_blocks")
-        if not self.balance_abs >= 0 or not self.balance_rel >= 1:
-            raise ValueError("balance_abs must be >= 0 and balance_rel >= 1")
         if self.balance_on not in ("in_flight", "score"):
             raise ValueError(f"balance_on must be in_flight or score, got {self.balance_on!r}")
         if self.placement not in ("room", "hash"):
             raise ValueError(f"placement must be room or hash, got {self.placement!r}")
-        PrefixHasher(self.block_chars, self.max_blocks)  # validates both
 
     @property
     def hasher(self) -> PrefixHasher:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from policies.setting import check_settings, setting
 from policies.types import BackendSnapshot
 
 
@@ -11,15 +12,12 @@ from policies.types import BackendSnapshot
 class Weights:
     """Weights of each load signal in the score; ops tune them live."""
 
-    active: float = 2.0
-    queue: float = 3.0
-    kv: float = 0.0
+    active: float = setting(2.0, "score weight of each request in flight", ge=0)
+    queue: float = setting(3.0, "score weight of each request queued in the engine", ge=0)
+    kv: float = setting(0.0, "score weight of the engine's KV-cache usage (0..1)", ge=0)
 
     def __post_init__(self) -> None:
-        for name in ("active", "queue", "kv"):
-            value = getattr(self, name)
-            if not value >= 0.0:  # also rejects NaN
-                raise ValueError(f"weight {name} must be a non-negative number, got {value!r}")
+        check_settings(self)
 
 
 def effective_queue(snap: BackendSnapshot) -> int:

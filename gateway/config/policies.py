@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from gateway.config.declared import build
 from gateway.config.routing import AffinitySettings, LatencySettings, WeightSettings
 from gateway.config.settings import Settings
 from policies import (
@@ -18,19 +19,19 @@ from policies import (
 
 
 def affinity_config(s: AffinitySettings) -> AffinityConfig:
-    return AffinityConfig(**s.model_dump())
+    return build(AffinityConfig, s)
 
 
 def latency_config(s: LatencySettings) -> LatencyConfig:
-    return LatencyConfig(half_life=s.half_life, ridge=s.ridge)
+    return build(LatencyConfig, s)
 
 
 def prediction_config(s: LatencySettings) -> PredictionConfig:
-    return PredictionConfig(**s.model_dump(exclude={"half_life", "ridge", "slo_header"}))
+    return build(PredictionConfig, s)
 
 
 def weights_of(w: WeightSettings) -> Weights:
-    return Weights(active=w.active, queue=w.queue, kv=w.kv)
+    return build(Weights, w)
 
 
 def build_policy(

@@ -5,19 +5,20 @@ prediction, model pools and their rollout, prefill/decode pools. Part of ``gatew
 
 from __future__ import annotations
 
-from typing import Literal
+from pydantic import BaseModel, ConfigDict, Field
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from gateway.config.declared import Section, declared
+from policies import AffinityConfig, LatencyConfig, PolicyName, PredictionConfig, Weights
+from policies.predicted_latency import Objective, PrefixSource, RescueMode
+from policies.prefix_affinity import BalanceOn, Placement
 
-from policies import PolicyName
 
+class WeightSettings(Section):
+    builds = ((Weights, ""),)
 
-class WeightSettings(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-    active: float = Field(2.0, ge=0)
-    queue: float = Field(3.0, ge=0)
-    kv: float = Field(0.0, ge=0)
+    active: float = declared(Weights, "active")
+    queue: float = declared(Weights, "queue")
+    kv: float = declared(Weights, "kv")
 
 
 class RolePoolSettings(BaseModel):
@@ -52,114 +53,43 @@ class DisaggSettings(BaseModel):
     )
 
 
-class AffinitySettings(BaseModel):
+class AffinitySettings(Section):
     """The ``prefix_affinity`` policy: prompt hashing, its index, the balance guard, sessions."""
 
-    model_config = ConfigDict(extra="forbid")
+    builds = ((AffinityConfig, ""),)
 
-    block_chars: int = Field(
-        64, ge=8, description="prompt characters per hashed block (about 16 tokens)"
-    )
-    max_blocks: int = Field(128, ge=1, description="leading blocks of a prompt that are hashed")
-    index_capacity: int = Field(
-        50_000, ge=128, description="block hashes remembered, least recently used dropped first"
-    )
-    balance_abs: float = Field(
-        8.0,
-        ge=0,
-        description="a backend one more request puts this far above the idlest loses affinity...",
-    )
-    balance_rel: float = Field(1.5, ge=1, description="...if also this many times above it")
-    balance_on: Literal["in_flight", "score"] = Field(
-        "in_flight", description="load for the guard: in-flight count or least_load score"
-    )
-    placement: Literal["room", "hash"] = Field(
-        "room",
-        description="a new prefix: least loaded, then most cache room; or hash (use with "
-        "several gateway replicas, so they agree)",
-    )
-    session_header: str | None = Field(
-        None, description="request header naming a session (e.g. x-session-id); None: off"
-    )
-
-    @model_validator(mode="after")
-    def _capacity(self) -> AffinitySettings:
-        if self.index_capacity < self.max_blocks:
-            raise ValueError("index_capacity must be at least max_blocks")
-        return self
+    block_chars: int = declared(AffinityConfig, "block_chars")
+    max_blocks: int = declared(AffinityConfig, "max_blocks")
+    index_capacity: int = declared(AffinityConfig, "index_capacity")
+    balance_abs: float = declared(AffinityConfig, "balance_abs")
+    balance_rel: float = declared(AffinityConfig, "balance_rel")
+    balance_on: BalanceOn = declared(AffinityConfig, "balance_on")
+    placement: Placement = declared(AffinityConfig, "placement")
+    session_header: str | None = declared(AffinityConfig, "session_header")
 
 
-class LatencySettings(BaseModel):
+class LatencySettings(Section):
     """Learned per-backend speed (always learned) and the ``predicted_latency`` policy."""
 
-    model_config = ConfigDict(extra="forbid")
+    builds = ((LatencyConfig, ""), (PredictionConfig, ""))
 
-    half_life: float = Field(
-        5.0,
-        gt=0,
-        description="seconds for an observation's weight to halve: how fast a backend that "
-        "slows down or recovers is seen",
-    )
-    ridge: float = Field(
-        2.0, gt=0, description="observations' worth of pull toward the fleet's figures"
-    )
-    objective: Literal["ttft", "e2e"] = Field(
-        "ttft",
-        description="what predicted_latency minimises: ttft (first token) or e2e (whole "
-        "answer); a key tier's objective overrides it",
-    )
-    explore: float = Field(
-        0.5,
-        ge=0,
-        lt=1,
-        description="optimism for backends little observed lately: a prediction counts "
-        "(1 - explore / sqrt(1 + recent observations)) of itself, so they are tried again",
-    )
-    balance_abs: float = Field(
-        6.0,
-        ge=0,
-        description="predicted_latency's load guard: a backend one more request puts this far "
-        "above the least loaded (least_load score)...",
-    )
-    balance_rel: float = Field(1.5, ge=1, description="...and this many times, is not chosen")
+    half_life: float = declared(LatencyConfig, "half_life")
+    ridge: float = declared(LatencyConfig, "ridge")
+    objective: Objective = declared(PredictionConfig, "objective")
+    explore: float = declared(PredictionConfig, "explore")
+    balance_abs: float = declared(PredictionConfig, "balance_abs")
+    balance_rel: float = declared(PredictionConfig, "balance_rel")
     slo_header: str | None = Field(
         "x-ttft-slo-ms",
         description="request header stating the TTFT the request needs, in ms (None: off); "
         "with the admission queue, a request no backend is predicted to meet waits, then is "
         "shed at priority 0",
     )
-    rescue_factor: float = Field(
-        3.0,
-        description="predicted_latency: a streamed request with no first token this many times "
-        "later than predicted is sent to another backend, once, before anything reached its "
-        "client (0: never; else at least 1)",
-    )
-    rescue_min: float = Field(0.1, ge=0, description="...and never before this many seconds")
-    rescue_mode: Literal["move", "hedge"] = Field(
-        "move",
-        description="how predicted_latency rescues a late stream: move (take it back and send it "
-        "to another backend) or hedge (send a copy to another backend and keep the first: "
-        "whichever has its first token first answers, the other is closed unsent)",
-    )
-    hedge_budget: float = Field(
-        0.1,
-        ge=0,
-        le=1,
-        description="hedges running at once: at most this share of the requests in flight "
-        "(at least one; 0: none); a late stream over the budget waits on where it is",
-    )
-    prefix: Literal["none", "approximate", "precise"] = Field(
-        "approximate",
-        description="prefix knowledge predicted_latency uses for cached tokens: approximate "
-        "(prefix_affinity's, [affinity]), precise (KV events, [kv_events]) or none",
-    )
-
-    @field_validator("rescue_factor")
-    @classmethod
-    def _rescue_factor(cls, v: float) -> float:
-        if not (v == 0 or v >= 1):
-            raise ValueError("rescue_factor must be 0 (never) or at least 1")
-        return v
+    rescue_factor: float = declared(PredictionConfig, "rescue_factor")
+    rescue_min: float = declared(PredictionConfig, "rescue_min")
+    rescue_mode: RescueMode = declared(PredictionConfig, "rescue_mode")
+    hedge_budget: float = declared(PredictionConfig, "hedge_budget")
+    prefix: PrefixSource = declared(PredictionConfig, "prefix")
 
 
 class PoolSettings(BaseModel):

@@ -21,6 +21,10 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from backends.circuit import CircuitPolicy
+from backends.health import HealthPolicy
+from backends.kv.sources import FeedSettings
+from gateway.config.declared import Section, declared
 from gateway.config.routing import (
     AffinitySettings,
     DisaggSettings,
@@ -30,7 +34,10 @@ from gateway.config.routing import (
     WeightSettings,
 )
 from gateway.limits.settings import LimitsSettings
+from gateway.request.retry import RetryPolicy
 from policies import PolicyName
+from policies.kv_index import KV_CAPACITY
+from policies.precise_prefix import PrecisePrefix
 from policies.rollout import WeightsError, check_weights
 
 
@@ -91,19 +98,19 @@ class ScrapeSettings(BaseModel):
     models_interval: float = Field(10.0, gt=0, description="seconds between /v1/models reads")
 
 
-class HealthSettings(BaseModel):
+class HealthSettings(Section):
     """Active probes (GET /health) and the passive circuit breaker."""
 
-    model_config = ConfigDict(extra="forbid")
+    builds = ((HealthPolicy, ""), (CircuitPolicy, "circuit_"))
 
     interval: float = Field(2.0, gt=0, description="seconds between probes of each backend")
     timeout: float = Field(1.0, gt=0, description="a probe with no answer by then failed")
-    fall: int = Field(3, ge=1, description="consecutive failed probes to mark a backend down")
-    rise: int = Field(2, ge=1, description="consecutive good probes to bring it back")
-    circuit_threshold: int = Field(5, ge=1, description="consecutive failures to open")
-    circuit_cooldown: float = Field(5.0, gt=0, description="first open period, seconds")
-    circuit_growth: float = Field(2.0, ge=1, description="cooldown factor on each re-opening")
-    circuit_max_cooldown: float = Field(120.0, gt=0)
+    fall: int = declared(HealthPolicy, "fall")
+    rise: int = declared(HealthPolicy, "rise")
+    circuit_threshold: int = declared(CircuitPolicy, "threshold")
+    circuit_cooldown: float = declared(CircuitPolicy, "cooldown")
+    circuit_growth: float = declared(CircuitPolicy, "growth")
+    circuit_max_cooldown: float = declared(CircuitPolicy, "max_cooldown")
     stall_after: float = Field(
         20.0,
         ge=0,
@@ -113,17 +120,17 @@ class HealthSettings(BaseModel):
     )
 
 
-class RetrySettings(BaseModel):
+class RetrySettings(Section):
     """Failover to another backend, only before the first byte has reached the client."""
 
-    model_config = ConfigDict(extra="forbid")
+    builds = ((RetryPolicy, ""),)
 
-    max_attempts: int = Field(3, ge=1, description="attempts per request, the first included")
-    deadline: float = Field(15.0, gt=0, description="no new attempt after this many seconds")
-    backoff_base: float = Field(0.05, ge=0)
-    backoff_max: float = Field(2.0, ge=0)
-    backoff_factor: float = Field(1.5, ge=1)
-    jitter: float = Field(0.2, ge=0, le=1, description="+/- this fraction of each backoff")
+    max_attempts: int = declared(RetryPolicy, "max_attempts")
+    deadline: float = declared(RetryPolicy, "deadline")
+    backoff_base: float = declared(RetryPolicy, "backoff_base")
+    backoff_max: float = declared(RetryPolicy, "backoff_max")
+    backoff_factor: float = declared(RetryPolicy, "backoff_factor")
+    jitter: float = declared(RetryPolicy, "jitter")
 
 
 class ContinuationSettings(BaseModel):
@@ -167,33 +174,28 @@ class ResponsesSettings(BaseModel):
     )
 
 
-class KvEventsSettings(BaseModel):
+class KvEventsSettings(Section):
     """Following vLLM's KV-cache events, for ``precise_prefix`` (README: "Routing on what each
     engine really caches")."""
 
-    model_config = ConfigDict(extra="forbid")
+    builds = ((FeedSettings, ""),)
+    also_declares = ((PrecisePrefix, ""),)
 
     enabled: bool | None = Field(
         None, description="follow the backends' KV events; unset: when the policy is precise_prefix"
     )
-    discover: bool = Field(True, description="ask each backend's GET /kv_event_sources")
-    endpoint: str | None = Field(
-        None,
-        description="else subscribe here: a template with {host}, the backend's host, e.g. "
-        "tcp://{host}:5557",
-    )
-    replay_endpoint: str | None = Field(None, description="e.g. tcp://{host}:5558")
-    topic: str = ""
-    replay_timeout: float = Field(2.0, gt=0, description="seconds a replay request may take")
-    rediscover_interval: float = Field(
-        5.0, gt=0, description="seconds between looks at a backend that publishes no events"
-    )
+    discover: bool = declared(FeedSettings, "discover")
+    endpoint: str | None = declared(FeedSettings, "endpoint")
+    replay_endpoint: str | None = declared(FeedSettings, "replay_endpoint")
+    topic: str = declared(FeedSettings, "topic")
+    replay_timeout: float = declared(FeedSettings, "replay_timeout")
+    rediscover_interval: float = declared(FeedSettings, "rediscover_interval")
     capacity: int = Field(
-        262_144,
+        KV_CAPACITY,
         ge=1024,
         description="blocks remembered per backend (at least its engine's KV blocks)",
     )
-    max_blocks: int = Field(1024, ge=1, description="leading blocks of a prompt that are keyed")
+    max_blocks: int = declared(PrecisePrefix, "max_blocks")
     inline_chars: int = Field(
         4000, ge=0, description="longer prompts are tokenized off the event loop"
     )

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from policies import Rng
+from policies.setting import check_settings, setting
 
 # Answers that mean "this backend cannot take it now", worth another backend's try.
 RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
@@ -13,12 +14,15 @@ RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    max_attempts: int = 3
-    deadline: float = 15.0
-    backoff_base: float = 0.05
-    backoff_max: float = 2.0
-    backoff_factor: float = 1.5
-    jitter: float = 0.2
+    max_attempts: int = setting(3, "attempts per request, the first included", ge=1)
+    deadline: float = setting(15.0, "no new attempt after this many seconds", gt=0)
+    backoff_base: float = setting(0.05, "seconds to wait after the first failure", ge=0)
+    backoff_max: float = setting(2.0, "longest wait between attempts, seconds", ge=0)
+    backoff_factor: float = setting(1.5, "wait factor on each further failure", ge=1)
+    jitter: float = setting(0.2, "+/- this fraction of each backoff", ge=0, le=1)
+
+    def __post_init__(self) -> None:
+        check_settings(self)
 
     def backoff(self, failed_attempts: int, rng: Rng) -> float:
         """Seconds to wait after the ``failed_attempts``-th failure (1-based), jittered."""

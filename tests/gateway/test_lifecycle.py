@@ -166,8 +166,8 @@ async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_work() -> 
 
 
 async def test_shutdown_closes_idle_kept_alive_connections_while_streams_finish() -> None:
-    """What the README says of SIGTERM: an idle kept-alive connection is closed (its client's
-    next request fails to connect, so it goes elsewhere), not answered 503 (issue 23)."""
+    """What docs/operations.md says of SIGTERM: an idle kept-alive connection is closed (its
+    client's next request fails to connect, so it goes elsewhere), not answered 503 (issue 23)."""
     fake = FakeBackend(behaviour=stream_chat(10, delay=0.03))
     async with running_fake(fake), running_gateway([fake.url], shutdown_grace=5) as gw:
         host, port = gw.url.removeprefix("http://").split(":")

@@ -318,7 +318,7 @@ backends = ["v2a"]
 
 
 async def test_hidden_pools_are_not_models_but_the_backends_own_names_are() -> None:
-    """What the README says of ``expose_pools = false`` (issue 23): the pool names are neither
+    """What docs/rollouts.md says of ``expose_pools = false`` (issue 23): the pool names are neither
     listed nor routable; the models the backends serve are both (a version asked by name)."""
     async with fleet({"v1": 1, "v2": 1}) as gw, aiohttp.ClientSession() as http:
         async with http.get(f"{gw.url}/v1/models") as r:

@@ -134,8 +134,8 @@ class RetrySettings(Section):
 
 
 class ContinuationSettings(BaseModel):
-    """A stream whose backend fails mid-way goes on from another backend (README: "Streams
-    that survive a dying backend")."""
+    """A stream whose backend fails mid-way goes on from another backend
+    (docs/operations.md, "Streams that survive a dying backend")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -175,8 +175,8 @@ class ResponsesSettings(BaseModel):
 
 
 class KvEventsSettings(Section):
-    """Following vLLM's KV-cache events, for ``precise_prefix`` (README: "Routing on what each
-    engine really caches")."""
+    """Following vLLM's KV-cache events, for ``precise_prefix`` (docs/routing.md, "Routing on
+    what each engine really caches")."""
 
     builds = ((FeedSettings, ""),)
     also_declares = ((PrecisePrefix, ""),)

@@ -33,7 +33,7 @@ import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from policies.kv_index import KvIndex, cacheable_blocks, chain_keys
 from policies.least_load import LeastLoad
@@ -106,8 +106,19 @@ class PrecisePrefix:
 
     @property
     def approximate(self) -> PrefixAffinity:
+        """Its fallback (``policies.types.ApproximatePrefix``)."""
         assert self.fallback is not None
         return self.fallback
+
+    @property
+    def affinity(self) -> AffinityConfig:
+        """How it is tuned (``policies.types.AffinityTuned``)."""
+        return self.config
+
+    @property
+    def kv_index(self) -> KvIndex:
+        """The engines' KV events it routes on (``policies.types.ExactPrefix``)."""
+        return self.index
 
     def choose(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]
@@ -257,3 +268,11 @@ class PrecisePrefix:
                 break
             n += 1
         return n
+
+
+if TYPE_CHECKING:
+    from policies.types import AffinityTuned, ApproximatePrefix, ExactPrefix, Policy
+
+    def _offers(p: PrecisePrefix) -> tuple[Policy, AffinityTuned, ApproximatePrefix, ExactPrefix]:
+        """What it offers beyond the contract (``policies.types``), held to it by mypy."""
+        return p, p, p, p

@@ -42,7 +42,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from policies.latency import LatencyTracker, prompt_size
 from policies.precise_prefix import PrecisePrefix
@@ -176,6 +176,11 @@ class PredictedLatency:
     def needs(self) -> Needs:
         return self._needs
 
+    @property
+    def affinity(self) -> AffinityConfig:
+        """How it hashes prompts (``policies.types.AffinityTuned``)."""
+        return self.config
+
     def choose(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]
     ) -> BackendSnapshot | None:
@@ -251,3 +256,20 @@ class PredictedLatency:
             self.prefix.took(facts, backend)
         elif self.prefix is not None:
             self.prefix.remember(facts, backend)
+
+
+if TYPE_CHECKING:
+    from policies.types import (
+        AffinityTuned,
+        CachedTokens,
+        FirstTokenDeadline,
+        Hedging,
+        LatencyPredicting,
+        Policy,
+    )
+
+    def _offers(
+        p: PredictedLatency,
+    ) -> tuple[Policy, CachedTokens, FirstTokenDeadline, Hedging, AffinityTuned, LatencyPredicting]:
+        """What it offers beyond the contract (``policies.types``), held to it by mypy."""
+        return p, p, p, p, p, p

@@ -41,7 +41,7 @@ import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import TYPE_CHECKING, Final, Literal
 
 from policies.facts import CHARS_PER_TOKEN
 from policies.least_load import LeastLoad
@@ -202,6 +202,16 @@ class PrefixAffinity:
         return self._needs
 
     @property
+    def affinity(self) -> AffinityConfig:
+        """How it is tuned (``policies.types.AffinityTuned``)."""
+        return self.config
+
+    @property
+    def approximate(self) -> PrefixAffinity:
+        """The index it routes on is its own (``policies.types.ApproximatePrefix``)."""
+        return self
+
+    @property
     def prefix_hasher(self) -> PrefixHasher:
         """How this policy cuts prompts into blocks (a replacement keeps the index if equal)."""
         assert self._needs.prefix is not None
@@ -307,3 +317,11 @@ class PrefixAffinity:
         choice = self._load.choose(facts, pool)
         assert choice is not None  # pool is never empty: the least loaded is always eligible
         return choice
+
+
+if TYPE_CHECKING:
+    from policies.types import AffinityTuned, ApproximatePrefix, Policy
+
+    def _offers(p: PrefixAffinity) -> tuple[Policy, AffinityTuned, ApproximatePrefix]:
+        """What it offers beyond the contract (``policies.types``), held to it by mypy."""
+        return p, p, p

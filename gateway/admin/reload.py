@@ -27,16 +27,8 @@ from gateway.config.routing import AffinitySettings, LatencySettings, WeightSett
 from gateway.config.settings import Settings
 from gateway.keys import KV_FEEDS, KV_INDEX, LATENCY, METRICS, MONITOR, POOL, ROUTER
 from gateway.request.rollout import ROLLOUT
-from policies import (
-    AffinityConfig,
-    Policy,
-    PolicyName,
-    PrecisePrefix,
-    PredictedLatency,
-    PredictionConfig,
-    PrefixAffinity,
-    Weights,
-)
+from policies import AffinityConfig, PolicyName, PredictionConfig, Weights
+from policies.types import Capabilities
 
 log = structlog.get_logger("gateway.admin.reload")
 
@@ -73,18 +65,19 @@ class PolicyChange(BaseModel):
 
 
 def describe_policy(app: web.Application) -> dict[str, Any]:
-    policy = app[ROUTER].policy
+    router = app[ROUTER]
+    policy, caps = router.policy, router.capabilities
     w = policy.weights
     doc: dict[str, Any] = {
         "policy": policy.name,
         "weights": None if w is None else {"active": w.active, "queue": w.queue, "kv": w.kv},
     }
-    if isinstance(policy, PrefixAffinity | PrecisePrefix | PredictedLatency):
-        doc["affinity"] = asdict(policy.config)
-    if isinstance(policy, PredictedLatency):
+    if caps.affinity_tuned is not None:
+        doc["affinity"] = asdict(caps.affinity_tuned.affinity)
+    if caps.latency_predicting is not None:
         cfg = app[LATENCY].config
         doc["latency"] = {
-            **asdict(policy.prediction),
+            **asdict(caps.latency_predicting.prediction),
             "half_life": cfg.half_life,
             "ridge": cfg.ridge,
         }
@@ -92,11 +85,11 @@ def describe_policy(app: web.Application) -> dict[str, Any]:
 
 
 def _affinity(
-    app: web.Application, current: Policy, patch: dict[str, Any] | None
+    app: web.Application, current: Capabilities, patch: dict[str, Any] | None
 ) -> AffinityConfig:
     """The running affinity settings (the policy's, else the configuration's), patched."""
-    if isinstance(current, PrefixAffinity | PrecisePrefix | PredictedLatency):
-        base = asdict(current.config)
+    if current.affinity_tuned is not None:
+        base = asdict(current.affinity_tuned.affinity)
     else:
         base = app[CONFIG].current.affinity.model_dump()
     try:
@@ -106,13 +99,13 @@ def _affinity(
 
 
 def _latency(
-    app: web.Application, current: Policy, patch: dict[str, Any] | None
+    app: web.Application, current: Capabilities, patch: dict[str, Any] | None
 ) -> LatencySettings:
     """The running [latency] settings (the policy's and tracker's, else the configuration's),
     patched."""
     base = app[CONFIG].current.latency.model_dump()
-    if isinstance(current, PredictedLatency):
-        base.update(asdict(current.prediction))
+    if current.latency_predicting is not None:
+        base.update(asdict(current.latency_predicting.prediction))
     cfg = app[LATENCY].config
     base.update(half_life=cfg.half_life, ridge=cfg.ridge)
     try:
@@ -149,8 +142,9 @@ def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
         weights = weights_of(w)
     else:
         weights = current.weights or Weights()
-    affinity = _affinity(app, current, change.affinity)
-    latency = _latency(app, current, change.latency)
+    caps = app[ROUTER].capabilities
+    affinity = _affinity(app, caps, change.affinity)
+    latency = _latency(app, caps, change.latency)
     prediction = prediction_config(latency)
     if _needs_events(name, prediction) and app.get(KV_FEEDS) is None:
         _refuse_untracked_events()

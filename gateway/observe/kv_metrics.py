@@ -9,8 +9,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from backends.kv.sources import STATES, FeedStatus
-from policies import KvIndex, Policy, PrecisePrefix
+from policies import KvIndex, Policy
 from policies.precise_prefix import REASONS
+from policies.types import Capabilities
 
 # What one index entry costs (an engine hash in an OrderedDict, our key in two dicts), as
 # measured by `python -m loadtest.bench.kv_events` (RSS growth over 240,000 entries).
@@ -36,8 +37,8 @@ class KvEventsCollector(Collector):
         feeds = self._feeds()
         if feeds is not None:
             yield from self._feed_metrics(feeds)
-        policy = self._policy()
-        if isinstance(policy, PrecisePrefix):
+        policy = Capabilities.of(self._policy()).exact_prefix
+        if policy is not None:
             decisions = CounterMetricFamily(
                 "llm_gateway_precise_prefix_decisions",
                 "Why precise_prefix chose a backend: prefix (longest prefix its engine holds), "

@@ -14,8 +14,9 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from backends.pool import BackendPool
-from policies import LatencyTracker, Policy, PredictedLatency
+from policies import LatencyTracker, Policy
 from policies.latency import IDLE_PROMPT, BackendLatency, load_of
+from policies.types import Capabilities
 
 
 def latency_views(tracker: LatencyTracker, pool: BackendPool) -> list[BackendLatency]:
@@ -77,8 +78,8 @@ class LatencyCollector(Collector):
             weight.add_metric([v.backend], v.weight)
             error.add_metric([v.backend], v.ape_n, v.ape_sum)
         yield from (ttft, itl, fit, weight, error)
-        policy = self._policy()
-        if isinstance(policy, PredictedLatency):
+        policy = Capabilities.of(self._policy()).latency_predicting
+        if policy is not None:
             decisions = CounterMetricFamily(
                 "llm_gateway_predicted_latency_decisions",
                 "predicted_latency's decisions by the objective minimised (ttft, e2e); guarded: "

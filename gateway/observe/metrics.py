@@ -21,8 +21,9 @@ from backends.pool import BackendPool
 from backends.supervise import Supervisor
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
-from policies import Policy, PrecisePrefix, PrefixAffinity, Weights, score
+from policies import Policy, Weights, score
 from policies.prefix_affinity import REASONS
+from policies.types import Capabilities
 
 # From a few milliseconds (a cached prefix on an idle server) to minutes (long generations).
 LATENCY_BUCKETS: Final = (
@@ -119,7 +120,8 @@ class BackendCollector(Collector):
 
 
 class AffinityCollector(Collector):
-    """The ``prefix_affinity`` policy's memory and decisions (nothing under other policies)."""
+    """The ``prefix_affinity`` index's memory and decisions, under a policy that routes on it
+    (``policies.types.ApproximatePrefix``; nothing under the others)."""
 
     def __init__(self, policy: Callable[[], Policy]) -> None:
         self._policy = policy
@@ -128,11 +130,10 @@ class AffinityCollector(Collector):
         return []
 
     def collect(self) -> Iterator[Metric]:
-        policy = self._policy()
-        if isinstance(policy, PrecisePrefix):
-            policy = policy.approximate  # its fallback: what it routes on without events
-        if not isinstance(policy, PrefixAffinity):
+        source = Capabilities.of(self._policy()).approximate_prefix
+        if source is None:
             return
+        policy = source.approximate  # itself, or precise_prefix's fallback
         index = policy.index
         yield GaugeMetricFamily(
             "llm_gateway_prefix_index_entries",

@@ -199,8 +199,8 @@ class Expected:
 
 def expected(tracker: LatencyTracker, step: Step, chosen: BackendSnapshot) -> Expected:
     facts = step.facts
-    held = getattr(step.policy, "cached_tokens", None)
-    cached = held(facts, chosen.id) if held is not None else 0.0
+    held = step.caps.cached_tokens
+    cached = held.cached_tokens(facts, chosen.id) if held is not None else 0.0
     load = tracker.load(chosen, prompt_size(facts), cached)
     predicted = tracker.predict(chosen.id, load)
     if tracker.solve_ahead and tracker.want_refresh():
@@ -214,11 +214,10 @@ def first_token_deadline(step: Step, backend: str, exp: Expected | None) -> floa
     """Seconds the step's policy lets a streamed attempt on ``backend`` wait for its first
     token before it is sent elsewhere (``predicted_latency``'s rescue), from what was
     predicted of it."""
-    deadline = getattr(step.policy, "first_token_deadline", None)
-    if deadline is None or exp is None:
+    rescue = step.caps.first_token_deadline
+    if rescue is None or exp is None:
         return None
-    within: float | None = deadline(backend, exp.predicted.ttft)
-    return within
+    return rescue.first_token_deadline(backend, exp.predicted.ttft)
 
 
 # The event loop ran the deadline this much late or more: the gateway itself is saturated, and
@@ -374,7 +373,8 @@ def _rescue_plan(t: Try) -> float | None:
     if not (t.may_retry and call.streamed and step.role != "prefill"):
         return None
     within = first_token_deadline(step, t.lease.backend.id, t.expected)
-    if within is None or not getattr(step.policy, "hedges", False):
+    hedging = step.caps.hedging
+    if within is None or hedging is None or not hedging.hedges:
         t.first_token_within = within
         return None
     # A stored response has one home; a decode step's KV cache is pulled once, by one engine.
@@ -415,7 +415,8 @@ async def _hedged(t: Try, attempt: Attempt[T], after: float, tried: list[str]) -
         if first.done() or race.winner is not None or not _rescue_now(t, loop.time() - due):
             return await first
         budget, pool = app[HEDGES], router.pool
-        share = getattr(step.policy, "hedge_budget", 0.0)
+        hedging = step.caps.hedging
+        share = hedging.hedge_budget if hedging is not None else 0.0
         give_back = budget.take(share, sum(pool.in_flight(b) for b in pool.all()))
         if give_back is None:
             metrics.rescues_declined.labels("hedge_budget").inc()

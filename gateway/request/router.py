@@ -3,9 +3,10 @@
 ``Router.route`` decides a request's route once, from its model: one ``Step`` for a model served
 whole (by any backend, or by the backends of the model pool its alias chose), or two, prefill then
 decode, for a model served by prefill and decode pools (``gateway.request.disagg``). Each step
-carries its policy and the facts that policy asked for; ``Router.pick`` leases the policy's choice
-among the step's candidates. The request path runs every step through the same attempt loop
-(``gateway.request.proxy``).
+carries its policy, what that policy offers beyond the contract (its ``Capabilities``, found once
+when the policy is set, not per request) and the facts it asked for; ``Router.pick`` leases the
+policy's choice among the step's candidates. The request path runs every step through the same
+attempt loop (``gateway.request.proxy``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from backends.pool import BackendPool, Lease
 from gateway.request.rollout import Choice
 from policies import BackendSnapshot, Policy, RouteFacts
 from policies.facts import route_facts
+from policies.types import Capabilities
 
 StepName = Literal["serve", "prefill", "decode"]
 # Endpoints whose generation is split into prefill and decode (None: a caller that names none);
@@ -33,6 +35,7 @@ class Step:
     name: StepName
     policy: Policy
     facts: RouteFacts
+    caps: Capabilities  # the policy's
     role: Literal["prefill", "decode"] | None = None  # None: any backend but prefill-only ones
     only: frozenset[str] | None = None  # a model pool's backends (``gateway.request.rollout``)
     # the endpoint asked (``gateway.request.endpoints``): not to backends known to lack it
@@ -58,10 +61,36 @@ class Router:
         retry_after: int = 1,
     ) -> None:
         self.pool = pool
-        self.policy = policy  # swapped whole, never mutated, when ops change it live
-        self.prefill_policy = prefill
-        self.decode_policy = decode
+        self.policy = policy
+        self._prefill = prefill
+        self._prefill_caps = Capabilities.of(prefill)
+        self._decode = decode
+        self._decode_caps = Capabilities.of(decode)
         self._retry_after = retry_after
+
+    @property
+    def policy(self) -> Policy:
+        """The policy of requests served whole."""
+        return self._policy
+
+    @policy.setter
+    def policy(self, policy: Policy) -> None:
+        # Swapped whole, never mutated, when ops change it live: what it offers is found here.
+        self._policy = policy
+        self._caps = Capabilities.of(policy)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What ``policy`` offers beyond the contract."""
+        return self._caps
+
+    @property
+    def prefill_policy(self) -> Policy:
+        return self._prefill
+
+    @property
+    def decode_policy(self) -> Policy:
+        return self._decode
 
     def disaggregated(self, model: str) -> bool:
         """Whether ``model`` has both a prefill and a decode pool (healthy or not)."""
@@ -71,11 +100,7 @@ class Router:
     @property
     def wants_tokens(self) -> bool:
         """Whether a policy in use routes on the prompt's token ids (``Needs.tokens``)."""
-        return (
-            self.policy.needs.tokens
-            or self.prefill_policy.needs.tokens
-            or self.decode_policy.needs.tokens
-        )
+        return self._policy.needs.tokens or self._prefill.needs.tokens or self._decode.needs.tokens
 
     def route(
         self,
@@ -98,22 +123,23 @@ class Router:
         size, which the latency tracker learns from whatever the policy.
         """
 
-        def step(name: StepName, policy: Policy, **where: Any) -> Step:
+        def step(name: StepName, policy: Policy, caps: Capabilities, **where: Any) -> Step:
             facts = route_facts(
                 policy.needs, model, doc, headers, tokens, objective=objective, size=True
             )
-            return Step(name, policy, facts, endpoint=endpoint, **where)
+            return Step(name, policy, facts, caps, endpoint=endpoint, **where)
 
+        policy, caps = self._policy, self._caps
         if pin is not None:  # the one backend that holds what the request builds on
-            return Route(step("serve", self.policy, only=frozenset({pin})))
+            return Route(step("serve", policy, caps, only=frozenset({pin})))
         if choice is not None:
-            return Route(step("serve", self.policy, only=choice.pool.backends))
+            return Route(step("serve", policy, caps, only=choice.pool.backends))
         if self.disaggregated(model) and endpoint in _DISAGGREGATED:
             return Route(
-                serve=step("decode", self.decode_policy, role="decode"),
-                prefill=step("prefill", self.prefill_policy, role="prefill"),
+                serve=step("decode", self._decode, self._decode_caps, role="decode"),
+                prefill=step("prefill", self._prefill, self._prefill_caps, role="prefill"),
             )
-        return Route(step("serve", self.policy))
+        return Route(step("serve", policy, caps))
 
     def check(self, step: Step, exclude: Collection[str] = ()) -> None:
         """Raise as ``pick`` would if no backend can take ``step`` now (nothing is leased)."""

@@ -9,6 +9,7 @@ import pytest
 
 from gateway.request.attempt import _rescue_plan
 from gateway.request.hedge import HedgeBudget, Race
+from policies.types import Capabilities
 
 
 def test_the_first_to_claim_takes_the_client_and_the_others_are_ended() -> None:
@@ -62,10 +63,12 @@ def test_an_attempt_that_joins_after_the_race_was_won_has_lost() -> None:
 
 
 def _plan(role: str | None, response_id: str | None, hedges: bool) -> tuple[float | None, Any]:
-    policy = SimpleNamespace(hedges=hedges, first_token_deadline=lambda backend, ttft: 3 * ttft)
+    policy: Any = SimpleNamespace(
+        hedges=hedges, hedge_budget=0.1, first_token_deadline=lambda backend, ttft: 3 * ttft
+    )
     t: Any = SimpleNamespace(
         call=SimpleNamespace(streamed=True, response_id=response_id),
-        step=SimpleNamespace(role=role, policy=policy),
+        step=SimpleNamespace(role=role, policy=policy, caps=Capabilities.of(policy)),
         may_retry=True,
         lease=SimpleNamespace(backend=SimpleNamespace(id="a")),
         expected=SimpleNamespace(predicted=SimpleNamespace(ttft=0.1)),

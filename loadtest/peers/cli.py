@@ -8,6 +8,7 @@ import datetime as _dt
 import json
 import os
 import platform
+import shlex
 import signal
 import sys
 import time
@@ -98,13 +99,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=driver.RESULTS,
         help="where peers-<date>[-<label>].json and .md go (default: docs/bench/)",
     )
-    add("--label", "--tag", dest="tag", default="", help="suffix for result file names")
+    add(
+        "--label",
+        "--tag",
+        dest="tag",
+        metavar="LABEL",
+        default="",
+        help="suffix for result file names",
+    )
     add("--render", default="", help="only re-render the markdown for this results JSON")
     return ap.parse_args(argv)
 
 
 def _has_aiohttp(python: str) -> bool:
-    return sh(f"{python} -c 'import aiohttp, uvloop'", timeout=60).returncode == 0
+    return sh(f"{shlex.quote(python)} -c 'import aiohttp, uvloop'", timeout=60).returncode == 0
 
 
 def _bench_python(args: argparse.Namespace, logdir: str) -> str:

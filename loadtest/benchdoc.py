@@ -331,9 +331,10 @@ def overhead_section(
         "",
         "For the side-by-side comparison with nginx, vllm-router, sglang-router and LiteLLM "
         "(issue 8's targets are ratios to vllm-router in the same run), run "
-        "`../shared/bench/run_peers.py` with the gateway added as a target (its README); this "
-        "benchmark uses the same profiles, pinning and definitions, but peers' absolute "
-        "figures from another run are not comparable to these.",
+        "`python -m loadtest.peers` (the gateway of this checkout is its target `gw`; runs and "
+        "how to reproduce them in `docs/bench/README.md`); this benchmark uses the same "
+        "profiles, pinning and definitions, but peers' absolute figures from another run are "
+        "not comparable to these.",
         "",
         "Raw: `docs/results/overhead.json`.",
     ]

@@ -1,7 +1,7 @@
 """Timing an OpenAI-style SSE stream as the client sees it. Pure: (time, bytes) in, times out.
 
 Definitions are those of vLLM's ``benchmarks/benchmark_serving.py`` (and of
-``../shared/bench/loadgen.py``, so our figures sit beside the peers'):
+``loadtest/peers/loadgen.py``, so our figures sit beside the peers'):
 
 - a *content event* is a ``data:`` event whose ``text`` (completions) or ``delta.content``
   (chat) is a non-empty string; the chat stream's opening ``{"role": "assistant",

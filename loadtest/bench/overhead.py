@@ -10,13 +10,13 @@ loop), the direct run and the gateway run give:
 - **events/s**: content events (tokens) received per second; every one was forwarded;
 - **CPU us/event**: the gateway's CPU time (utime + stime from ``/proc/<pid>/stat``) over
   the level, divided by the content events forwarded in it (role, usage and ``[DONE]``
-  events are forwarded too but not counted, as in ``../shared/bench``);
+  events are forwarded too but not counted, as in ``loadtest.peers``);
 - **RSS per 1,000 streams**: (peak RSS during the level - RSS before it) / concurrency x 1000;
 - **clean**: no errors (a request silent for 10 s is the error "stall"), nothing unfinished,
   and no gap between events above ``--stall-ms``. The report names the highest clean
   concurrency.
 
-Profiles (those of ``../shared/bench``): ``fast`` (TTFT 0, ITL 0, 256 tokens: events reach
+Profiles (those of ``loadtest.peers``): ``fast`` (TTFT 0, ITL 0, 256 tokens: events reach
 the gateway in bursts, several per read: raw forwarding cost) and ``paced`` (TTFT 20 ms,
 ITL 10 ms, 64 tokens: about one event per read; added TTFT and jitter).
 
@@ -229,7 +229,7 @@ async def _profile(
                         sum(row["errors"].values()) + row["unfinished"] > 0.01 * row["ok"]
                     )
                     if failed:
-                        break  # like ../shared/bench: no higher level after a failed one
+                        break  # like loadtest.peers: no higher level after a failed one
             finally:
                 if gw is not None:
                     gw.stop()

@@ -14,7 +14,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 target=$1 tokens=${2:-16} conc=${3:-4} secs=${4:-10} rows=${5:-60}
-bench=${BENCH:-$repo/../shared/bench}
+bench=${BENCH:-$repo/loadtest/peers}
 py=${PY:-$repo/.venv/bin/python}
 . "$here/harness.sh"  # $out, ${pids[@]}, the two fake backends
 url=http://127.0.0.1:18100

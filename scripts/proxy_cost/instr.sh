@@ -14,7 +14,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 target=$1 tokens=${2:-16} conc=${3:-4} secs=${4:-10}
-bench=${BENCH:-$repo/../shared/bench}
+bench=${BENCH:-$repo/loadtest/peers}
 py=${PY:-$repo/.venv/bin/python}
 command -v valgrind >/dev/null || { echo "instr.sh: needs valgrind (apt-get install valgrind)" >&2; exit 2; }
 . "$here/harness.sh"  # $out, ${pids[@]}, the two fake backends

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one proxy costs per request and per event, on its own core: two fake vLLM backends
-# (../shared/bench's, paced: TTFT 20 ms, 10 ms a token) and its load generator on CPU 1, the
+# (loadtest/peers/fake_backend.py, paced: TTFT 20 ms, 10 ms a token) and its load generator on CPU 1, the
 # proxy on CPU 0; CPU from /proc/<pid>/stat over the measured run.
 #
 #   scripts/proxy_cost/split.sh TARGET MAX_TOKENS [CONCURRENCY=64] [SECONDS=10]
@@ -8,16 +8,16 @@
 # TARGET: a directory holding the gateway's code (a worktree of any commit), or `raw`
 # (raw_proxy.py: the floor of Python + uvloop) or `bare` (bare_proxy.py: aiohttp's server and
 # backends.upstream.h1, no features) or `lean` (lean_proxy.py: bare without aiohttp's server, httptools
-# parsing the requests), or `vllm-router` (the bench's install of it, under
+# parsing the requests), or `vllm-router` (the peer bench's install of it, under
 # /tmp/peerbench/venvs), or `direct` (no proxy: the load generator on one backend; its TTFT is
 # the reference the others add to, its CPU figures mean nothing). Run it at two MAX_TOKENS (say 16 and 64) and solve
 # cpu = requests x a + events x b for the cost per request (a) and per event (b).
-# BENCH (default ../shared/bench) holds fake_backend.py and loadgen.py; PY the Python.
+# BENCH (default loadtest/peers) holds fake_backend.py and loadgen.py; PY the Python.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
 target=$1 tokens=$2 conc=${3:-64} secs=${4:-10}
-bench=${BENCH:-$repo/../shared/bench}
+bench=${BENCH:-$repo/loadtest/peers}
 py=${PY:-$repo/.venv/bin/python}
 . "$here/harness.sh"  # $out, ${pids[@]}, the two fake backends
 case $target in

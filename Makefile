@@ -1,11 +1,16 @@
 # One command for people and CI: `make test` sets up .venv, then runs lint, types and tests.
+# `make check` is the loop of development (about 2 minutes here): the same lint and types, and
+# every test but those needing real vLLM, the browser, Prometheus, a Docker engine (compose)
+# or minutes (the soak), without installing any of those. `make test` is the full suite CI runs.
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: test install lint typecheck pytest run bench benchmarks clean
+.PHONY: test check install lint typecheck pytest quick-pytest run bench benchmarks clean
 
 test: install vllm browser prometheus lint typecheck pytest
+
+check: install lint typecheck quick-pytest
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -30,6 +35,11 @@ typecheck:
 
 pytest:
 	$(BIN)/pytest $(PYTEST_ARGS)
+
+# The markers: pyproject.toml's [tool.pytest.ini_options]; given by folder in tests/conftest.py.
+quick-pytest:
+	$(BIN)/pytest -m 'not compose and not vllm and not browser and not soak and not prometheus' \
+		$(PYTEST_ARGS)
 
 # Two simulated backends and the gateway in front of them (no GPU needed).
 run: install

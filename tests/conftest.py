@@ -1,9 +1,11 @@
-"""Redis fixtures: the machine's Redis (or one started here), a key prefix per test."""
+"""Markers given by folder, and the Redis fixtures: the machine's Redis (or one started here),
+a key prefix per test."""
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import redis
@@ -11,6 +13,21 @@ import redis
 from tests.redis_server import RedisServer, ping
 
 _DEFAULT_PORT = 6379
+
+_TESTS = Path(__file__).parent
+# What a folder needs that `make check` does not install: the marker that deselects it there.
+_FOLDER_MARKERS = {
+    _TESTS / "e2e": "vllm",
+    _TESTS / "compose": "compose",
+    _TESTS / "gateway" / "admin" / "console": "browser",
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        for folder, marker in _FOLDER_MARKERS.items():
+            if item.path.is_relative_to(folder):
+                item.add_marker(marker)
 
 
 @pytest.fixture(scope="session")

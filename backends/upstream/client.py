@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -303,6 +304,7 @@ class UpstreamClient:
         stall_after: float = 0.0,
         on_stall: Callable[[str], None] | None = None,
         supervisor: Supervisor | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.pool = h1.Pool(
             connect_timeout=connect_timeout,
@@ -311,7 +313,9 @@ class UpstreamClient:
             keepalive_timeout=keepalive_timeout,
             limit=max_connections,
         )
-        self.watchdog = IdleWatchdog(idle_timeout, stall_after=stall_after, on_stall=on_stall)
+        self.watchdog = IdleWatchdog(
+            idle_timeout, stall_after=stall_after, on_stall=on_stall, clock=clock
+        )
         self._watchdog_task = (supervisor or Supervisor()).spawn(
             "idle_watchdog", "idle-watchdog", self.watchdog.run
         )

@@ -406,6 +406,7 @@ _ENCODE_WITH_VLLM = textwrap.dedent(
 
 
 @pytest.mark.slow
+@pytest.mark.vllm
 @pytest.mark.timeout(200)  # vLLM's first import after its install took over 50 s here once
 def test_a_batch_encoded_by_vllm_itself_is_decoded(tmp_path: Path) -> None:
     if not VLLM_PYTHON.exists():

@@ -54,6 +54,7 @@ def promtool(*args: str) -> subprocess.CompletedProcess[str]:
 # -- static checks -------------------------------------------------------------------------
 
 
+@pytest.mark.prometheus
 def test_promtool_accepts_the_rules_and_the_compose_prometheus_config(tmp_path: Path) -> None:
     rules = promtool("check", "rules", str(ALERTS))
     assert rules.returncode == 0, rules.stdout + rules.stderr
@@ -66,6 +67,7 @@ def test_promtool_accepts_the_rules_and_the_compose_prometheus_config(tmp_path: 
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+@pytest.mark.prometheus
 def test_promtool_unit_tests_of_every_alert_pass() -> None:
     """deploy/prometheus/alerts_test.yml: each alert fires on its condition held for its
     ``for``, not before, and not on the healthy series beside it."""
@@ -190,6 +192,7 @@ def observed(
             yield Observed(prometheus, fleet, started, killed_at)
 
 
+@pytest.mark.prometheus
 def test_every_dashboard_query_returns_data(observed: Observed) -> None:
     empty = [
         f"{title}: {expr}"
@@ -199,6 +202,7 @@ def test_every_dashboard_query_returns_data(observed: Observed) -> None:
     assert empty == []
 
 
+@pytest.mark.prometheus
 def test_every_metric_an_alert_or_a_panel_names_exists(observed: Observed) -> None:
     """A typo'd metric name makes an alert that never fires: every name must be scraped."""
     r = httpx.get(observed.prometheus + "/api/v1/label/__name__/values", timeout=10)
@@ -209,6 +213,7 @@ def test_every_metric_an_alert_or_a_panel_names_exists(observed: Observed) -> No
     assert named - scraped == set()
 
 
+@pytest.mark.prometheus
 def test_every_alert_expression_evaluates(observed: Observed) -> None:
     """Each expression runs (no syntax Prometheus refuses); those whose condition the run
     made true return series, the others none."""
@@ -221,6 +226,7 @@ def test_every_alert_expression_evaluates(observed: Observed) -> None:
     assert not firing["LLMGatewayLimitsDegraded"]
 
 
+@pytest.mark.prometheus
 def test_backend_down_fires_for_the_killed_backend(observed: Observed) -> None:
     def alerts() -> list[dict[str, Any]]:
         doc = httpx.get(observed.prometheus + "/api/v1/alerts", timeout=10).json()
@@ -239,6 +245,7 @@ def test_backend_down_fires_for_the_killed_backend(observed: Observed) -> None:
     assert alert["annotations"]["summary"] == f"Backend {KILLED} fails its health probes"
 
 
+@pytest.mark.prometheus
 def test_the_dashboard_renders_every_panel_with_data(observed: Observed, tmp_path: Path) -> None:
     ended = time.time()
     data = fetch(observed.prometheus, dashboard(), observed.started, ended, rate_interval=RATE)

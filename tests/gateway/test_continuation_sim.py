@@ -11,7 +11,6 @@ covering the whole answer. Nothing is left in flight afterwards, in the gateway 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
@@ -161,12 +160,10 @@ async def survive(
     sims: list[RunningSim],
     fault: Callable[[], Any] | None = None,
     queued: Callable[[], int] = lambda: 0,
-) -> float:
+) -> None:
     """Run the load; once every stream (but the ``queued()`` ones) is mid-way, ``fault()``
-    (awaited if need be). Check every client's answer and that nothing is left anywhere;
-    return the run's seconds."""
+    (awaited if need be). Check every client's answer and that nothing is left anywhere."""
     load = Load(gw)
-    started = time.monotonic()
     run = asyncio.create_task(load.run())
     try:
         if fault is not None:
@@ -175,11 +172,10 @@ async def survive(
             injected = fault()
             if asyncio.iscoroutine(injected):
                 await injected
-        async with asyncio.timeout(20):  # well within the idle timeout of the stall test
+        async with asyncio.timeout(20):  # a hang fails here, not at the test's timeout
             await run
     finally:
         run.cancel()
-    elapsed = time.monotonic() - started
     load.check()
     assert sum(s.engine.stats.generation_tokens for s in sims[1:]) > 0
     await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="no lease left")
@@ -187,7 +183,6 @@ async def survive(
         lambda: all(s.state.in_flight == 0 and not s.engine.has_work() for s in sims),
         what="no simulator still running a request",
     )
-    return elapsed
 
 
 def continued(gw: RunningGateway) -> float:
@@ -225,15 +220,15 @@ async def test_connections_reset_mid_stream_lose_no_request() -> None:
 
 
 async def test_a_stalled_backend_is_taken_out_and_loses_no_request() -> None:
-    overrides = {"health": {"stall_after": 1.0}, "upstream": {"idle_timeout": 30}}
+    # The idle timeout is past any run: a stream cut is the stall's doing (reason "stalled").
+    overrides = {"health": {"stall_after": 1.0}, "upstream": {"idle_timeout": 3600}}
     async with fleet(**overrides) as (gw, sims, seen):
         victim = sims[0]
 
         def stall() -> None:
             victim.faults = Faults(hang_after_tokens=MIDWAY)  # its streams are past it
 
-        elapsed = await survive(gw, sims, stall)
-        assert elapsed < 10, f"{elapsed:.1f} s: the stall was not caught before the idle timeout"
+        await survive(gw, sims, stall)
         assert sample(gw, "llm_gateway_backend_stalls_total", backend=VICTIM) == 1
         assert Health.DOWN in seen
         n = sample(gw, CONTINUATIONS, reason="stalled", outcome="continued")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import aiohttp
@@ -122,9 +121,9 @@ async def test_backend_that_hangs_is_marked_down_and_its_requests_fail_over() ->
         state = backend_state(gw, a.url)
         assert state.health.state is Health.UP
         a.behaviour, a.health_hangs = hang, True  # the engine hangs: accepts, never answers
-        started = time.monotonic()
+        # "a" answers nothing until released, after the last request: those sent there end
+        # whole only if the first-byte deadline (or its probes) took them elsewhere.
         results = await asyncio.gather(*(stream(s, gw.url) for _ in range(6)))
-        took = time.monotonic() - started
         await wait_for(lambda: state.health.state is Health.DOWN, what="hung backend down")
         hung_requests = len(a.seen)
         again = await asyncio.gather(*(stream(s, gw.url) for _ in range(6)))
@@ -132,7 +131,6 @@ async def test_backend_that_hangs_is_marked_down_and_its_requests_fail_over() ->
         a.release.set()
     assert all(status == 200 and body.endswith(b"[DONE]\n\n") for status, body in results)
     assert all(status == 200 for status, _ in again)
-    assert took < 0.3 + 1.0  # one first-byte deadline plus a backoff, not a hang
     assert len(a.seen) == hung_requests  # nothing more once it was down
 
 

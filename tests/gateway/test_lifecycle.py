@@ -8,7 +8,6 @@ import re
 import signal
 import socket
 import sys
-import time
 from typing import Any
 
 import aiohttp
@@ -191,6 +190,9 @@ async def test_shutdown_closes_idle_kept_alive_connections_while_streams_finish(
 
 
 async def test_shutdown_cuts_streams_that_outlive_the_grace_period() -> None:
+    """The stream is held until ``fake.release``, which never comes: the shutdown ending at
+    all is the grace period cutting it (that a stream within the grace is let finish is
+    ``test_shutdown_lets_in_flight_streams_finish_and_refuses_new_work``)."""
     fake = FakeBackend(behaviour=stream_chat(10, hold_after=2))
     async with (
         running_fake(fake),
@@ -199,13 +201,11 @@ async def test_shutdown_cuts_streams_that_outlive_the_grace_period() -> None:
     ):
         r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
         await wait_for(lambda: fake.active() == 1, what="stream running")
-        started = time.monotonic()
         await stop_gracefully(gw.app, [gw.runner])
-        took = time.monotonic() - started
+        assert not fake.release.is_set()
         with pytest.raises(aiohttp.ClientPayloadError):
             await r.read()
         await wait_for(lambda: fake.active() == 0, what="upstream closed")
-    assert 0.3 <= took < 2.0
 
 
 async def test_sigterm_during_load_finishes_streams_then_exits() -> None:

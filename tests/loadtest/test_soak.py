@@ -306,6 +306,7 @@ def test_labelled_samples_series_and_totals() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 async def test_a_short_soak_holds_every_invariant(tmp_path: Path) -> None:
     if shutil.which("redis-server") is None:  # the soak kills and restarts a Redis of its own

@@ -198,9 +198,7 @@ async def test_redis_outage_follows_the_failure_mode_and_recovers(
         assert await burst(s, [gw.url], 1, ALICE) == Counter({200: 1})
         before = await store_figures(s, gw.url)
         own_redis.stop()
-        started = asyncio.get_running_loop().time()
-        during = await burst(s, [gw.url], 5, ALICE)
-        took = asyncio.get_running_loop().time() - started
+        during = await burst(s, [gw.url], 5, ALICE)  # a hung request fails the test's timeout
         down = await store_figures(s, gw.url)
         own_redis.start()
         # Back: the key's bucket was lost with the old server, so a fresh limit of 3 holds.
@@ -215,7 +213,6 @@ async def test_redis_outage_follows_the_failure_mode_and_recovers(
     assert before == (1.0, 0.0)
     assert down == (0.0, degraded)
     assert back == (1.0, degraded)
-    assert took < 2.0  # short timeouts, never a hung request
     assert after == Counter({200: 3, 429: 3})
 
 
@@ -325,7 +322,9 @@ async def test_a_scrape_that_shows_room_wakes_the_queue() -> None:
     not at max_wait (issue 16.6): health changes are not the only news of capacity."""
     busy = 'vllm:num_requests_waiting{engine="0",model_name="m"} 9.0\n'
     fake = FakeBackend(metrics_text=busy)
-    config = limits({}, admission={"enabled": True, "max_queue_depth": 5, "max_wait": 8})
+    # max_wait is past the test's own timeout: a 200 can only come from the scrape's wake-up
+    # (at max_wait the request would be answered 503, queue_timeout).
+    config = limits({}, admission={"enabled": True, "max_queue_depth": 5, "max_wait": 3600})
     async with (
         running_fake(fake),
         running_gateway([fake.url], limits=config) as gw,
@@ -338,10 +337,7 @@ async def test_a_scrape_that_shows_room_wakes_the_queue() -> None:
             s.post(gw.url + "/v1/chat/completions", json=CHAT, headers=auth(ALICE))
         )
         await wait_for(lambda: queue.waiting == 1, what="queued on the engine's queue depth")
-        freed = asyncio.get_running_loop().time()
         fake.metrics_text = busy.replace("9.0", "0.0")
         async with await request as r:
             assert r.status == 200
-        took = asyncio.get_running_loop().time() - freed
-    assert took < 2.0  # scrapes every 50 ms here; the old wake-up came at max_wait (8 s)
     assert queue.stats.admitted_after_wait == 1

@@ -38,6 +38,7 @@ from tools.fake_vllm import (
     sse,
     stream_chat,
 )
+from tools.sim.testing import RunningSim
 
 __all__ = [
     "Behaviour",
@@ -176,13 +177,18 @@ class Rig(NamedTuple):
 
 @asynccontextmanager
 async def fronting(
-    *fakes: FakeBackend, names: Sequence[str] | None = None, **settings: Any
+    *fakes: FakeBackend | RunningSim, names: Sequence[str] | None = None, **settings: Any
 ) -> AsyncIterator[RunningGateway]:
-    """Serve ``fakes`` and run the gateway in front of them, in that order (named ``names``
-    if given, else by address), with ``settings`` as ``running_gateway`` takes them."""
+    """Serve ``fakes`` (fake vLLMs, or simulators not yet started) and run the gateway in
+    front of them, in that order (named ``names`` if given, else by address), with
+    ``settings`` as ``running_gateway`` takes them."""
     async with AsyncExitStack() as stack:
         for fake in fakes:
-            await stack.enter_async_context(running_fake(fake))
+            if isinstance(fake, FakeBackend):
+                await stack.enter_async_context(running_fake(fake))
+            else:
+                await fake.start()
+                stack.push_async_callback(fake.stop)
         backends: list[str] | list[dict[str, Any]] = [f.url for f in fakes]
         if names is not None:
             backends = [{"url": f.url, "name": n} for f, n in zip(fakes, names, strict=True)]
@@ -191,7 +197,7 @@ async def fronting(
 
 @asynccontextmanager
 async def gateway_for(
-    *fakes: FakeBackend, names: Sequence[str] | None = None, **settings: Any
+    *fakes: FakeBackend | RunningSim, names: Sequence[str] | None = None, **settings: Any
 ) -> AsyncIterator[Rig]:
     """``fronting`` and a client session to the gateway, closed first on exit."""
     async with (

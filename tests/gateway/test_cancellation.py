@@ -145,7 +145,9 @@ async def test_no_lease_or_connection_leaks_after_hundreds_of_mixed_requests() -
         a,
         b,
         upstream={"idle_timeout": 0.3},
+        # The circuit breaker would shut both failing backends out; this test is about leaks.
         health={"circuit_threshold": 10_000},
+        # Concurrency slots and the admission queue are in the path too.
         limits={
             "tiers": {"default": {"max_concurrent": 64}},
             "admission": {"enabled": True, "max_in_flight": 12, "max_wait": 5},

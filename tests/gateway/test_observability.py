@@ -31,7 +31,7 @@ from tests.helpers import (
     stream_chat,
     wait_for,
 )
-from tools.sim import FAST, Faults, running_sim
+from tools.sim import FAST, Faults, RunningSim
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -91,12 +91,9 @@ async def test_client_disconnect_raises_the_abort_counter() -> None:
 
 async def test_slow_backend_score_rises_and_queue_gauge_returns_to_zero() -> None:
     config = FAST.replace(max_num_seqs=1)
-    async with (
-        running_sim(config, faults=Faults(slowdown=30)) as slow,
-        running_sim(config) as fast,
-        running_gateway([slow.url, fast.url], policy="round_robin") as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    slow = RunningSim(config, faults=Faults(slowdown=30))
+    fast = RunningSim(config)
+    async with gateway_for(slow, fast, policy="round_robin") as (gw, s):
         slow_id, fast_id = slow.url[7:], fast.url[7:]
         body = {"model": "sim-model", "prompt": "hello", "max_tokens": 20, "stream": True}
 

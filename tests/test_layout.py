@@ -95,4 +95,3 @@ def test_the_lazy_exceptions_are_still_needed_and_lazy() -> None:
     for rel, imported in sorted(LAZY_EXCEPTIONS):
         kinds = {nested for name, nested in imports_of(ROOT / rel) if name == imported}
         assert kinds == {True}, f"{rel}: {imported} imported {kinds or 'nowhere'}"
-

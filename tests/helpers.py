@@ -2,17 +2,20 @@
 
 The one fake vLLM (``FakeBackend`` and its behaviours) lives in ``tools.fake_vllm``, the
 one way to wait in ``tests.waiting``; both are re-exported here for the tests' convenience.
+``gateway_for`` is the set-up most tests share: fakes served, the gateway in front of them,
+and a client session to it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+import aiohttp
 from aiohttp import web
 
 from gateway.admin.api import create_admin_app
@@ -35,16 +38,20 @@ from tools.fake_vllm import (
     sse,
     stream_chat,
 )
+from tools.sim.testing import RunningSim
 
 __all__ = [
     "Behaviour",
     "FakeBackend",
+    "Rig",
     "RunningGateway",
     "Seen",
     "answer",
     "bound_socket",
     "chat_chunk",
     "echo_json",
+    "fronting",
+    "gateway_for",
     "hang_before_headers",
     "hung_server",
     "kill",
@@ -159,6 +166,45 @@ async def running_gateway(
         if admin_runner is not None:
             await admin_runner.cleanup()
         await runner.cleanup()
+
+
+class Rig(NamedTuple):
+    """A running gateway and a client session to it (unpacked: ``as (gw, s)``)."""
+
+    gw: RunningGateway
+    session: aiohttp.ClientSession
+
+
+@asynccontextmanager
+async def fronting(
+    *fakes: FakeBackend | RunningSim, names: Sequence[str] | None = None, **settings: Any
+) -> AsyncIterator[RunningGateway]:
+    """Serve ``fakes`` (fake vLLMs, or simulators not yet started) and run the gateway in
+    front of them, in that order (named ``names`` if given, else by address), with
+    ``settings`` as ``running_gateway`` takes them."""
+    async with AsyncExitStack() as stack:
+        for fake in fakes:
+            if isinstance(fake, FakeBackend):
+                await stack.enter_async_context(running_fake(fake))
+            else:
+                await fake.start()
+                stack.push_async_callback(fake.stop)
+        backends: list[str] | list[dict[str, Any]] = [f.url for f in fakes]
+        if names is not None:
+            backends = [{"url": f.url, "name": n} for f, n in zip(fakes, names, strict=True)]
+        yield await stack.enter_async_context(running_gateway(backends, **settings))
+
+
+@asynccontextmanager
+async def gateway_for(
+    *fakes: FakeBackend | RunningSim, names: Sequence[str] | None = None, **settings: Any
+) -> AsyncIterator[Rig]:
+    """``fronting`` and a client session to the gateway, closed first on exit."""
+    async with (
+        fronting(*fakes, names=names, **settings) as gw,
+        aiohttp.ClientSession() as session,
+    ):
+        yield Rig(gw, session)
 
 
 def sample(gw: RunningGateway, name: str, **labels: str) -> float:

@@ -6,12 +6,11 @@ import asyncio
 import itertools
 from typing import Any
 
-import aiohttp
 from structlog.testing import capture_logs
 
 from backends.supervise import Supervisor
 from gateway.keys import POOL
-from tests.helpers import FakeBackend, running_fake, running_gateway, wait_for
+from tests.helpers import FakeBackend, gateway_for, wait_for
 
 
 async def test_a_crashing_loop_is_restarted_with_a_growing_backoff_and_counted() -> None:
@@ -54,11 +53,7 @@ async def test_cancelling_a_supervised_loop_stops_it() -> None:
 async def test_the_gateways_scrape_loop_survives_a_crash_and_says_so() -> None:
     """Issue 16.11: a loop that raised ended silently, and routing ran on frozen figures."""
     fake = FakeBackend()
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], scrape={"interval": 0.02}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, scrape={"interval": 0.02}) as (gw, s):
         pool = gw.app[POOL]
         real = pool.record_load
         crashed: list[bool] = []

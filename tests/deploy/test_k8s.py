@@ -29,7 +29,7 @@ from tests.deploy.manifests import (
     kustomize_literals,
     named_port,
 )
-from tests.helpers import FakeBackend, running_fake, running_gateway
+from tests.helpers import FakeBackend, fronting
 
 GATEWAY_PORT = Settings.model_fields["port"].default  # 8080
 VLLM_PORT = 8000
@@ -194,7 +194,7 @@ def test_autoscaler_metrics_are_exposed_by_the_adapter() -> None:
 
 
 async def test_the_gateway_really_exports_the_queue_depth_metric() -> None:
-    async with running_fake(FakeBackend()) as fake, running_gateway([fake.url]) as gw:
+    async with fronting(FakeBackend()) as gw:
         async with httpx.AsyncClient() as http:
             text = (await http.get(f"{gw.url}/metrics")).text
     for name in (QUEUE_DEPTH_METRIC, FLEET_ENGINE_QUEUE_METRIC, ADMISSION_QUEUE_METRIC):

@@ -23,9 +23,8 @@ from openai import AsyncOpenAI
 from gateway.keys import METRICS, POOL
 from gateway.request import form
 from gateway.request.headers import upstream_headers
-from tests.helpers import RunningGateway, running_gateway, wait_for
-from tools.sim import Faults, SimConfig
-from tools.sim.testing import running_sim
+from tests.helpers import RunningGateway, fronting, gateway_for, wait_for
+from tools.sim import Faults, RunningSim, SimConfig
 
 AUDIO = SimConfig(step_base_ms=1.0, audio=True)
 TEXT = SimConfig(step_base_ms=1.0)
@@ -66,11 +65,11 @@ def form_data(audio: bytes | None, **fields: str) -> aiohttp.FormData:
 
 
 async def test_transcription_and_translation_with_the_openai_sdk_go_only_where_served() -> None:
+    text_sim = RunningSim(TEXT)
+    audio_sim = RunningSim(AUDIO)
     async with (
         AsyncExitStack() as stack,
-        running_sim(TEXT) as text_sim,
-        running_sim(AUDIO) as audio_sim,
-        running_gateway([text_sim.url, audio_sim.url], policy="round_robin") as gw,
+        fronting(text_sim, audio_sim, policy="round_robin") as gw,
     ):
         oa = await stack.enter_async_context(client(gw.url))
         speech = wav(2.0)
@@ -107,10 +106,10 @@ async def test_a_streamed_transcription_relays_chunks_and_settles_its_usage() ->
     # Each request reserves its completion budget (1,024 by default) against 1,500 tokens a
     # minute: three in a row pass only if each gives back what its usage says it did not use.
     limits = {"tiers": {"default": {"tokens_per_minute": 1500}}}
+    sim = RunningSim(AUDIO)
     async with (
         AsyncExitStack() as stack,
-        running_sim(AUDIO) as sim,
-        running_gateway([sim.url], limits=limits) as gw,
+        fronting(sim, limits=limits) as gw,
     ):
         oa = await stack.enter_async_context(client(gw.url))
         for _ in range(3):
@@ -134,12 +133,9 @@ async def test_a_streamed_transcription_relays_chunks_and_settles_its_usage() ->
 
 
 async def test_an_upload_is_sent_again_whole_when_the_first_backend_refuses() -> None:
-    async with (
-        running_sim(AUDIO, faults=Faults(error_rate=1.0, error_status=503)) as busy,
-        running_sim(AUDIO) as ok,
-        running_gateway([busy.url, ok.url], policy="round_robin") as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    busy = RunningSim(AUDIO, faults=Faults(error_rate=1.0, error_status=503))
+    ok = RunningSim(AUDIO)
+    async with gateway_for(busy, ok, policy="round_robin") as (gw, s):
         speech = wav(40.0)  # 1.28 MB: past the in-memory part of the spool, on disk
         assert len(speech) > form.SPOOL_MEMORY
         for _ in range(2):  # one of the two goes to the refusing backend first
@@ -153,11 +149,8 @@ async def test_an_upload_is_sent_again_whole_when_the_first_backend_refuses() ->
 
 
 async def test_bad_audio_requests_are_4xx_in_openais_envelope_and_reach_no_backend() -> None:
-    async with (
-        running_sim(AUDIO) as sim,
-        running_gateway([sim.url], max_upload_bytes=200_000) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    sim = RunningSim(AUDIO)
+    async with gateway_for(sim, max_upload_bytes=200_000) as (gw, s):
         url = gw.url + "/v1/audio/transcriptions"
         small = wav(1.0)
         cases: list[tuple[Any, dict[str, str], int, str | None]] = [
@@ -188,14 +181,13 @@ async def test_bad_audio_requests_are_4xx_in_openais_envelope_and_reach_no_backe
 
 
 async def test_a_renaming_alias_rewrites_the_model_field_in_flight() -> None:
-    async with (
-        running_sim(AUDIO) as sim,
-        running_gateway(
-            [{"url": sim.url, "name": "a"}],
-            pools=[{"name": "stable", "model": MODEL, "backends": ["a"]}],
-            aliases={"whisper": {"stable": 1}},
-        ) as gw,
-    ):
+    sim = RunningSim(AUDIO)
+    async with fronting(
+        sim,
+        names=("a",),
+        pools=[{"name": "stable", "model": MODEL, "backends": ["a"]}],
+        aliases={"whisper": {"stable": 1}},
+    ) as gw:
         async with client(gw.url) as oa:
             got = await oa.audio.transcriptions.create(
                 model="whisper", file=("speech.wav", wav(1.0), "audio/wav")
@@ -271,7 +263,8 @@ async def test_curl_with_expect_100_continue_uploads_through_the_gateway(tmp_pat
     does not pass it on (it has the body already)."""
     path = tmp_path / "speech.wav"
     path.write_bytes(wav(40.0))
-    async with running_sim(AUDIO) as sim, running_gateway([sim.url]) as gw:
+    sim = RunningSim(AUDIO)
+    async with fronting(sim) as gw:
         proc = await asyncio.create_subprocess_exec(
             "curl", "-sS", "-v", "--fail-with-body",
             "-F", f"model={MODEL}", "-F", f"file=@{path};type=audio/wav",
@@ -299,7 +292,8 @@ async def test_a_client_that_leaves_mid_upload_leaves_nothing_behind() -> None:
                 n += os.readlink(f"/proc/self/fd/{fd}").startswith(tempfile.gettempdir())
         return n
 
-    async with running_sim(AUDIO) as sim, running_gateway([sim.url]) as gw:
+    sim = RunningSim(AUDIO)
+    async with fronting(sim) as gw:
         head = (
             "POST /v1/audio/transcriptions HTTP/1.1\r\nHost: x\r\n"
             "Content-Type: multipart/form-data; boundary=b0\r\n"

@@ -17,9 +17,8 @@ from tests.helpers import (
     FakeBackend,
     Seen,
     chat_chunk,
+    fronting,
     hang_before_headers,
-    running_fake,
-    running_gateway,
     stream_chat,
     wait_for,
 )
@@ -40,7 +39,7 @@ async def upstream_closed(fake: FakeBackend) -> None:
 
 async def test_disconnect_mid_stream_closes_upstream() -> None:
     fake = FakeBackend(behaviour=stream_chat(50, hold_after=3))
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT | {"stream": True})
             got = b""
@@ -54,7 +53,7 @@ async def test_disconnect_mid_stream_closes_upstream() -> None:
 @pytest.mark.parametrize("stream", [True, False])
 async def test_disconnect_while_waiting_for_first_byte_closes_upstream(stream: bool) -> None:
     fake = FakeBackend(behaviour=hang_before_headers)
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             task = asyncio.create_task(
                 s.post(gw.url + "/v1/chat/completions", json=CHAT | {"stream": stream})
@@ -77,7 +76,7 @@ async def test_disconnect_during_non_streaming_body_closes_upstream() -> None:
         return resp
 
     fake = FakeBackend(behaviour=slow_body)
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             task = asyncio.create_task(s.post(gw.url + "/v1/completions", json=CHAT))
             await wait_for(lambda: len(fake.seen) == 1, what="request to reach the backend")
@@ -91,7 +90,7 @@ async def test_disconnect_during_non_streaming_body_closes_upstream() -> None:
 
 async def test_disconnect_before_the_body_is_read_sends_nothing_upstream() -> None:
     fake = FakeBackend()
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with fronting(fake) as gw:
         host, port = gw.url[7:].split(":")
         _reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
@@ -134,21 +133,18 @@ async def test_no_lease_or_connection_leaks_after_hundreds_of_mixed_requests() -
     modes = ["ok", "ok", "ok", "error", "hang", "die", "cancel", "cancel_early", "bad", "unknown"]
     outcomes: dict[str, int] = {}
 
-    async with (
-        running_fake(a),
-        running_fake(b),
+    async with fronting(
+        a,
+        b,
+        upstream={"idle_timeout": 0.3},
         # The circuit breaker would shut both failing backends out; this test is about leaks.
-        running_gateway(
-            [a.url, b.url],
-            upstream={"idle_timeout": 0.3},
-            health={"circuit_threshold": 10_000},
-            # Concurrency slots and the admission queue are in the path too.
-            limits={
-                "tiers": {"default": {"max_concurrent": 64}},
-                "admission": {"enabled": True, "max_in_flight": 12, "max_wait": 5},
-            },
-        ) as gw,
-    ):
+        health={"circuit_threshold": 10_000},
+        # Concurrency slots and the admission queue are in the path too.
+        limits={
+            "tiers": {"default": {"max_concurrent": 64}},
+            "admission": {"enabled": True, "max_in_flight": 12, "max_wait": 5},
+        },
+    ) as gw:
         connector = aiohttp.TCPConnector(limit=64)
         async with aiohttp.ClientSession(connector=connector) as s:
 

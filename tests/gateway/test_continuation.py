@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
@@ -23,8 +23,7 @@ from tests.helpers import (
     FakeBackend,
     RunningGateway,
     events,
-    running_fake,
-    running_gateway,
+    fronting,
     sample,
     wait_for,
 )
@@ -50,11 +49,8 @@ async def fleet(
 ) -> AsyncIterator[tuple[RunningGateway, list[FakeBackend]]]:
     """Fakes with these behaviours, tried in the order given (round robin from the first)."""
     fakes = [FakeBackend(behaviour=b) for b in behaviours]
-    async with AsyncExitStack() as stack:
-        for fake in fakes:
-            await stack.enter_async_context(running_fake(fake))
-        overrides.setdefault("policy", "round_robin")
-        gw = await stack.enter_async_context(running_gateway([f.url for f in fakes], **overrides))
+    overrides.setdefault("policy", "round_robin")
+    async with fronting(*fakes, **overrides) as gw:
         yield gw, fakes
 
 

@@ -10,7 +10,12 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from tests.helpers import FakeBackend, running_fake, running_gateway, stream_chat
+from tests.helpers import (
+    FakeBackend,
+    fronting,
+    gateway_for,
+    stream_chat,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -32,11 +37,7 @@ async def test_tls_is_terminated_for_a_real_tls_client(certificate: tuple[Path, 
     cert, key = certificate
     fake = FakeBackend()
     trust = ssl.create_default_context(cafile=str(cert))
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], tls={"cert_file": cert, "key_file": key}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, tls={"cert_file": cert, "key_file": key}) as (gw, s):
         assert gw.url.startswith("https://")
         async with s.post(gw.url + "/v1/completions", json=CHAT, ssl=trust) as r:
             assert r.status == 200
@@ -50,10 +51,7 @@ async def test_tls_is_terminated_for_a_real_tls_client(certificate: tuple[Path, 
 
 async def test_a_body_that_trickles_in_gets_408_and_reaches_no_backend() -> None:
     fake = FakeBackend()
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], client={"body_timeout": 0.2}) as gw,
-    ):
+    async with fronting(fake, client={"body_timeout": 0.2}) as gw:
         host, port = gw.url[7:].split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
@@ -68,10 +66,7 @@ async def test_a_body_that_trickles_in_gets_408_and_reaches_no_backend() -> None
 
 
 async def test_an_idle_connection_is_closed_after_the_keepalive_timeout() -> None:
-    async with (
-        running_fake(FakeBackend()) as fake,
-        running_gateway([fake.url], client={"keepalive_timeout": 0.2}) as gw,
-    ):
+    async with fronting(FakeBackend(), client={"keepalive_timeout": 0.2}) as gw:
         host, port = gw.url[7:].split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         # Says nothing at all: the gateway hangs up rather than hold the connection forever.
@@ -80,10 +75,9 @@ async def test_an_idle_connection_is_closed_after_the_keepalive_timeout() -> Non
 
 
 async def test_oversized_headers_are_refused() -> None:
+    fake = FakeBackend()
     async with (
-        running_fake(FakeBackend()) as fake,
-        running_gateway([fake.url], client={"max_header_bytes": 2048}) as gw,
-        aiohttp.ClientSession() as s,
+        gateway_for(fake, client={"max_header_bytes": 2048}) as (gw, s),
         s.post(gw.url + "/v1/completions", json=CHAT, headers={"X-Big": "a" * 4096}) as r,
     ):
         assert r.status in (400, 431)
@@ -95,11 +89,7 @@ async def test_no_answer_announces_the_python_and_aiohttp_versions() -> None:
     answers, streams, errors and the admin API, it is the gateway's name alone."""
     fake = FakeBackend(behaviour=stream_chat(3))
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], admin={"token": "t"}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, admin={"token": "t"}) as (gw, s):
         assert gw.admin_url is not None
         calls = [
             s.get(gw.url + "/health"),

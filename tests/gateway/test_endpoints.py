@@ -11,9 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.keys import POOL
 from gateway.limits.tokens import reservation
-from tests.helpers import running_gateway
-from tools.sim import SimConfig
-from tools.sim.testing import running_sim
+from tests.helpers import gateway_for
+from tools.sim import RunningSim, SimConfig
 
 FAST = SimConfig(step_base_ms=1.0)
 POOLING = FAST.replace(runner="pooling")
@@ -36,12 +35,9 @@ def requests_by(text: str, **labels: str) -> float:
 
 
 async def test_each_endpoint_goes_to_a_backend_that_has_it_and_is_learned() -> None:
-    async with (
-        running_sim(FAST) as gen,
-        running_sim(POOLING) as pool_sim,
-        running_gateway([gen.url, pool_sim.url], policy="round_robin") as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    gen = RunningSim(FAST)
+    pool_sim = RunningSim(POOLING)
+    async with gateway_for(gen, pool_sim, policy="round_robin") as (gw, s):
         gen_id, pool_id = gen.url[7:], pool_sim.url[7:]
         for _ in range(4):  # whichever round robin offers first, the answer is right
             status, doc = await post(
@@ -96,11 +92,8 @@ async def test_each_endpoint_goes_to_a_backend_that_has_it_and_is_learned() -> N
 
 
 async def test_an_endpoint_no_backend_has_is_a_404_in_openai_shape_without_retrying() -> None:
-    async with (
-        running_sim(FAST) as gen,
-        running_gateway([gen.url]) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    gen = RunningSim(FAST)
+    async with gateway_for(gen) as (gw, s):
         for _ in range(2):
             status, doc = await post(s, gw.url + "/v1/embeddings", {"model": MODEL, "input": "x"})
             assert status == 404
@@ -127,12 +120,7 @@ async def test_an_endpoint_no_backend_has_is_a_404_in_openai_shape_without_retry
 
 
 async def test_bad_bodies_on_every_endpoint_are_4xx_in_openai_shape() -> None:
-    async with (
-        running_sim(FAST) as gen,
-        running_sim(POOLING) as pool_sim,
-        running_gateway([gen.url, pool_sim.url]) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(RunningSim(FAST), RunningSim(POOLING)) as (gw, s):
         for path in ("/v1/embeddings", "/pooling", "/score", "/rerank", "/tokenize", "/detokenize"):
             async with s.post(gw.url + path, data=b"{not json") as r:
                 assert r.status == 400, path

@@ -23,6 +23,7 @@ from gateway.observe.metrics import QUEUE_DEPTH_METRIC
 from policies import NO_NEEDS
 from tests.helpers import (
     FakeBackend,
+    gateway_for,
     hang_before_headers,
     kill,
     running_fake,
@@ -30,7 +31,7 @@ from tests.helpers import (
     stream_chat,
     wait_for,
 )
-from tools.sim import FAST, Faults, running_sim
+from tools.sim import FAST, Faults, RunningSim
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
 
@@ -52,11 +53,7 @@ def value(samples: dict[tuple[str, tuple[Any, ...]], float], name: str, **labels
 
 async def test_request_counters_and_histograms_move() -> None:
     fake = FakeBackend(behaviour=stream_chat(5))
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url]) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake) as (gw, s):
         bid = fake.url[7:]
         for _ in range(3):
             async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
@@ -78,11 +75,7 @@ async def test_request_counters_and_histograms_move() -> None:
 
 async def test_client_disconnect_raises_the_abort_counter() -> None:
     fake = FakeBackend(behaviour=stream_chat(10, hold_after=2))
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url]) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake) as (gw, s):
         bid = fake.url[7:]
         before = await scrape(s, gw.url)
         r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
@@ -98,12 +91,9 @@ async def test_client_disconnect_raises_the_abort_counter() -> None:
 
 async def test_slow_backend_score_rises_and_queue_gauge_returns_to_zero() -> None:
     config = FAST.replace(max_num_seqs=1)
-    async with (
-        running_sim(config, faults=Faults(slowdown=30)) as slow,
-        running_sim(config) as fast,
-        running_gateway([slow.url, fast.url], policy="round_robin") as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    slow = RunningSim(config, faults=Faults(slowdown=30))
+    fast = RunningSim(config)
+    async with gateway_for(slow, fast, policy="round_robin") as (gw, s):
         slow_id, fast_id = slow.url[7:], fast.url[7:]
         body = {"model": "sim-model", "prompt": "hello", "max_tokens": 20, "stream": True}
 
@@ -141,9 +131,7 @@ async def test_span_tree_and_trace_id_reach_the_backend() -> None:
     fake = FakeBackend(behaviour=stream_chat(3))
     trace_id = "0af7651916cd43dd8448eb211c80319c"
     async with (
-        running_fake(fake),
-        running_gateway([fake.url], tracer_provider=provider) as gw,
-        aiohttp.ClientSession() as s,
+        gateway_for(fake, tracer_provider=provider) as (gw, s),
         s.post(
             gw.url + "/v1/chat/completions",
             json=CHAT,
@@ -214,11 +202,7 @@ async def test_an_abandoned_stream_is_logged_and_counted_with_its_ttft_and_event
     (issue 16.5): the TTFT histogram describes every stream that got a token, not only those
     that ran to the end."""
     fake = FakeBackend(behaviour=stream_chat(10, hold_after=3))
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], log_level="info") as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, log_level="info") as (gw, s):
         bid = fake.url[7:]
         with capture_logs() as logs:
             r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
@@ -254,11 +238,7 @@ async def test_each_ending_is_told_truthfully_an_internal_failure_is_not_a_clien
             pass
 
     fake = FakeBackend(behaviour=hang_before_headers)
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], log_level="info") as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, log_level="info") as (gw, s):
         router = gw.app[ROUTER]
         with capture_logs() as logs:
             # Left while the backend had not answered yet.
@@ -290,11 +270,7 @@ async def test_an_abort_while_the_backend_has_not_answered_yet_is_counted() -> N
     """Issue 16.12: every non-streaming request (and a stream still queued in the engine)
     waits for the response head; a client leaving then was never counted as an abort."""
     fake = FakeBackend(behaviour=hang_before_headers)
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url]) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake) as (gw, s):
         bid = fake.url[7:]
         for body in (CHAT | {"stream": False}, CHAT):
             left = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=body))
@@ -322,12 +298,7 @@ async def test_every_log_line_of_a_request_carries_its_id_bound_once() -> None:
     )
     capture = structlog.get_config()["processors"][-1]
     try:
-        async with (
-            running_fake(busy),
-            running_fake(ok),
-            running_gateway([busy.url, ok.url], policy="round_robin") as gw,
-            aiohttp.ClientSession() as s,
-        ):
+        async with gateway_for(busy, ok, policy="round_robin") as (gw, s):
             for rid in ("first-id", "second-id"):
                 headers = {"X-Request-Id": rid}
                 async with s.post(
@@ -381,12 +352,7 @@ async def test_routable_backends_counts_those_a_request_could_reach() -> None:
     """The gauge the "no routable backend" alert reads: a drained backend and a dead one
     leave it, and it reaches 0 when none is left."""
     a, b = FakeBackend(), FakeBackend()
-    async with (
-        running_fake(a),
-        running_fake(b),
-        running_gateway([a.url, b.url]) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(a, b) as (gw, s):
 
         async def routable() -> float:
             return value(await scrape(s, gw.url), "llm_gateway_routable_backends")

@@ -16,9 +16,9 @@ from tests.helpers import (
     FakeBackend,
     Seen,
     chat_chunk,
+    fronting,
+    gateway_for,
     kill,
-    running_fake,
-    running_gateway,
     stream_chat,
     wait_for,
 )
@@ -33,11 +33,7 @@ def forced() -> str:
 async def test_the_fallback_is_logged_once_and_shown_in_a_metric() -> None:
     fake = FakeBackend(behaviour=stream_chat(3))
     with capture_logs() as logs:
-        async with (
-            running_fake(fake),
-            running_gateway([fake.url], relay_check=forced) as gw,
-            aiohttp.ClientSession() as s,
-        ):
+        async with gateway_for(fake, relay_check=forced) as (gw, s):
             async with s.get(gw.url + "/metrics") as r:
                 text = await r.text()
     warnings = [e for e in logs if e["event"] == "relay_fast_path_off"]
@@ -67,9 +63,7 @@ async def test_a_stream_relayed_with_plain_reads_arrives_whole_and_in_order() ->
 
     fake = FakeBackend(behaviour=long_stream)
     async with (
-        running_fake(fake),
-        running_gateway([fake.url], relay_check=forced) as gw,
-        aiohttp.ClientSession() as s,
+        gateway_for(fake, relay_check=forced) as (gw, s),
         s.post(gw.url + "/v1/chat/completions", json=CHAT) as r,
     ):
         body = await r.read()
@@ -89,7 +83,7 @@ async def test_plain_reads_still_abort_on_disconnect_and_end_a_broken_stream_wit
 ):
     held = FakeBackend(behaviour=stream_chat(10, hold_after=2))
     dying = FakeBackend(behaviour=stream_chat(10, hold_after=2))
-    async with running_fake(held), running_gateway([held.url], relay_check=forced) as gw:
+    async with fronting(held, relay_check=forced) as gw:
         async with aiohttp.ClientSession() as s:
             r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
             await r.content.readuntil(b"t1")
@@ -97,11 +91,7 @@ async def test_plain_reads_still_abort_on_disconnect_and_end_a_broken_stream_wit
             await wait_for(lambda: held.active() == 0, what="the upstream closed")
         assert held.seen[0].ending == "cancelled"
         await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="released")
-    async with (
-        running_fake(dying),
-        running_gateway([dying.url], relay_check=forced) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(dying, relay_check=forced) as (gw, s):
         r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
         await r.content.readuntil(b"t1")
         await kill(dying)

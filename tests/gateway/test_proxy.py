@@ -13,6 +13,8 @@ import pytest
 from tests.helpers import (
     FakeBackend,
     chat_chunk,
+    fronting,
+    gateway_for,
     running_fake,
     running_gateway,
     stopped,
@@ -49,7 +51,8 @@ def assert_envelope(doc: dict[str, Any], type_: str | None = None) -> dict[str, 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_non_streaming_request_is_forwarded_byte_for_byte(path: str) -> None:
-    async with running_fake(FakeBackend()) as fake, running_gateway([fake.url]) as gw:
+    fake = FakeBackend()
+    async with fronting(fake) as gw:
         body = b'{"model": "m",  "prompt": "x", "extra": [1, 2]}'
         async with aiohttp.ClientSession() as s:
             status, doc, resp = await post(
@@ -66,7 +69,7 @@ async def test_non_streaming_request_is_forwarded_byte_for_byte(path: str) -> No
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_stream_is_relayed_whole_and_in_order(path: str) -> None:
     fake = FakeBackend(behaviour=stream_chat(20))
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + path, json=CHAT | {"stream": True}) as resp:
                 assert resp.status == 200
@@ -79,7 +82,7 @@ async def test_stream_is_relayed_whole_and_in_order(path: str) -> None:
 
 async def test_first_event_reaches_client_before_backend_produces_the_last() -> None:
     fake = FakeBackend(behaviour=stream_chat(5, hold_after=1))
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + "/v1/chat/completions", json=CHAT | {"stream": True}) as r:
                 got = b""
@@ -96,7 +99,7 @@ async def test_first_event_reaches_client_before_backend_produces_the_last() -> 
 async def test_models_is_union_and_requests_go_only_to_a_backend_serving_the_model() -> None:
     a = FakeBackend(models=["alpha", "shared"])
     b = FakeBackend(models=["beta", "shared"])
-    async with running_fake(a), running_fake(b), running_gateway([a.url, b.url]) as gw:
+    async with fronting(a, b) as gw:
         async with aiohttp.ClientSession() as s:
             async with s.get(gw.url + "/v1/models") as resp:
                 doc = await resp.json()
@@ -111,7 +114,8 @@ async def test_models_is_union_and_requests_go_only_to_a_backend_serving_the_mod
 
 
 async def test_request_id_is_kept_forwarded_and_returned() -> None:
-    async with running_fake(FakeBackend()) as fake, running_gateway([fake.url]) as gw:
+    fake = FakeBackend()
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             _, _, resp = await post(
                 s, gw.url + "/v1/completions", CHAT, headers={"X-Request-Id": "abc-123"}
@@ -131,7 +135,8 @@ async def test_request_id_is_kept_forwarded_and_returned() -> None:
 
 
 async def test_hop_by_hop_and_client_credentials_are_not_forwarded() -> None:
-    async with running_fake(FakeBackend()) as fake, running_gateway([fake.url]) as gw:
+    fake = FakeBackend()
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             await post(
                 s,
@@ -206,10 +211,8 @@ async def test_backend_4xx_passes_through_unchanged() -> None:
             headers={"X-Backend": "yes"},
         )
 
-    async with (
-        running_fake(FakeBackend(behaviour=reject)) as fake,
-        running_gateway([fake.url]) as gw,
-    ):
+    fake = FakeBackend(behaviour=reject)
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             status, doc, resp = await post(s, gw.url + "/v1/completions", CHAT)
         assert status == 400
@@ -239,7 +242,8 @@ async def test_backend_4xx_passes_through_unchanged() -> None:
 async def test_bad_requests_get_openai_errors_and_reach_no_backend(
     body: bytes, status: int, param: str | None
 ) -> None:
-    async with running_fake(FakeBackend()) as fake, running_gateway([fake.url]) as gw:
+    fake = FakeBackend()
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             got, doc, resp = await post(s, gw.url + "/v1/chat/completions", body)
         assert got == status
@@ -253,10 +257,8 @@ async def test_bad_requests_get_openai_errors_and_reach_no_backend(
 
 
 async def test_body_over_limit_is_413_whether_length_is_declared_or_chunked() -> None:
-    async with (
-        running_fake(FakeBackend()) as fake,
-        running_gateway([fake.url], max_body_bytes=1000) as gw,
-    ):
+    fake = FakeBackend()
+    async with fronting(fake, max_body_bytes=1000) as gw:
         big = json.dumps({"model": "m", "prompt": "x" * 5000}).encode()
 
         async def chunked() -> Any:
@@ -277,7 +279,7 @@ async def test_body_over_limit_is_413_whether_length_is_declared_or_chunked() ->
 
 async def test_no_routable_backend_is_503_with_retry_after() -> None:
     fake = FakeBackend()
-    async with running_fake(fake), running_gateway([fake.url], health={"fall": 1}) as gw:
+    async with fronting(fake, health={"fall": 1}) as gw:
         async with aiohttp.ClientSession() as s:
             assert (await post(s, gw.url + "/v1/completions", CHAT))[0] == 200
             fake.health_status = 503  # the next probe fails: backend down
@@ -314,10 +316,7 @@ async def test_backend_idle_timeout_is_504_before_first_byte(stream: bool) -> No
         await fake.release.wait()
 
     fake = FakeBackend(behaviour=silent)
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], upstream={"idle_timeout": 0.2}) as gw,
-    ):
+    async with fronting(fake, upstream={"idle_timeout": 0.2}) as gw:
         async with aiohttp.ClientSession() as s:
             status, doc, _ = await post(s, gw.url + "/v1/completions", CHAT | {"stream": stream})
         assert status == 504
@@ -328,10 +327,7 @@ async def test_backend_idle_timeout_is_504_before_first_byte(stream: bool) -> No
 
 async def test_idle_timeout_does_not_cut_a_long_stream_that_keeps_talking() -> None:
     fake = FakeBackend(behaviour=stream_chat(30, delay=0.05))
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], upstream={"idle_timeout": 1.0}) as gw,
-    ):
+    async with fronting(fake, upstream={"idle_timeout": 1.0}) as gw:
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + "/v1/chat/completions", json=CHAT | {"stream": True}) as r:
                 body = await r.read()
@@ -353,7 +349,7 @@ async def test_backend_dying_mid_stream_ends_with_an_error_event() -> None:
         return resp
 
     fake = FakeBackend(behaviour=die)
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + "/v1/chat/completions", json=CHAT | {"stream": True}) as r:
                 assert r.status == 200
@@ -367,21 +363,19 @@ async def test_backend_dying_mid_stream_ends_with_an_error_event() -> None:
 
 
 async def test_unknown_route_and_method_use_the_envelope() -> None:
-    async with running_fake(FakeBackend()) as fake, running_gateway([fake.url]) as gw:
-        async with aiohttp.ClientSession() as s:
-            async with s.get(gw.url + "/v1/nothing") as r:
-                assert r.status == 404
-                assert_envelope(await r.json())
-            async with s.get(gw.url + "/v1/completions") as r:
-                assert r.status == 405
-                assert_envelope(await r.json())
-                assert "POST" in r.headers["Allow"]
+    async with gateway_for(FakeBackend()) as (gw, s):
+        async with s.get(gw.url + "/v1/nothing") as r:
+            assert r.status == 404
+            assert_envelope(await r.json())
+        async with s.get(gw.url + "/v1/completions") as r:
+            assert r.status == 405
+            assert_envelope(await r.json())
+            assert "POST" in r.headers["Allow"]
 
 
 async def test_health_and_ready() -> None:
-    async with running_fake(FakeBackend()) as fake, running_gateway([fake.url]) as gw:
-        async with aiohttp.ClientSession() as s:
-            async with s.get(gw.url + "/health") as r:
-                assert r.status == 200
-            async with s.get(gw.url + "/ready") as r:
-                assert r.status == 200
+    async with gateway_for(FakeBackend()) as (gw, s):
+        async with s.get(gw.url + "/health") as r:
+            assert r.status == 200
+        async with s.get(gw.url + "/ready") as r:
+            assert r.status == 200

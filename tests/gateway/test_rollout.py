@@ -23,13 +23,13 @@ from gateway.request.rollout import ROLLOUT
 from tests.helpers import (
     FakeBackend,
     RunningGateway,
-    running_fake,
+    gateway_for,
     running_gateway,
     stream_chat,
     wait_for,
 )
 from tests.redis_server import RedisServer
-from tools.sim import FAST, running_sim
+from tools.sim import FAST, RunningSim, running_sim
 
 TOKEN = "admin-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -189,15 +189,14 @@ async def test_sessions_stay_on_their_pool_while_weights_move() -> None:
 async def test_rollback_takes_the_next_request_while_a_stream_on_the_old_pool_ends() -> None:
     fake = FakeBackend(models=["m"], behaviour=stream_chat(6, hold_after=2))
     async with (
-        running_sim(FAST.replace(model="m-v1")) as s1,
-        running_fake(fake),
-        running_gateway(
-            [{"url": s1.url, "name": "v1a"}, {"url": fake.url, "name": "green"}],
+        gateway_for(
+            RunningSim(FAST.replace(model="m-v1")),
+            fake,
+            names=("v1a", "green"),
             pools=[pools()[0], {"name": "v2", "model": "m", "backends": ["green"]}],
             aliases={ALIAS: {"v1": 100}},
             admin={"token": TOKEN, "port": 0},
-        ) as gw,
-        aiohttp.ClientSession() as http,
+        ) as (gw, http),
         aiohttp.ClientSession(headers=AUTH) as admin,
     ):
         await all_up(gw)

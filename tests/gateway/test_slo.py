@@ -13,8 +13,8 @@ import aiohttp
 from gateway.keys import LATENCY, POOL, SETTINGS
 from policies import Outcome
 from policies.latency import Load
-from tests.helpers import RunningGateway, running_gateway, sample, wait_for
-from tools.sim import FAST, Faults, running_sim
+from tests.helpers import RunningGateway, fronting, sample, wait_for
+from tools.sim import FAST, Faults, RunningSim
 
 # One backend, 40 ms a step: no first token comes within a few milliseconds.
 SLOW = replace(FAST, step_base_ms=5.0)
@@ -31,10 +31,9 @@ async def gateway(*, queue: bool) -> AsyncIterator[RunningGateway]:
     limits: dict[str, Any] = {"tiers": {"default": {"max_priority": 1}}}
     if queue:
         limits["admission"] = {"enabled": True, "max_wait": 0.3, "retry_after": 2}
-    async with (
-        running_sim(SLOW, faults=Faults(slowdown=8.0)) as sim,
-        running_gateway([sim.url], policy="predicted_latency", limits=limits) as gw,
-    ):
+    async with fronting(
+        RunningSim(SLOW, faults=Faults(slowdown=8.0)), policy="predicted_latency", limits=limits
+    ) as gw:
         await wait_for(gw.ready, what="gateway ready")
         yield gw
 

@@ -19,6 +19,8 @@ from tests.helpers import (
     FakeBackend,
     Seen,
     chat_chunk,
+    fronting,
+    gateway_for,
     running_fake,
     running_gateway,
     sse,
@@ -72,7 +74,7 @@ async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> web.A
         )
 
     fake = FakeBackend(behaviour=big_stream)
-    async with running_fake(fake), running_gateway([fake.url], **gateway) as gw:
+    async with fronting(fake, **gateway) as gw:
         host, port = gw.url[len("http://") :].split(":")
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
@@ -137,7 +139,7 @@ async def test_a_backend_that_lies_in_its_chunk_framing_ends_the_stream_with_an_
         return resp
 
     fake = FakeBackend(behaviour=lying)
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
+    async with fronting(fake) as gw:
         async with aiohttp.ClientSession() as s:
             resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
             first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
@@ -154,13 +156,12 @@ async def test_a_backend_that_lies_in_its_chunk_framing_ends_the_stream_with_an_
 
 async def test_the_upstream_connection_of_a_spliced_stream_is_reused() -> None:
     fake = FakeBackend(behaviour=stream_chat(5, delay=0.002))
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
-        async with aiohttp.ClientSession() as s:
-            for _ in range(3):
-                async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
-                    body = await resp.read()
-                    assert body.count(b"data: ") == 8
-                    assert body.endswith(b"data: [DONE]\n\n")
+    async with gateway_for(fake) as (gw, s):
+        for _ in range(3):
+            async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as resp:
+                body = await resp.read()
+                assert body.count(b"data: ") == 8
+                assert body.endswith(b"data: [DONE]\n\n")
     streams = [seen for seen in fake.seen if seen.path == "/v1/chat/completions"]
     assert len(streams) == 3
     peers = {seen.transport.get_extra_info("peername") for seen in streams if seen.transport}
@@ -182,12 +183,11 @@ async def test_usage_of_a_spliced_stream_is_recorded_and_the_chunk_removed() -> 
         return resp
 
     fake = FakeBackend(behaviour=with_usage)
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
-        async with aiohttp.ClientSession() as s:
-            resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
-            await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-            fake.release.set()
-            rest = await asyncio.wait_for(resp.content.read(), 5)
+    async with gateway_for(fake) as (gw, s):
+        resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
+        await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        fake.release.set()
+        rest = await asyncio.wait_for(resp.content.read(), 5)
     assert rest == chat_chunk("t0 ") + b"data: [DONE]\n\n"
 
 
@@ -222,14 +222,13 @@ async def test_the_answers_head_goes_out_with_its_first_chunk_in_one_write() -> 
         return resp
 
     fake = FakeBackend(behaviour=first_then_wait)
-    async with running_fake(fake), running_gateway([fake.url]) as gw:
-        async with aiohttp.ClientSession() as s:
-            resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
-            assert resp.status == 200
-            first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
-            assert first == chat_chunk(role=True)
-            fake.release.set()
-            assert await asyncio.wait_for(resp.content.read(), 5) == b"data: [DONE]\n\n"
+    async with gateway_for(fake) as (gw, s):
+        resp = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
+        assert resp.status == 200
+        first = await asyncio.wait_for(resp.content.readuntil(b"\n\n"), 5)
+        assert first == chat_chunk(role=True)
+        fake.release.set()
+        assert await asyncio.wait_for(resp.content.read(), 5) == b"data: [DONE]\n\n"
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
     assert chat_chunk(role=True) in writes[0]  # not a write of its own before the first chunk
 

@@ -17,8 +17,7 @@ from tests.helpers import (
     RunningGateway,
     answer,
     events,
-    running_fake,
-    running_gateway,
+    gateway_for,
     sample,
     stream_chat,
     wait_for,
@@ -49,17 +48,14 @@ async def learned(
     predicted_latency (so a request goes to "a", and its hedge to "b")."""
     a = FakeBackend(models=["sim-model"], behaviour=first_after(0.0, "a"))
     b = FakeBackend(models=["sim-model"], behaviour=first_after(0.02, "b"))
-    async with (
-        running_fake(a),
-        running_fake(b),
-        running_gateway(
-            [{"url": a.url, "name": "a"}, {"url": b.url, "name": "b"}],
-            policy="predicted_latency",
-            latency={"rescue_mode": "hedge"} | latency,
-            admin={"token": TOKEN},
-        ) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(
+        a,
+        b,
+        names=("a", "b"),
+        policy="predicted_latency",
+        latency={"rescue_mode": "hedge"} | latency,
+        admin={"token": TOKEN},
+    ) as (gw, s):
         for _ in range(12):
             async with s.post(gw.url + "/v1/chat/completions", json=BODY) as r:
                 assert r.status == 200

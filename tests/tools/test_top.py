@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import io
 
-import aiohttp
 import pytest
 from rich.console import Console
 
 from gateway.cli import main
-from tests.helpers import FakeBackend, running_fake, running_gateway, stream_chat
+from tests.helpers import FakeBackend, gateway_for, stream_chat
 from tools.top import MetricsSample, TopClient, bucket_quantile, frame
 
 TOKEN = "top-secret"
@@ -43,11 +42,7 @@ def test_rates_and_quantiles_cover_only_the_last_interval() -> None:
 async def test_top_renders_a_frame_from_a_live_gateway() -> None:
     fake = FakeBackend(behaviour=stream_chat(3))
     body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "stream": True}
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, admin={"token": TOKEN}) as (gw, s):
         assert gw.admin_url is not None
         client = TopClient(s, gw.admin_url, TOKEN)
         await client.next_frame()

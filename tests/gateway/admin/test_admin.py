@@ -9,7 +9,7 @@ import aiohttp
 
 from gateway.config.settings import Settings
 from gateway.keys import ROUTER
-from tests.helpers import FakeBackend, running_fake, running_gateway, wait_for
+from tests.helpers import FakeBackend, gateway_for, running_fake, running_gateway, wait_for
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -35,12 +35,7 @@ async def test_weights_changed_live_change_routing_on_the_next_request() -> None
         'vllm:num_requests_running{model_name="m"} 1\n'
         'vllm:kv_cache_usage_perc{model_name="m"} 0.95\n'
     )
-    async with (
-        running_fake(a),
-        running_fake(b),
-        running_gateway([a.url, b.url], admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(a, b, admin={"token": TOKEN}) as (gw, s):
         assert gw.admin_url is not None
         # Default weights: a's queue of 4 makes b the choice every time.
         assert await route_counts(s, gw.url, 5) == Counter({b.url[7:]: 5})
@@ -59,11 +54,7 @@ async def test_weights_changed_live_change_routing_on_the_next_request() -> None
 
 async def test_invalid_policy_change_is_a_400_and_changes_nothing() -> None:
     fake = FakeBackend()
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, admin={"token": TOKEN}) as (gw, s):
         assert gw.admin_url is not None
         before = gw.app[ROUTER].policy
         bad: list[Any] = [

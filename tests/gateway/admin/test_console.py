@@ -3,14 +3,13 @@ headers, ``/admin/stats`` and the audit log of admin actions."""
 
 from __future__ import annotations
 
-import aiohttp
 from structlog.testing import capture_logs
 
 from gateway.admin.console import ASSETS, PUBLIC_PATHS
 from gateway.admin.stats import stats_document
 from gateway.observe.metrics import GatewayMetrics
 from policies import POLICY_NAMES
-from tests.helpers import FakeBackend, running_fake, running_gateway, stream_chat
+from tests.helpers import FakeBackend, gateway_for, stream_chat
 
 TOKEN = "console-t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -18,11 +17,7 @@ AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 async def test_the_console_assets_are_served_without_the_token_with_a_strict_policy() -> None:
     fake = FakeBackend()
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, admin={"token": TOKEN}) as (gw, s):
         assert gw.admin_url is not None
         for path, (_name, content_type) in ASSETS.items():
             async with s.get(gw.admin_url + path) as r:
@@ -46,11 +41,7 @@ async def test_the_console_assets_are_served_without_the_token_with_a_strict_pol
 
 async def test_only_the_assets_are_open_everything_else_needs_the_token() -> None:
     fake = FakeBackend()
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, admin={"token": TOKEN}) as (gw, s):
         assert gw.admin_url is not None
         for method, path in (
             ("GET", "/admin/stats"),
@@ -69,12 +60,7 @@ async def test_only_the_assets_are_open_everything_else_needs_the_token() -> Non
 
 async def test_stats_count_requests_by_backend_and_status_and_their_ttft() -> None:
     a, b = FakeBackend(behaviour=stream_chat(3)), FakeBackend(behaviour=stream_chat(3))
-    async with (
-        running_fake(a),
-        running_fake(b),
-        running_gateway([a.url, b.url], admin={"token": TOKEN}, policy="round_robin") as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(a, b, admin={"token": TOKEN}, policy="round_robin") as (gw, s):
         assert gw.admin_url is not None
         for _ in range(6):
             body = {"model": "m", "stream": True, "messages": []}
@@ -100,11 +86,7 @@ async def test_stats_count_requests_by_backend_and_status_and_their_ttft() -> No
 
 async def test_get_policy_lists_the_policies_a_put_accepts() -> None:
     fake = FakeBackend()
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, admin={"token": TOKEN}) as (gw, s):
         assert gw.admin_url is not None
         async with s.get(gw.admin_url + "/admin/policy", headers=AUTH) as r:
             doc = await r.json()
@@ -114,11 +96,7 @@ async def test_get_policy_lists_the_policies_a_put_accepts() -> None:
 
 async def test_admin_actions_and_refused_tokens_are_logged_without_the_token() -> None:
     fake = FakeBackend()
-    async with (
-        running_fake(fake),
-        running_gateway([fake.url], admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    async with gateway_for(fake, admin={"token": TOKEN}) as (gw, s):
         assert gw.admin_url is not None
         bid = fake.url[7:]
         with capture_logs() as logs:

@@ -10,9 +10,8 @@ import aiohttp
 
 from gateway.admin.lora import place
 from gateway.keys import POOL
-from tests.helpers import RunningGateway, running_gateway, wait_for
-from tools.sim import SimConfig
-from tools.sim.testing import running_sim
+from tests.helpers import RunningGateway, gateway_for, wait_for
+from tools.sim import RunningSim, SimConfig
 
 TOKEN = "lora-admin"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -48,12 +47,9 @@ async def admin(
 
 async def test_a_static_adapter_is_routed_only_to_the_backend_that_serves_it() -> None:
     with_adapter = LORA.replace(lora_modules=(("sql-lora", "/adapters/sql"),))
-    async with (
-        running_sim(with_adapter) as a,
-        running_sim(FAST) as b,
-        running_gateway([a.url, b.url], policy="round_robin") as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    a = RunningSim(with_adapter)
+    b = RunningSim(FAST)
+    async with gateway_for(a, b, policy="round_robin") as (gw, s):
         async with s.get(gw.url + "/v1/models") as r:
             assert {m["id"] for m in (await r.json())["data"]} == {MODEL, "sql-lora"}
         sent = await answered_by(s, gw, "sql-lora", 6)
@@ -63,13 +59,10 @@ async def test_a_static_adapter_is_routed_only_to_the_backend_that_serves_it() -
 
 
 async def test_adapters_load_packed_onto_few_backends_and_unload_everywhere() -> None:
-    async with (
-        running_sim(LORA) as a,
-        running_sim(LORA) as b,
-        running_sim(LORA) as c,
-        running_gateway([a.url, b.url, c.url], policy="round_robin", admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    a = RunningSim(LORA)
+    b = RunningSim(LORA)
+    c = RunningSim(LORA)
+    async with gateway_for(a, b, c, policy="round_robin", admin={"token": TOKEN}) as (gw, s):
         load = {"lora_name": "chat-lora", "lora_path": "/adapters/chat", "model": MODEL}
         status, doc = await admin(s, gw, "/admin/lora/load", load | {"replicas": 2})
         assert status == 200, doc
@@ -98,12 +91,9 @@ async def test_adapters_load_packed_onto_few_backends_and_unload_everywhere() ->
 
 
 async def test_bad_adapter_requests_are_refused_and_backend_refusals_reported() -> None:
-    async with (
-        running_sim(LORA) as a,
-        running_sim(FAST) as plain,  # no --enable-lora: vLLM has no load route then
-        running_gateway([a.url, plain.url], admin={"token": TOKEN}) as gw,
-        aiohttp.ClientSession() as s,
-    ):
+    a = RunningSim(LORA)
+    plain = RunningSim(FAST)  # no --enable-lora: vLLM has no load route then
+    async with gateway_for(a, plain, admin={"token": TOKEN}) as (gw, s):
         pool = gw.app[POOL]
         await wait_for(lambda: all(b.models for b in pool.all()))
         good = {"lora_name": "x-lora", "lora_path": "/p", "model": MODEL}

@@ -13,7 +13,7 @@ BENCH = ROOT / "docs" / "bench"
 def cited_runs() -> set[str]:
     """The docs/bench entries (a file's stem or a folder) cited by the pages of docs/."""
     cited = set()
-    for doc in (ROOT / "docs").glob("*.md"):
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         for path in re.findall(r"bench/((?:peers|latency|kv-events|pa-)[\w.-]*)", doc.read_text()):
             cited.add(path.removesuffix(".md").removesuffix(".json"))
     return cited

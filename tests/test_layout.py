@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -95,3 +96,13 @@ def test_the_lazy_exceptions_are_still_needed_and_lazy() -> None:
     for rel, imported in sorted(LAZY_EXCEPTIONS):
         kinds = {nested for name, nested in imports_of(ROOT / rel) if name == imported}
         assert kinds == {True}, f"{rel}: {imported} imported {kinds or 'nowhere'}"
+
+
+def test_nothing_names_a_folder_outside_the_clone() -> None:
+    outside = "../" + "shared"  # not written whole, or this file would name it
+    listed = subprocess.run(
+        ["git", "grep", "-l", "-F", outside], check=False, cwd=ROOT, capture_output=True, text=True
+    )
+    if listed.returncode not in (0, 1):
+        pytest.skip("not a git checkout")
+    assert listed.stdout.split() == []

@@ -96,6 +96,21 @@ async def learned(
     change = {"latency": {"explore": 0}}
     async with session.put(gw.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
         assert r.status == 200, await r.text()
+    # A scrape taken while the last stream waited in "fast"'s engine counts it as queued until
+    # the next scrape: on a loaded machine the next decision could see "fast" behind and go to
+    # "slow" (CI saw it: candidates {'fast': 3.0, 'slow': 0.0}). Wait until the gateway sees
+    # both idle.
+    pool = gw.app[ROUTER].pool
+
+    def idle() -> bool:
+        for name in ("fast", "slow"):
+            b = pool.get(name)
+            snap = None if b is None else pool.snapshot(b, pool.now())
+            if snap is None or snap.in_flight or snap.sent_since_scrape or snap.queue_depth:
+                return False
+        return True
+
+    await wait_for(idle, what="the gateway sees both backends idle")
 
 
 async def test_idle_backends_tie_under_least_load_but_the_faster_one_wins_when_learned() -> None:

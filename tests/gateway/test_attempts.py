@@ -8,24 +8,17 @@ policy is told about it can be pinned exactly.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import aiohttp
 
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
 from gateway.keys import ROUTER
-from policies import BackendSnapshot, Needs, Outcome, PrefixAffinity, RouteFacts, Weights
-from policies.least_load import LeastLoad
+from policies import PrefixAffinity
 from tests.helpers import running_gateway, wait_for
+from tests.mock_fleet import Fleet, InOrder, chunk
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi " * 40}], "stream": True}
-
-
-def chunk(doc: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
 async def tokens(
@@ -41,49 +34,6 @@ async def tokens(
     usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": n + 3}
     yield chunk({"choices": [], "usage": usage})
     yield b"data: [DONE]\n\n"
-
-
-@dataclass
-class Fleet:
-    """Backends as functions: ``answers[backend]`` says how each one answers a POST."""
-
-    answers: dict[str, Any] = field(default_factory=dict)
-
-    async def __call__(self, request: MockRequest) -> MockResponse:
-        if request.method == "GET":
-            if request.path == "/v1/models":
-                return MockResponse.json({"object": "list", "data": [{"id": "m"}]})
-            if request.path == "/metrics":
-                return MockResponse(200, b"", {"Content-Type": "text/plain"})
-            return MockResponse(200)
-        answer = self.answers[request.backend.id]
-        return await answer(request) if callable(answer) else answer
-
-
-@dataclass
-class Recording:
-    """``least_load`` that also writes down every outcome it is told."""
-
-    inner: LeastLoad = field(default_factory=LeastLoad)
-    outcomes: list[tuple[str, Outcome]] = field(default_factory=list)
-    name: str = "recording"
-
-    @property
-    def needs(self) -> Needs:
-        return self.inner.needs
-
-    @property
-    def weights(self) -> Weights | None:
-        return self.inner.weights
-
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
-        # Always the first untried one, in the configured order.
-        return candidates[0] if candidates else None
-
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
-        self.outcomes.append((backend, outcome))
 
 
 BACKENDS = [{"url": f"http://{n}.invalid:8000", "name": n} for n in ("a", "b", "c")]
@@ -103,7 +53,7 @@ async def test_each_attempt_is_told_to_the_policy_as_it_really_ended() -> None:
 
     fleet = Fleet({"a": refused, "b": unreachable, "c": streams})
     transport = MockTransport(fleet)
-    policy = Recording()
+    policy = InOrder()
     async with running_gateway(BACKENDS, transport=transport, retry={"backoff_base": 0}) as gw:
         gw.app[ROUTER].policy = policy
         async with (
@@ -139,7 +89,7 @@ async def test_a_cut_stream_and_a_client_that_leaves_are_told_apart() -> None:
 
     fleet = Fleet({"a": cut, "b": held, "c": held})
     transport = MockTransport(fleet)
-    policy = Recording()
+    policy = InOrder()
     # Not continued elsewhere (tests/gateway/test_continuation.py covers that): one outcome each.
     off = {"enabled": False}
     async with running_gateway(BACKENDS, transport=transport, continuation=off) as gw:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -21,9 +21,8 @@ import pytest
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
 from gateway.keys import ROUTER
 from gateway.request import attempt
-from policies import BackendSnapshot, Needs, Outcome, RouteFacts, Weights
-from policies.least_load import LeastLoad
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
+from tests.mock_fleet import Answer, Fleet, InOrder, chunk
 
 BACKENDS = [{"url": f"http://{n}.invalid:8000", "name": n} for n in ("a", "b", "c")]
 CHAT: dict[str, Any] = {
@@ -34,12 +33,6 @@ CHAT: dict[str, Any] = {
 }
 PLAIN: dict[str, Any] = {**CHAT, "stream": False}
 NO_BACKOFF = {"backoff_base": 0}
-
-Answer = Callable[[MockRequest], Awaitable[MockResponse]]
-
-
-def chunk(doc: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
 def delta(content: str) -> bytes:
@@ -95,48 +88,6 @@ async def refuses_connections(request: MockRequest) -> MockResponse:
 async def completes(request: MockRequest) -> MockResponse:
     doc = {"choices": [{"index": 0, "message": {"content": request.backend.id}}]}
     return MockResponse.json(doc)
-
-
-@dataclass
-class Fleet:
-    """Backends as functions: ``answers[backend]`` answers its POSTs; GETs (health, models,
-    metrics) are answered as an idle vLLM would."""
-
-    answers: dict[str, Answer] = field(default_factory=dict)
-
-    async def __call__(self, request: MockRequest) -> MockResponse:
-        if request.method == "GET":
-            if request.path == "/v1/models":
-                return MockResponse.json({"object": "list", "data": [{"id": "m"}]})
-            if request.path == "/metrics":
-                return MockResponse(200, b"", {"Content-Type": "text/plain"})
-            return MockResponse(200)
-        return await self.answers[request.backend.id](request)
-
-
-@dataclass
-class InOrder:
-    """Picks the first untried backend in the configured order, so each test knows which
-    backend the loop goes to next."""
-
-    inner: LeastLoad = field(default_factory=LeastLoad)
-    name: str = "in_order"
-
-    @property
-    def needs(self) -> Needs:
-        return self.inner.needs
-
-    @property
-    def weights(self) -> Weights | None:
-        return self.inner.weights
-
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
-        return candidates[0] if candidates else None
-
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
-        pass
 
 
 @dataclass

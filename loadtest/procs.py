@@ -266,6 +266,31 @@ async def set_draining(
         raise RuntimeError(f"POST {url}: the backend's draining is {view.get('draining')!r}")
 
 
+async def wait_idle(
+    session: aiohttp.ClientSession,
+    admin: str,
+    token: str,
+    backend_id: str,
+    within: float = 30.0,
+) -> bool:
+    """Wait until the gateway whose admin API is at ``admin`` has nothing in flight to
+    ``backend_id`` (what "drained" means to an operator); False if that takes over ``within``
+    seconds (a long stream may hold it: the caller goes on)."""
+    headers = {"Authorization": f"Bearer {token}"}
+    deadline = time.monotonic() + within
+    while True:
+        async with session.get(
+            f"{admin}/admin/backends", headers=headers, timeout=_ADMIN_TIMEOUT
+        ) as resp:
+            listed = await resp.json() if resp.status == 200 else {"backends": []}
+        busy = [b for b in listed["backends"] if b["id"] == backend_id and b["in_flight"]]
+        if not busy:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.02)  # sleep-ok: polling interval of a deadline-bounded wait
+
+
 def start_redis(port: int, log_dir: Path, *, name: str = "redis") -> Proc:
     """A ``redis-server`` on ``port`` without persistence (a restart starts empty)."""
     exe = shutil.which("redis-server") or "redis-server"

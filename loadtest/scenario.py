@@ -43,11 +43,13 @@ A scenario file (TOML, ``loadtest/scenarios/*.toml``) says what to start and wha
                                                  # operator would, "drain" or "undrain" it in
                                                  # every replica through the admin API (the
                                                  # runner then gives each replica an admin
-                                                 # listener of its own)
+                                                 # listener of its own; a drain is applied
+                                                 # once nothing is in flight to it, or 30 s)
 
 Parsing is pure (``parse_scenario``); ``run_scenario`` starts the processes, drives the load
 through the gateway, fires the events (one that fails ends the run with its error), and
-scrapes every simulator's ``/metrics`` before and after, so the report shows both sides: where
+scrapes every simulator's ``/metrics`` before and after (and at the end of the warm-up, once
+the events due before it have been applied), so the report shows both sides: where
 requests went, prefix-cache hits, preemptions.
 """
 
@@ -352,6 +354,8 @@ class _Events:
     token: str
     ids: list[list[str]]  # per replica, each backend's id there
     failed: asyncio.Future[None]
+    # each event's time and whether it has been applied (or has failed)
+    applied: list[tuple[float, asyncio.Event]] = field(default_factory=list)
 
     @classmethod
     async def ready(
@@ -369,6 +373,9 @@ class _Events:
         return cls(session, sims, admins, token, ids, failed)
 
     def action(self, e: Event) -> Callable[[], Awaitable[None]]:
+        done = asyncio.Event()
+        self.applied.append((e.at, done))
+
         async def act() -> None:
             try:
                 await self._apply(e)
@@ -376,20 +383,34 @@ class _Events:
                 if not self.failed.done():
                     why = f"event at {e.at} s ({e.action} backend {e.backend}) failed: {exc}"
                     self.failed.set_exception(RuntimeError(why))
+            finally:
+                done.set()
 
         return act
+
+    async def applied_until(self, at: float) -> None:
+        """Wait until every event due at or before ``at`` s has been applied (or failed)."""
+        await asyncio.gather(*(done.wait() for t, done in self.applied if t <= at))
 
     async def _apply(self, e: Event) -> None:
         if e.action == "kill":
             self.sims[e.backend].kill()
         elif e.action in _GATEWAY_ACTIONS:  # every replica at once
             draining = e.action == "drain"
+            replicas = list(zip(self.admins, self.ids, strict=True))
             await asyncio.gather(
                 *(
                     procs.set_draining(self.session, a, self.token, ids[e.backend], draining)
-                    for a, ids in zip(self.admins, self.ids, strict=True)
+                    for a, ids in replicas
                 )
             )
+            if draining:  # applied once what was in flight to it has finished (or 30 s)
+                await asyncio.gather(
+                    *(
+                        procs.wait_idle(self.session, a, self.token, ids[e.backend])
+                        for a, ids in replicas
+                    )
+                )
         else:
             await procs.put_faults(self.session, self.sims[e.backend], e.faults)
 
@@ -444,10 +465,13 @@ async def run_scenario(
             gw_before = await _scrape_gateway(session, gateway)
             warm: list[dict[str, float]] = []
 
+            timed = [(e.at, events.action(e)) for e in sc.events]
+
             async def warmed_up() -> None:
+                # the measured window opens once the events due before it have taken effect
+                await events.applied_until(sc.load.warmup)
                 warm[:] = await _scrape(session, sims)
 
-            timed = [(e.at, events.action(e)) for e in sc.events]
             if sc.load.warmup > 0:
                 timed.append((sc.load.warmup, warmed_up))
             cpu0 = [procs.cpu_seconds(g.pid) for g in gateways]

@@ -161,6 +161,15 @@ def streams_on(fleet: Fleet, backend: str, within: float = 10.0) -> None:
             time.sleep(0.01)  # sleep-ok: polling another process, with a deadline
 
 
+def seen_down(prometheus: str, backend: str, within: float = 60.0) -> None:
+    """Wait until Prometheus has scraped the gateway's word that ``backend`` is down (the
+    health probes' failures counted, then a scrape: how long depends on the machine)."""
+    deadline = time.monotonic() + within
+    while not instant(prometheus, f'llm_gateway_backend_up{{backend="{backend}"}} == 0'):
+        assert time.monotonic() < deadline, f"{backend} not seen down within {within} s"
+        time.sleep(0.2)  # sleep-ok: polling another process, with a deadline
+
+
 @pytest.fixture(scope="module")
 def observed(
     tmp_path_factory: pytest.TempPathFactory, redis_url: str, module_redis_prefix: str
@@ -185,7 +194,8 @@ def observed(
             streams_on(fleet, KILLED)  # so that a stream breaks, and is continued elsewhere
             victim.kill()
             killed_at = time.time()
-            time.sleep(8)  # sleep-ok: traffic goes on without the killed backend
+            seen_down(prometheus, KILLED)
+            time.sleep(4)  # sleep-ok: traffic goes on without the killed backend
             stop.set()
             traffic.stop()
             leaver.join(30)

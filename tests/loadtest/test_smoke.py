@@ -74,10 +74,20 @@ async def test_backend_counters_are_also_taken_from_the_end_of_the_warm_up(
         )
     )
     run = await run_scenario(sc, "round_robin", tmp_path)
-    for b in run.extra["backends"]:
-        whole = b["metrics"]["vllm:request_success_total"]
-        measured = b["measured"]["vllm:request_success_total"]
-        assert 0 < measured < whole
+    whole, measured = (
+        [b[window]["vllm:request_success_total"] for b in run.extra["backends"]]
+        for window in ("metrics", "measured")
+    )
+    assert all(0 < m <= w for m, w in zip(measured, whole, strict=True)), (whole, measured)
+    # What the client saw end before the warm-up's end was counted by a backend before the
+    # scrape there (a simulator counts a request before it sends the last event): none of it
+    # is in the measured window. On a machine so slow that nothing ends within the warm-up the
+    # bound is zero; the assertion above still holds.
+    ended_in_warmup = sum(
+        1 for r in run.result.records if r.ok and r.e2e is not None and r.start + r.e2e < 0.5
+    )
+    assert sum(whole) - sum(measured) >= ended_in_warmup, (whole, measured, ended_in_warmup)
+    assert sum(whole) == run.summary.ok + sum(1 for r in run.result.records if r.warmup and r.ok)
 
 
 async def test_requests_alternate_between_gateway_replicas(tmp_path: Path) -> None:
@@ -113,7 +123,8 @@ async def test_a_drain_event_stops_every_replica_sending_to_that_backend(tmp_pat
         for window in ("metrics", "measured")
     )
     assert whole[1] > 0  # served before the drain
-    # From the end of the warm-up (t = 1.5 s, half a second after the drain, when every request
-    # sent to it before had long finished) on: nothing to backend 1, everything to backend 0.
+    # From the end of the warm-up on (t = 1.5 s, or later: it waits until the drain has been
+    # applied on both replicas and nothing is in flight to backend 1): nothing to backend 1,
+    # everything to backend 0.
     assert measured[1] == 0, (whole, measured)
     assert measured[0] >= 40, (whole, measured)  # about 80 requests in those 2 s

@@ -1,5 +1,5 @@
 # One command for people and CI: `make test` sets up .venv, then runs lint, types and tests.
-# `make check` is the loop of development (about 2 minutes here): the same lint and types, and
+# `make check` is the loop of development (about 75 s here): the same lint and types, and
 # every test but those needing real vLLM, the browser, Prometheus, a Docker engine (compose)
 # or minutes (the soak), without installing any of those. `make test` is the full suite CI runs.
 PY ?= python3
@@ -37,9 +37,11 @@ pytest:
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 # The markers: pyproject.toml's [tool.pytest.ini_options]; given by folder in tests/conftest.py.
+# Test files spread over every core (pytest-xdist; a file's tests stay in one process, with
+# its module fixtures): most of the suite waits on sockets and subprocesses.
 quick-pytest:
 	$(BIN)/pytest -m 'not compose and not vllm and not browser and not soak and not prometheus' \
-		$(PYTEST_ARGS)
+		-n auto --dist loadfile $(PYTEST_ARGS)
 
 # Two simulated backends and the gateway in front of them (no GPU needed).
 run: install

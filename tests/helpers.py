@@ -134,6 +134,7 @@ async def running_gateway(
     loader = overrides.pop("loader", None)
     transport = overrides.pop("transport", None)
     extra = {k: overrides.pop(k) for k in ("relay_check",) if k in overrides}
+    wait_models = overrides.pop("wait_models", True)
     overrides.setdefault("shutdown_grace", 0.5)
     overrides.setdefault("log_level", "warning")
     settings = Settings(backends=backend_urls, scrape=scrape, health=health, **overrides)
@@ -161,6 +162,21 @@ async def running_gateway(
         await web.SockSite(admin_runner, admin_sock).start()
         gw.admin_url = f"http://127.0.0.1:{admin_sock.getsockname()[1]}"
     try:
+        # The start-up's first look at the backends is bounded (2 s; each probe by its
+        # timeout): on a busy machine it can end before a backend that is up has listed its
+        # models, and a request for them would then be a 404. Wait for what the test assumes:
+        # each backend's models known, or that backend down.
+        # The start-up's first look at the backends is bounded (2 s, each probe by its
+        # timeout): on a busy machine it can end before a backend that is up has listed its
+        # models, and a request for them is then a 404 (models unknown). Tests assume the
+        # gateway has met its backends: wait for that, the event, not a time. A test whose
+        # backend never lists its models says so (``wait_models=False``).
+        if wait_models:
+            await wait_for(
+                lambda: all(b.models_known for b in app[POOL].all()),
+                within=30.0,
+                what="every backend's models listed to the gateway",
+            )
         yield gw
     finally:
         if admin_runner is not None:

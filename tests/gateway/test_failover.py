@@ -90,11 +90,12 @@ async def test_server_that_never_answers_gets_no_traffic() -> None:
     async with (
         hung_server() as hung_url,
         running_fake(b),
-        running_gateway([hung_url, b.url], health={"timeout": 0.2}) as gw,
+        running_gateway([hung_url, b.url], health={"timeout": 0.2}, wait_models=False) as gw,
         aiohttp.ClientSession() as s,
     ):
         # Its first probe timed out: it is down before it could take a request.
         assert backend_state(gw, hung_url).health.state is Health.DOWN
+        await wait_for(lambda: backend_state(gw, b.url).models_known, what="b's models")
         for _ in range(5):
             async with s.post(gw.url + "/v1/completions", json={"model": "m"}) as r:
                 assert r.status == 200

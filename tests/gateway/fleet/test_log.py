@@ -1,0 +1,154 @@
+"""The fleet's change log on a real Redis: order, durability across clients, readers that were
+away, compaction that never opens a gap, two compactors at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from backends.errors import InvalidRequest
+from gateway.fleet.changes import Batch, Change, Position, Snapshot, behind
+from gateway.fleet.log import ChangeLog, LogKeys
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url, socket_timeout=5.0)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def drain(i: int, *, replica: str = "r0") -> Change:
+    return Change("POST", f"/admin/backends/b{i}/drain", replica=replica, caller="ops", at=1.0)
+
+
+async def everything(log: ChangeLog, applied: Position | None = None) -> Batch:
+    """What a reader at ``applied`` would apply, in batches of 2 (so paging is exercised)."""
+    first = await log.after(applied, count=2)
+    entries = list(first.entries)
+    at = first.last or applied
+    while True:
+        more = await log.after(at, count=2)
+        assert more.snapshot is None  # only the first batch may start from a snapshot
+        if not more.entries:
+            return Batch(first.snapshot, entries)
+        entries += more.entries
+        at = more.last
+
+
+def test_positions_order_as_the_stream_ids_do() -> None:
+    assert Position.parse("5-0") < Position.parse("5-1") < Position.parse(b"6-0")
+    assert Position.parse("12-3") > Position.parse("9-99")  # numbers, not text
+    assert str(Position.parse("7-2").next()) == "7-3"
+    for bad in ("x-1", "1-y", "-1-0", ""):
+        with pytest.raises(InvalidRequest):
+            Position.parse(bad)
+
+
+def test_a_change_survives_its_encoding_and_an_unreadable_one_is_refused() -> None:
+    c = Change(
+        "PUT", "/admin/policy?x=1", b'{"policy": "p2c"}', replica="r1", caller="ops", at=3.5,
+        old={"policy": "round_robin"}, new={"policy": "p2c"}, labels={"ticket": "OPS-1"},
+    )  # fmt: skip
+    fields = {k.encode(): v.encode() for k, v in c.encode().items()}
+    assert Change.decode(fields) == c
+    assert "body" not in c.describe(Position(1, 0))
+    with pytest.raises(InvalidRequest):
+        Change.decode({b"change": b'{"method": "POST"}'})
+    with pytest.raises(InvalidRequest):
+        Change.decode({b"other": b"1"})
+
+
+def test_a_replica_starts_from_the_snapshot_only_when_behind_it() -> None:
+    snap = Snapshot(Position(10, 0), {})
+    assert behind(snap, None)
+    assert behind(snap, Position(9, 5))
+    assert not behind(snap, Position(10, 0))
+    assert not behind(None, None)
+
+
+async def test_changes_come_back_in_the_order_appended_to_any_reader(
+    redis: Redis, redis_prefix: str, redis_url: str
+) -> None:
+    log = ChangeLog(redis, LogKeys.of(redis_prefix, "f"))
+    positions = [await log.append(drain(i)) for i in range(5)]
+    assert positions == sorted(positions)
+    assert await log.head() == positions[-1]
+    other = Redis.from_url(redis_url)  # another replica's client
+    try:
+        got = await everything(ChangeLog(other, LogKeys.of(redis_prefix, "f")))
+    finally:
+        await other.aclose()
+    assert got.snapshot is None
+    assert [p for p, _ in got.entries] == positions
+    assert [c.path for _, c in got.entries] == [f"/admin/backends/b{i}/drain" for i in range(5)]
+    later = await log.after(positions[2])
+    assert [p for p, _ in later.entries] == positions[3:]
+
+
+async def test_two_fleets_share_one_redis_apart(redis: Redis, redis_prefix: str) -> None:
+    a = ChangeLog(redis, LogKeys.of(redis_prefix, "a"))
+    b = ChangeLog(redis, LogKeys.of(redis_prefix, "b"))
+    await a.append(drain(1))
+    assert (await b.after(None)).entries == []
+    assert await b.head() is None
+
+
+async def test_a_reader_that_was_away_while_the_log_was_compacted_starts_from_the_snapshot(
+    redis: Redis, redis_prefix: str
+) -> None:
+    log = ChangeLog(redis, LogKeys.of(redis_prefix, "f"))
+    p = [await log.append(drain(i)) for i in range(6)]
+    assert await log.compact(Snapshot(p[3], {"drained": ["b0", "b1", "b2", "b3"]}), None)
+    assert await redis.xlen(log.keys.log) == 2  # what follows the snapshot, nothing more
+    for applied in (None, p[0], p[2]):  # behind the snapshot: it comes first
+        got = await everything(log, applied)
+        assert got.snapshot == Snapshot(p[3], {"drained": ["b0", "b1", "b2", "b3"]})
+        assert [q for q, _ in got.entries] == p[4:]
+    got = await everything(log, p[4])  # past it: entries only
+    assert got.snapshot is None
+    assert [q for q, _ in got.entries] == p[5:]
+    assert await log.head() == p[5]
+
+
+async def test_of_two_compactions_from_the_same_snapshot_one_wins(
+    redis: Redis, redis_prefix: str
+) -> None:
+    log = ChangeLog(redis, LogKeys.of(redis_prefix, "f"))
+    p = [await log.append(drain(i)) for i in range(4)]
+    assert await log.compact(Snapshot(p[1], {"n": 2}), None)
+    # Both read the snapshot at p[1]; the second would trim what only the first's covers.
+    first, second = await asyncio.gather(
+        log.compact(Snapshot(p[3], {"n": 4}), p[1]), log.compact(Snapshot(p[2], {"n": 3}), p[1])
+    )
+    assert sorted([first, second]) == [False, True]
+    got = await everything(log)
+    state, last = (got.snapshot.state, got.snapshot.position) if got.snapshot else ({}, None)
+    # Whichever won, snapshot plus entries cover every change once.
+    assert state["n"] + len(got.entries) == 4
+    assert [q for q, _ in got.entries] == [q for q in p if last is None or q > last]
+
+
+async def test_a_compacted_log_keeps_its_head_and_a_waiting_reader_wakes_on_append(
+    redis: Redis, redis_prefix: str, redis_url: str
+) -> None:
+    log = ChangeLog(redis, LogKeys.of(redis_prefix, "f"))
+    p = await log.append(drain(0))
+    assert await log.compact(Snapshot(p, {"n": 1}), None)
+    assert await log.head() == p  # the log is empty, its position is not lost
+    assert await log.wait(p, block=0.001) is False
+    other = Redis.from_url(redis_url)
+    try:
+        waiting = asyncio.create_task(
+            ChangeLog(other, LogKeys.of(redis_prefix, "f")).wait(p, block=30.0)
+        )
+        q = await log.append(drain(1))
+        assert await waiting is True
+    finally:
+        await other.aclose()
+    assert [x for x, _ in (await log.after(p)).entries] == [q]

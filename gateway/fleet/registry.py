@@ -1,0 +1,148 @@
+"""The registry of replicas: each replica (and each worker of ``serve --workers``) reports
+itself to the fleet's Redis every few seconds; one that stops reporting drops out.
+
+A report is one Redis string per replica, ``<prefix><fleet>:replica:<id>``, written with a TTL
+(``SET ... PX``), so Redis itself forgets a replica that died: no clock of ours decides. The
+ids are also kept in a set, ``<prefix><fleet>:replicas``, for listing; an id whose report has
+expired is taken out of the set by the next listing.
+
+What the reports say together (``lagging``, ``disagreements``) is pure and below the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from redis.asyncio import Redis
+
+from backends.errors import InvalidRequest
+from gateway.fleet.changes import Position
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """One replica as it reported itself."""
+
+    id: str
+    version: str
+    address: str  # where its model endpoints listen (host:port)
+    applied: str | None  # the last change-log position it applied
+    started_at: float  # Unix time
+    reported_at: float  # Unix time, its own clock
+    in_flight: dict[str, int] = field(default_factory=dict)  # per backend id
+    health: dict[str, str] = field(default_factory=dict)  # per backend id: its view
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> Report:
+        try:
+            doc = json.loads(raw)
+            return cls(
+                id=str(doc["id"]),
+                version=str(doc["version"]),
+                address=str(doc["address"]),
+                applied=None if doc["applied"] is None else str(doc["applied"]),
+                started_at=float(doc["started_at"]),
+                reported_at=float(doc["reported_at"]),
+                in_flight={str(k): int(v) for k, v in doc.get("in_flight", {}).items()},
+                health={str(k): str(v) for k, v in doc.get("health", {}).items()},
+            )
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            raise InvalidRequest(f"an unreadable replica report: {exc}") from None
+
+    @property
+    def position(self) -> Position | None:
+        return None if self.applied is None else Position.parse(self.applied)
+
+    def view(self, now: float) -> dict[str, Any]:
+        """``GET /admin/replicas``' view of it."""
+        return {**asdict(self), "uptime_s": round(max(0.0, now - self.started_at), 1)}
+
+
+def lagging(reports: Sequence[Report], head: Position | None) -> list[str]:
+    """The replicas that have not applied the log up to ``head``, by id."""
+    if head is None:
+        return []
+    return sorted(r.id for r in reports if r.position is None or r.position < head)
+
+
+def disagreements(reports: Sequence[Report]) -> dict[str, dict[str, str]]:
+    """Backends whose health the replicas do not agree on: backend -> replica -> its view."""
+    views: dict[str, dict[str, str]] = {}
+    for r in reports:
+        for backend, state in r.health.items():
+            views.setdefault(backend, {})[r.id] = state
+    return {
+        backend: dict(sorted(seen.items()))
+        for backend, seen in sorted(views.items())
+        if len(set(seen.values())) > 1
+    }
+
+
+def in_flight(reports: Sequence[Report]) -> dict[str, int]:
+    """Requests in flight per backend, summed over the replicas."""
+    total: dict[str, int] = {}
+    for r in reports:
+        for backend, n in r.in_flight.items():
+            total[backend] = total.get(backend, 0) + n
+    return dict(sorted(total.items()))
+
+
+class Registry:
+    """One fleet's registry. ``redis`` is owned by the caller."""
+
+    def __init__(self, redis: Redis, prefix: str, fleet: str, ttl: float) -> None:
+        if ttl <= 0:
+            raise ValueError("the registry's TTL must be positive")
+        self.redis = redis
+        self.ttl = ttl
+        self._base = f"{prefix}{fleet}:"
+        self._ids = self._base + "replicas"
+
+    def _key(self, replica: str) -> str:
+        return f"{self._base}replica:{replica}"
+
+    async def report(self, report: Report) -> None:
+        """Say that ``report.id`` is alive, as ``report`` says, for the next ``ttl`` s."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.set(self._key(report.id), report.encode(), px=int(self.ttl * 1000))
+            pipe.sadd(self._ids, report.id)
+            await pipe.execute()
+
+    async def leave(self, replica: str) -> None:
+        """A replica that stops cleanly drops out at once, not after its TTL."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(self._key(replica))
+            pipe.srem(self._ids, replica)
+            await pipe.execute()
+
+    async def replicas(self) -> list[Report]:
+        """Every replica whose last report has not expired, by id."""
+        ids = sorted(i.decode() if isinstance(i, bytes) else str(i) for i in await self._members())
+        if not ids:
+            return []
+        raws = await self.redis.mget([self._key(i) for i in ids])
+        gone = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
+        if gone:
+            await self.redis.srem(self._ids, *gone)
+        return [Report.decode(raw) for raw in raws if raw is not None]
+
+    async def _members(self) -> Sequence[bytes | str]:
+        members: Any = await self.redis.smembers(self._ids)
+        return list(members)
+
+
+def summary(reports: Sequence[Report], head: Position | None) -> Mapping[str, Any]:
+    """What the console and ``top`` show of the fleet: who lags, who disagrees, the sums."""
+    return {
+        "replicas": len(reports),
+        "head": None if head is None else str(head),
+        "lagging": lagging(reports, head),
+        "disagree": disagreements(reports),
+        "in_flight": in_flight(reports),
+    }

@@ -1,0 +1,83 @@
+"""The registry of replicas on a real Redis: reports, listing, a replica dropping out when its
+report expires (Redis's clock, not ours) or when it leaves; what the reports say together."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from redis.asyncio import Redis
+
+from backends.errors import InvalidRequest
+from gateway.fleet.changes import Position
+from gateway.fleet.registry import Registry, Report, disagreements, lagging, summary
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url, socket_timeout=5.0)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+def report(rid: str, applied: str | None = "5-0", **kw: object) -> Report:
+    fields: dict[str, object] = {
+        "version": "1.0",
+        "address": f"10.0.0.{rid[-1]}:8080",
+        "started_at": 100.0,
+        "reported_at": 160.0,
+    }
+    fields.update(kw)
+    return Report(id=rid, applied=applied, **fields)  # type: ignore[arg-type]
+
+
+def test_a_report_survives_its_encoding_and_an_unreadable_one_is_refused() -> None:
+    r = report("r1", in_flight={"b0": 2}, health={"b0": "healthy"})
+    assert Report.decode(r.encode()) == r
+    assert r.view(now=190.0)["uptime_s"] == 90.0
+    with pytest.raises(InvalidRequest):
+        Report.decode('{"id": "r1"}')
+
+
+def test_replicas_behind_the_log_lag_and_views_that_differ_are_flagged() -> None:
+    rs = [
+        report("r0", "7-0", health={"b0": "healthy", "b1": "unhealthy"}, in_flight={"b0": 2}),
+        report("r1", "6-3", health={"b0": "healthy", "b1": "healthy"}, in_flight={"b0": 1}),
+        report("r2", None, health={"b0": "healthy"}, in_flight={"b1": 4}),
+    ]
+    assert lagging(rs, Position(7, 0)) == ["r1", "r2"]
+    assert lagging(rs, None) == []
+    assert disagreements(rs) == {"b1": {"r0": "unhealthy", "r1": "healthy"}}
+    s = summary(rs, Position(7, 0))
+    assert s["in_flight"] == {"b0": 3, "b1": 4}
+    assert (s["replicas"], s["head"]) == (3, "7-0")
+
+
+async def test_replicas_are_listed_until_they_leave(redis: Redis, redis_prefix: str) -> None:
+    reg = Registry(redis, redis_prefix, "f", ttl=60.0)
+    for rid in ("r1", "r0"):
+        await reg.report(report(rid))
+    await reg.report(report("r1", "9-0"))  # a later report replaces the earlier
+    assert [(r.id, r.applied) for r in await reg.replicas()] == [("r0", "5-0"), ("r1", "9-0")]
+    await reg.leave("r0")
+    assert [r.id for r in await reg.replicas()] == ["r1"]
+    assert await Registry(redis, redis_prefix, "other", ttl=60.0).replicas() == []
+
+
+async def test_a_replica_that_stops_reporting_drops_out_after_its_ttl(
+    redis: Redis, redis_prefix: str
+) -> None:
+    reg = Registry(redis, redis_prefix, "f", ttl=60.0)
+    await reg.report(report("r0"))
+    short = Registry(redis, redis_prefix, "f", ttl=0.05)
+    await short.report(report("r9"))
+
+    deadline = time.monotonic() + 10.0  # Redis expires it in 50 ms; the bound is for a slow host
+    while [r.id for r in await reg.replicas()] != ["r0"]:
+        assert time.monotonic() < deadline, "r9's report never expired"
+        await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+    assert await redis.sismember(redis_prefix + "f:replicas", "r9") == 0  # and its id went

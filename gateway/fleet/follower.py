@@ -1,0 +1,170 @@
+"""A replica's follower of the change log: it applies every change, in the log's order, once.
+
+The replica that accepted a change applies it here too, not before appending it: every
+replica applies the same changes from the same state in the same order, so they end in the
+same state, two changes made at once through two replicas included (the log decides which is
+last). A change refused where it is applied (it names a backend that is gone) is refused the
+same way everywhere, and logged; it changes nothing anywhere.
+
+The follower starts from its replica's last applied position (None at start: from the
+snapshot, then everything after it), so a replica that starts, restarts or was cut off applies
+what it missed before it goes on; ``catch_up`` is what the replica awaits before it takes
+traffic. Redis unreachable: ``run`` logs it once, keeps the state it has, and tries again
+every ``retry`` seconds; the first answer brings it up to date.
+
+What applying means is the replica's (``Applier``): through its admin handlers, so a change
+from the log goes through the same code as one made on a single gateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Final, Protocol
+
+import structlog
+from redis.exceptions import RedisError
+
+from gateway.fleet.changes import Change, Position, Snapshot
+from gateway.fleet.log import ChangeLog
+
+log = structlog.get_logger("gateway.fleet")
+
+_FAILURES: Final = (RedisError, OSError, TimeoutError)
+_KEPT_OUTCOMES: Final = 256  # the answers of the last changes applied, for their callers
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What applying a change answered here (the status and body its handler gave)."""
+
+    status: int
+    body: bytes
+
+    @property
+    def applied(self) -> bool:
+        return 200 <= self.status < 300
+
+
+class Applier(Protocol):
+    """How a replica applies changes and starts from a snapshot."""
+
+    async def apply(self, position: Position, change: Change) -> Outcome: ...
+
+    async def restore(self, snapshot: Snapshot) -> None: ...
+
+
+class Follower:
+    def __init__(
+        self,
+        changes: ChangeLog,
+        applier: Applier,
+        *,
+        block: float = 1.0,
+        retry: float = 0.5,
+        batch: int = 256,
+    ) -> None:
+        self.changes = changes
+        self.applier = applier
+        self.block = block
+        self.retry = retry
+        self.batch = batch
+        self.applied: Position | None = None
+        self.reachable = True  # False while Redis does not answer
+        self._outcomes: OrderedDict[Position, Outcome] = OrderedDict()
+        self._advanced = asyncio.Event()
+        self._lock = asyncio.Lock()  # one catch-up at a time: changes apply once, in order
+
+    async def catch_up(self) -> int:
+        """Apply everything the log holds after ``applied``, now; how many changes were.
+        Redis errors propagate (``run`` retries; a replica starting fails its start)."""
+        done = 0
+        async with self._lock:
+            while True:
+                got = await self.changes.after(self.applied, count=self.batch)
+                if got.snapshot is not None:
+                    await self.applier.restore(got.snapshot)
+                    log.info("fleet_snapshot_restored", position=str(got.snapshot.position))
+                    self._advance(got.snapshot.position)
+                for position, change in got.entries:
+                    outcome = await self._apply(position, change)
+                    self._outcomes[position] = outcome
+                    while len(self._outcomes) > _KEPT_OUTCOMES:
+                        self._outcomes.popitem(last=False)
+                    self._advance(position)
+                    done += 1
+                if len(got.entries) < self.batch:
+                    return done
+
+    async def _apply(self, position: Position, change: Change) -> Outcome:
+        try:
+            outcome = await self.applier.apply(position, change)
+        except Exception as exc:  # one change that breaks must not stop the ones after it
+            log.exception("fleet_change_failed", position=str(position), path=change.path)
+            return Outcome(500, f"applying failed: {exc}".encode())
+        if outcome.applied:
+            log.info(
+                "fleet_change_applied",
+                position=str(position),
+                method=change.method,
+                path=change.path,
+                replica=change.replica,
+            )
+        else:
+            log.warning(
+                "fleet_change_refused",
+                position=str(position),
+                path=change.path,
+                status=outcome.status,
+                why=outcome.body[:200].decode(errors="replace"),
+            )
+        return outcome
+
+    def _advance(self, position: Position) -> None:
+        self.applied = position
+        self._advanced.set()
+        self._advanced = asyncio.Event()
+
+    async def run(self) -> None:
+        """Follow the log until cancelled."""
+        task = asyncio.current_task()
+        while True:
+            if task is not None and task.cancelling():
+                # redis-py (8.2) can swallow a cancellation that lands in a blocking read after
+                # it reconnected: the next turn of the loop honours it
+                raise asyncio.CancelledError
+            try:
+                await self.catch_up()
+                if not self.reachable:
+                    self.reachable = True
+                    log.info("fleet_log_reachable", applied=str(self.applied))
+                await self.changes.wait(self.applied, self.block)
+            except _FAILURES as exc:
+                if task is not None and task.cancelling():
+                    raise asyncio.CancelledError from exc  # the cause of the read's failure
+                if self.reachable:
+                    self.reachable = False
+                    log.warning("fleet_log_unreachable", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(self.retry)  # sleep-ok: retry interval while Redis is down
+
+    async def reached(self, position: Position, within: float) -> Outcome | None:
+        """Wait until this replica applied ``position`` (at most ``within`` s); what applying it
+        answered, or None if it was not applied in time (or so long ago it is forgotten)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + within
+        while self.applied is None or self.applied < position:
+            left = deadline - loop.time()
+            if left <= 0:
+                return None
+            try:
+                await asyncio.wait_for(self._advanced.wait(), left)
+            except TimeoutError:
+                return None
+        return self._outcomes.get(position)
+
+    def view(self) -> dict[str, Any]:
+        return {
+            "applied": None if self.applied is None else str(self.applied),
+            "reachable": self.reachable,
+        }

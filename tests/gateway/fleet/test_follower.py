@@ -1,0 +1,177 @@
+"""Followers of one change log on a real Redis, each applying to a state of its own (a small
+model of a replica: which backends are drained): same changes, same order, same state; a
+replica that was away catches up, from the snapshot where the log was compacted; Redis gone
+and back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from redis.asyncio import Redis
+
+from gateway.fleet.changes import Change, Position, Snapshot
+from gateway.fleet.follower import Follower, Outcome
+from gateway.fleet.log import ChangeLog, LogKeys
+from tests.redis_server import RedisServer
+from tests.waiting import wait_for
+
+
+@dataclass
+class Replica:
+    """Applies drain/undrain of known backends; refuses an unknown one, as the admin API does."""
+
+    backends: frozenset[str] = frozenset({"b0", "b1", "b2"})
+    drained: list[str] = field(default_factory=list)  # in the order applied: order matters
+    seen: list[Position] = field(default_factory=list)
+
+    async def apply(self, position: Position, change: Change) -> Outcome:
+        self.seen.append(position)
+        _, _, _, backend, verb = change.path.split("/")
+        if backend not in self.backends:
+            return Outcome(404, f"no backend {backend}".encode())
+        if verb == "drain" and backend not in self.drained:
+            self.drained.append(backend)
+        if verb == "undrain" and backend in self.drained:
+            self.drained.remove(backend)
+        return Outcome(200, json.dumps({"drained": self.drained}).encode())
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        self.drained = list(snapshot.state["drained"])
+
+    def snapshot(self, position: Position) -> Snapshot:
+        return Snapshot(position, {"drained": list(self.drained)})
+
+
+def change(verb: str, backend: str, replica: str = "r0") -> Change:
+    return Change("POST", f"/admin/backends/{backend}/{verb}", replica=replica)
+
+
+@pytest.fixture
+async def redis(redis_url: str) -> AsyncIterator[Redis]:
+    client = Redis.from_url(redis_url, socket_timeout=5.0)
+    try:
+        yield client
+    finally:
+        await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def following(follower: Follower) -> AsyncIterator[Follower]:
+    task = asyncio.create_task(follower.run())
+    try:
+        yield follower
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_replicas_apply_the_same_changes_in_the_same_order(
+    redis: Redis, redis_prefix: str, redis_url: str
+) -> None:
+    keys = LogKeys.of(redis_prefix, "f")
+    others = [Redis.from_url(redis_url, socket_timeout=5.0) for _ in range(2)]
+    replicas = [Replica() for _ in range(3)]
+    followers = [
+        Follower(ChangeLog(c, keys), r, block=0.2)
+        for c, r in zip([redis, *others], replicas, strict=True)
+    ]
+    try:
+        async with following(followers[0]), following(followers[1]), following(followers[2]):
+            # Two replicas accept conflicting changes at once: the log decides the order.
+            a, b = ChangeLog(others[0], keys), ChangeLog(others[1], keys)
+            made = await asyncio.gather(
+                *(
+                    log.append(change(verb, "b1", replica=name))
+                    for _ in range(10)
+                    for log, verb, name in ((a, "drain", "r1"), (b, "undrain", "r2"))
+                )
+            )
+            last = max(made)
+            outcomes = await asyncio.gather(*(f.reached(last, within=10.0) for f in followers))
+    finally:
+        for c in others:
+            await c.aclose()
+    assert all(o is not None and o.applied for o in outcomes)
+    assert {tuple(r.seen) for r in replicas} == {tuple(sorted(made))}  # each once, in order
+    assert len({tuple(r.drained) for r in replicas}) == 1  # the same state everywhere
+
+
+async def test_a_refused_change_is_refused_everywhere_and_its_answer_is_the_handlers(
+    redis: Redis, redis_prefix: str
+) -> None:
+    keys = LogKeys.of(redis_prefix, "f")
+    one, two = Replica(), Replica()
+    f1, f2 = Follower(ChangeLog(redis, keys), one), Follower(ChangeLog(redis, keys), two)
+    log = ChangeLog(redis, keys)
+    await log.append(change("drain", "b0"))
+    bad = await log.append(change("drain", "b9"))
+    await f1.catch_up()
+    await f2.catch_up()
+    refused = await f1.reached(bad, within=1.0)
+    assert refused == Outcome(404, b"no backend b9")
+    assert one.drained == two.drained == ["b0"]
+
+
+async def test_a_replica_that_starts_late_catches_up_from_the_snapshot(
+    redis: Redis, redis_prefix: str
+) -> None:
+    keys = LogKeys.of(redis_prefix, "f")
+    log = ChangeLog(redis, keys)
+    early = Replica()
+    follower = Follower(log, early)
+    for verb, b in (("drain", "b0"), ("drain", "b1"), ("undrain", "b0"), ("drain", "b2")):
+        await log.append(change(verb, b))
+    await follower.catch_up()
+    assert follower.applied is not None
+    assert await log.compact(early.snapshot(follower.applied), None)
+    after = await log.append(change("drain", "b0"))
+    late = Replica()
+    applied = await Follower(log, late).catch_up()
+    assert applied == 1  # the snapshot, then the one change after it
+    assert late.drained == ["b1", "b2", "b0"]
+    await follower.catch_up()
+    assert early.drained == late.drained
+    assert late.seen == [after]
+
+
+@pytest.fixture
+def private_redis() -> Iterator[RedisServer]:
+    server = RedisServer()
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+async def test_a_replica_cut_off_from_redis_keeps_its_state_and_catches_up_on_its_return(
+    private_redis: RedisServer,
+) -> None:
+    keys = LogKeys.of("t:", "f")
+    client = Redis.from_url(private_redis.url, socket_timeout=2.0, socket_connect_timeout=0.5)
+    replica = Replica()
+    follower = Follower(ChangeLog(client, keys), replica, block=0.2, retry=0.05)
+    writer = ChangeLog(client, keys)
+    try:
+        async with following(follower):
+            first = await writer.append(change("drain", "b0"))
+            assert await follower.reached(first, within=10.0) is not None
+            private_redis.stop()
+            await wait_for(lambda: not follower.reachable, what="the follower to notice")
+            assert replica.drained == ["b0"]  # the last applied state stays
+            private_redis.start()
+            # The restarted Redis kept nothing (no persistence in tests); a new change is
+            # still after the last one applied, and it arrives.
+            second = await writer.append(change("drain", "b1"))
+            assert second > first
+            assert await follower.reached(second, within=10.0) is not None
+            assert follower.reachable
+    finally:
+        await client.aclose()
+    assert replica.drained == ["b0", "b1"]

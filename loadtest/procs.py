@@ -19,7 +19,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Final
+from typing import IO, Any, Final
 
 import aiohttp
 
@@ -229,21 +229,23 @@ async def put_faults(
 _ADMIN_TIMEOUT: Final = aiohttp.ClientTimeout(total=5.0)
 
 
+async def _backends(session: aiohttp.ClientSession, admin: str, token: str) -> list[dict[str, Any]]:
+    """``GET /admin/backends`` of the gateway whose admin API is at ``admin``."""
+    headers = {"Authorization": f"Bearer {token}"}
+    url = f"{admin}/admin/backends"
+    async with session.get(url, headers=headers, timeout=_ADMIN_TIMEOUT) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"{url} answered {resp.status}: {await resp.text()}")
+        listed: list[dict[str, Any]] = (await resp.json())["backends"]
+    return listed
+
+
 async def admin_backend_ids(
     session: aiohttp.ClientSession, admin: str, token: str, urls: Sequence[str]
 ) -> list[str]:
     """The ids that the gateway whose admin API is at ``admin`` gives the backends at ``urls``
     (``GET /admin/backends``), in the same order; a backend it does not list raises."""
-    headers = {"Authorization": f"Bearer {token}"}
-    async with session.get(
-        f"{admin}/admin/backends", headers=headers, timeout=_ADMIN_TIMEOUT
-    ) as resp:
-        if resp.status != 200:
-            raise RuntimeError(
-                f"{admin}/admin/backends answered {resp.status}: {await resp.text()}"
-            )
-        listed = await resp.json()
-    by_url = {b["url"].rstrip("/"): b["id"] for b in listed["backends"]}
+    by_url = {b["url"].rstrip("/"): b["id"] for b in await _backends(session, admin, token)}
     missing = [u for u in urls if u.rstrip("/") not in by_url]
     if missing:
         raise RuntimeError(f"{admin}: no backend at {missing} (it lists {sorted(by_url)})")
@@ -276,15 +278,13 @@ async def wait_idle(
     """Wait until the gateway whose admin API is at ``admin`` has nothing in flight to
     ``backend_id`` (what "drained" means to an operator); False if that takes over ``within``
     seconds (a long stream may hold it: the caller goes on)."""
-    headers = {"Authorization": f"Bearer {token}"}
     deadline = time.monotonic() + within
     while True:
-        async with session.get(
-            f"{admin}/admin/backends", headers=headers, timeout=_ADMIN_TIMEOUT
-        ) as resp:
-            listed = await resp.json() if resp.status == 200 else {"backends": []}
-        busy = [b for b in listed["backends"] if b["id"] == backend_id and b["in_flight"]]
-        if not busy:
+        try:
+            listed = await _backends(session, admin, token)
+        except RuntimeError:  # an admin API that does not answer 200 holds nothing up
+            listed = []
+        if not [b for b in listed if b["id"] == backend_id and b["in_flight"]]:
             return True
         if time.monotonic() >= deadline:
             return False

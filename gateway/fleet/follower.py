@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Final, Protocol
+from typing import Final, Protocol
 
 import structlog
 from redis.exceptions import RedisError
@@ -162,9 +162,3 @@ class Follower:
             except TimeoutError:
                 return None
         return self._outcomes.get(position)
-
-    def view(self) -> dict[str, Any]:
-        return {
-            "applied": None if self.applied is None else str(self.applied),
-            "reachable": self.reachable,
-        }

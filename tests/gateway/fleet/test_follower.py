@@ -8,10 +8,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-import pytest
 from redis.asyncio import Redis
 
 from gateway.fleet.changes import Change, Position, Snapshot
@@ -49,15 +48,6 @@ class Replica:
 
 def change(verb: str, backend: str, replica: str = "r0") -> Change:
     return Change("POST", f"/admin/backends/{backend}/{verb}", replica=replica)
-
-
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url, socket_timeout=5.0)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 @contextlib.asynccontextmanager
@@ -140,21 +130,11 @@ async def test_a_replica_that_starts_late_catches_up_from_the_snapshot(
     assert late.seen == [after]
 
 
-@pytest.fixture
-def private_redis() -> Iterator[RedisServer]:
-    server = RedisServer()
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 async def test_a_replica_cut_off_from_redis_keeps_its_state_and_catches_up_on_its_return(
-    private_redis: RedisServer,
+    own_redis: RedisServer,
 ) -> None:
     keys = LogKeys.of("t:", "f")
-    client = Redis.from_url(private_redis.url, socket_timeout=2.0, socket_connect_timeout=0.5)
+    client = Redis.from_url(own_redis.url, socket_timeout=2.0, socket_connect_timeout=0.5)
     replica = Replica()
     follower = Follower(ChangeLog(client, keys), replica, block=0.2, retry=0.05)
     writer = ChangeLog(client, keys)
@@ -162,10 +142,10 @@ async def test_a_replica_cut_off_from_redis_keeps_its_state_and_catches_up_on_it
         async with following(follower):
             first = await writer.append(change("drain", "b0"))
             assert await follower.reached(first, within=10.0) is not None
-            private_redis.stop()
+            own_redis.stop()
             await wait_for(lambda: not follower.reachable, what="the follower to notice")
             assert replica.drained == ["b0"]  # the last applied state stays
-            private_redis.start()
+            own_redis.start()
             # The restarted Redis kept nothing (no persistence in tests); a new change is
             # still after the last one applied, and it arrives.
             second = await writer.append(change("drain", "b1"))

@@ -4,7 +4,6 @@ away, compaction that never opens a gap, two compactors at once."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -12,15 +11,6 @@ from redis.asyncio import Redis
 from backends.errors import InvalidRequest
 from gateway.fleet.changes import Batch, Change, Position, Snapshot, behind
 from gateway.fleet.log import ChangeLog, LogKeys
-
-
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url, socket_timeout=5.0)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 def drain(i: int, *, replica: str = "r0") -> Change:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 from redis.asyncio import Redis
@@ -13,15 +12,6 @@ from redis.asyncio import Redis
 from backends.errors import InvalidRequest
 from gateway.fleet.changes import Position
 from gateway.fleet.registry import Registry, Report, disagreements, lagging, summary
-
-
-@pytest.fixture
-async def redis(redis_url: str) -> AsyncIterator[Redis]:
-    client = Redis.from_url(redis_url, socket_timeout=5.0)
-    try:
-        yield client
-    finally:
-        await client.aclose()
 
 
 def report(rid: str, applied: str | None = "5-0", **kw: object) -> Report:

@@ -24,6 +24,8 @@ answers a client with is here:
     ├── Unavailable                   503 service_unavailable (+ Retry-After)
     │   ├── NoBackendAvailable            / no_backend_available
     │   ├── LimitsUnavailable             / limits_unavailable (limit store down, fail-closed)
+    │   ├── FleetLogUnavailable           / fleet_log_unavailable (an admin change refused:
+    │   │                                     the fleet's change log, on Redis, is unreachable)
     │   └── AdmissionRejected
     │       ├── QueueFull                 / queue_full (admission queue at its bound)
     │       └── QueueTimeout              / queue_timeout (waited the maximum time)
@@ -176,6 +178,10 @@ class NoBackendAvailable(Unavailable):
 
 class LimitsUnavailable(Unavailable):
     default_code = "limits_unavailable"
+
+
+class FleetLogUnavailable(Unavailable):
+    default_code = "fleet_log_unavailable"
 
 
 class AdmissionRejected(Unavailable):

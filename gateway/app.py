@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from importlib import metadata
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -11,6 +12,7 @@ import structlog
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.asyncio import Redis
 
 from backends.circuit import CircuitPolicy
 from backends.discovery import DnsDiscovery, Resolver
@@ -20,15 +22,18 @@ from backends.pool import BackendPool
 from backends.shared_inflight import SharedInFlight
 from backends.supervise import Supervisor
 from backends.upstream.client import Transport, UpstreamClient
+from gateway.admin.actions import ActionApplier
 from gateway.admin.fanout import JOURNAL_PATH, journal_handler
 from gateway.admin.journal import AdminJournal
 from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
 from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
+from gateway.fleet.member import Member, MemberSettings, replica_id
 from gateway.keys import (
     ADMIN_JOURNAL,
     ADMISSION,
+    FLEET,
     GATEWAY,
     HEDGES,
     KV_FEEDS,
@@ -260,6 +265,65 @@ async def _responses_ctx(app: web.Application) -> AsyncIterator[None]:
     await homes.close()
 
 
+def _describe_replica(app: web.Application) -> tuple[str, dict[str, int], dict[str, str]]:
+    """What this replica tells the fleet's registry of itself: where it listens, and its
+    in-flight count and view of health per backend."""
+    s, pool = app[SETTINGS], app[POOL]
+    backends = pool.all()
+    return (
+        f"{s.host}:{s.port}",
+        {b.id: b.in_flight for b in backends},
+        {b.id: b.health.state.value for b in backends},
+    )
+
+
+async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
+    """This replica in its fleet: the admin changes of every replica applied here, in the
+    change log's order, before it takes traffic (``gateway.fleet``)."""
+    s = app[SETTINGS]
+    if not s.fleet_on_redis:
+        yield
+        return
+    f, r = s.fleet, s.limits.redis
+    worker = app.get(WORKER)
+    redis = Redis.from_url(
+        r.url.get_secret_value(),
+        socket_timeout=5.0,  # longer than the follower's blocking read (1 s)
+        socket_connect_timeout=2.0,
+        max_connections=8,
+    )
+    member = Member(
+        redis,
+        ActionApplier(app),
+        MemberSettings(
+            fleet=f.name,
+            prefix=r.key_prefix,
+            replica=replica_id(f.replica, None if worker is None else worker.index),
+            version=_version(),
+            wait=f.wait,
+            report_interval=f.report_interval,
+            report_ttl=f.report_ttl,
+            start_timeout=f.start_timeout,
+            compact_every=f.compact_every,
+        ),
+        lambda: _describe_replica(app),
+    )
+    await member.start()
+    app[FLEET] = member
+    try:
+        yield
+    finally:
+        await member.stop()
+        await redis.aclose()
+
+
+def _version() -> str:
+    try:
+        return metadata.version("llm-gateway")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
 async def _limits_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
     async with open_limiter(
@@ -406,6 +470,8 @@ def create_app(
     if provider is not None and tracer_provider is None:
         app.on_cleanup.append(lambda _: _shutdown_tracing(provider))
     app.cleanup_ctx.append(_backends_ctx(resolver, transport))
+    app[FLEET] = None
+    app.cleanup_ctx.append(_fleet_ctx)  # last: it applies changes to all of the above
     _add_routes(app)
     return app
 

@@ -28,6 +28,7 @@ from policies.latency import LatencyTracker
 
 if TYPE_CHECKING:  # loaded only when used: ZMQ, tokenizers and Jinja cost memory and start-up
     from backends.kv.feed import KvFeeds  # noqa: F401 - named in KV_FEEDS below
+    from gateway.fleet.member import Member  # noqa: F401 - named in FLEET below
     from gateway.tokenizer import Tokenizers  # noqa: F401 - named in TOKENIZERS below
 
 
@@ -64,5 +65,8 @@ KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not f
 TOKENIZERS: Final = web.AppKey["Tokenizers | None"]("tokenizers")  # None: none configured
 # the Responses API: which backend holds each stored response (``gateway.request.responses``)
 RESPONSE_HOMES: Final = web.AppKey[ResponseHomes]("response_homes")
+
+# this replica's membership of its fleet (``gateway.fleet.member``); None: it acts alone
+FLEET: Final = web.AppKey["Member | None"]("fleet")
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -12,7 +12,8 @@ import contextlib
 import signal
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -20,10 +21,11 @@ from aiohttp import web
 from backends.errors import InvalidRequest
 from gateway.admin.api import create_admin_app
 from gateway.admin.fanout import CATCH_UP, reload_everywhere
+from gateway.admin.fleet import reload_through_log
 from gateway.admin.reload import SettingsLoader, reload_settings
 from gateway.app import create_app, worker_private_app
 from gateway.config.settings import Settings, TlsSettings
-from gateway.keys import ADMIN_JOURNAL, LIFECYCLE
+from gateway.keys import ADMIN_JOURNAL, FLEET, LIFECYCLE
 from gateway.observe.logs import configure_logging
 from gateway.workers.supervisor import Supervisor, Worker
 
@@ -65,9 +67,26 @@ async def stop_gracefully(app: web.Application, runners: list[web.AppRunner]) ->
 def _on_sighup(
     app: web.Application, settings: Settings, worker: Worker | None
 ) -> Callable[[], None]:
-    """What SIGHUP does: re-read the configuration here, or with ``serve --workers`` and the
-    admin API on (the supervisor sends it to worker 0 alone) ask worker 0 to reload as an admin
-    change, sent on to every worker (``gateway.admin.fanout.reload_everywhere``)."""
+    """What SIGHUP does: in a fleet, a reload appended to the fleet's change log, so every
+    replica and worker re-reads its configuration in the log's order; else re-read it here, or
+    with ``serve --workers`` and the admin API on (the supervisor sends it to worker 0 alone)
+    ask worker 0 to reload as an admin change, sent on to every worker
+    (``gateway.admin.fanout.reload_everywhere``)."""
+    tasks: set[asyncio.Task[None]] = set()
+
+    def later(coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(coro)
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    if settings.fleet_on_redis:
+
+        def reload_fleet() -> None:
+            member = app[FLEET]
+            if member is not None:
+                later(reload_through_log(member))
+
+        return reload_fleet
     if worker is None or settings.admin.token is None:
 
         def reload() -> None:
@@ -76,16 +95,9 @@ def _on_sighup(
                 reload_settings(app)
 
         return reload
-    reloads: set[asyncio.Task[None]] = set()
     # Worker 0's socket from any worker: a worker sent SIGHUP on its own (kill -HUP) reloads all.
     first, token = worker.admin_socket(0), settings.admin.token.get_secret_value()
-
-    def reload_all() -> None:
-        task = asyncio.create_task(reload_everywhere(first, token))
-        reloads.add(task)
-        task.add_done_callback(reloads.discard)
-
-    return reload_all
+    return lambda: later(reload_everywhere(first, token))
 
 
 def ssl_context(tls: TlsSettings) -> ssl.SSLContext | None:
@@ -150,7 +162,7 @@ async def run_until_signalled(
                 path = worker.admin_socket(worker.index)
                 await web.UnixSite(admin, str(path)).start()
                 admin_address = str(path)
-                if worker.restarted:  # the changes made while it was not there, before traffic
+                if worker.restarted and CATCH_UP in admin.app:  # missed changes, before traffic
                     replayed = await admin.app[CATCH_UP].run()
                     log.info("admin_caught_up", replayed=replayed, last=app[ADMIN_JOURNAL].last)
             if worker is None or worker.index == 0:
@@ -213,9 +225,10 @@ def serve(settings: Settings, loader: SettingsLoader | None = None) -> int:
             return 2
         return 0
 
-    # With the admin API on, a reload is an admin change (numbered, replayed by a worker started
-    # again): SIGHUP goes to worker 0, which sends it on to the others.
-    return Supervisor(count, one, hup_to_first=settings.admin.token is not None).run()
+    # With the admin API on or in a fleet, a reload is an admin change (numbered, replayed by a
+    # worker started again): SIGHUP goes to worker 0, which sends it on or logs it.
+    first = settings.admin.token is not None or settings.fleet_on_redis
+    return Supervisor(count, one, hup_to_first=first).run()
 
 
 def free_port(host: str) -> int:

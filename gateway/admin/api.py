@@ -12,20 +12,21 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Collection
-from typing import Any
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from backends.errors import GatewayError, InvalidRequest, NotFound, error_envelope
-from backends.state import BackendState
+from backends.errors import GatewayError, error_envelope
 from gateway.admin import lora
+from gateway.admin.actions import ACTIONS
 from gateway.admin.console import PUBLIC_PATHS, add_console_routes
 from gateway.admin.fanout import CATCH_UP, CatchUp, fanout_middleware
-from gateway.admin.reload import change_policy, describe_policy, reload_settings
+from gateway.admin.fleet import change_handler, list_changes, list_replicas
+from gateway.admin.reload import describe_policy
 from gateway.admin.stats import stats_document
+from gateway.admin.views import backend_view, latency_view
 from gateway.app import server_header
 from gateway.keys import (
     ADMIN_JOURNAL,
@@ -36,12 +37,12 @@ from gateway.keys import (
     METRICS,
     POOL,
     ROUTER,
+    SETTINGS,
     WORKER,
 )
 from gateway.observe.latency_metrics import latency_views
 from gateway.request.rollout import ROLLOUT
-from policies import POLICY_NAMES, score
-from policies.latency import BackendLatency
+from policies import POLICY_NAMES
 
 log = structlog.get_logger("gateway.admin.api")
 
@@ -71,7 +72,7 @@ def _token_middleware(token: str, public: Collection[str] = ()) -> Middleware:
             response = await handler(request)
         except GatewayError as err:
             error = err
-            response = web.json_response(err.envelope(), status=err.status)
+            response = web.json_response(err.envelope(), status=err.status, headers=err.headers)
         if request.method not in ("GET", "HEAD"):  # a change (or an attempt at one)
             (log.warning if error else log.info)(
                 "admin_action",
@@ -84,44 +85,6 @@ def _token_middleware(token: str, public: Collection[str] = ()) -> Middleware:
         return response
 
     return check
-
-
-def backend_view(
-    b: BackendState, now: float, snapshot: Any = None, weights: Any = None
-) -> dict[str, object]:
-    load = b.load
-    return {
-        "score": None if snapshot is None or weights is None else score(snapshot, weights),
-        "id": b.id,
-        "url": b.spec.url,
-        "source": b.spec.source,
-        "health": b.health.state.value,
-        "health_error": b.health.last_error,
-        "circuit": b.circuit.state.value,
-        "draining": b.draining,
-        "removed": b.removed,
-        "models": sorted(b.models),
-        # the host's (every worker's, ``serve --workers``) when the snapshot is at hand
-        "in_flight": b.in_flight if snapshot is None else snapshot.in_flight,
-        "queue_depth": load.waiting if load else None,
-        "running": load.running if load else None,
-        "kv_cache_usage": load.kv_cache_usage if load else None,
-        "scrape_age_s": None if load is None else round(now - b.load_at, 3),
-    }
-
-
-def latency_view(v: BackendLatency) -> dict[str, object]:
-    """What the latency tracker learned of one backend (``policies.latency``)."""
-    return {
-        "predicted_ttft_s": round(v.idle_ttft, 6),
-        "predicted_itl_s": round(v.itl_now, 6),
-        "ttft_fit": {k: round(c, 6) for k, c in v.ttft.items()},
-        "itl_fit": {k: round(c, 6) for k, c in v.itl.items()},
-        "weight": round(v.weight, 3),
-        "observed": v.observed,
-        "last_ttft_s": v.last_ttft,
-        "ttft_mape": None if v.mape is None else round(v.mape, 4),
-    }
 
 
 async def list_backends(request: web.Request) -> web.Response:
@@ -139,33 +102,6 @@ async def list_backends(request: web.Request) -> web.Response:
     return web.json_response({"policy": policy.name, "backends": views})
 
 
-def _set_draining(draining: bool) -> Handler:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        pool = request.app[GATEWAY][POOL]
-        backend_id = request.match_info["backend_id"]
-        b = pool.get(backend_id)
-        if b is None:
-            raise NotFound(f"No backend {backend_id!r}.")
-        was = b.draining
-        pool.set_draining(backend_id, draining)
-        log.info("backend_drain_changed", backend=backend_id, draining=draining, was=was)
-        now = pool.now()
-        return web.json_response(backend_view(b, now, pool.snapshot(b, now)))
-
-    return handler
-
-
-async def _json_body(request: web.Request) -> Any:
-    try:
-        return await request.json()
-    except ValueError as exc:
-        raise InvalidRequest("The body must be JSON.") from exc
-
-
-async def put_policy(request: web.Request) -> web.Response:
-    return web.json_response(change_policy(request.app[GATEWAY], await _json_body(request)))
-
-
 async def get_policy(request: web.Request) -> web.Response:
     """The running policy, and the names ``PUT /admin/policy`` accepts."""
     return web.json_response({**describe_policy(request.app[GATEWAY]), "policies": POLICY_NAMES})
@@ -175,13 +111,6 @@ async def get_stats(request: web.Request) -> web.Response:
     """The cumulative counters a console diffs between polls (``gateway.admin.stats``)."""
     registry = request.app[GATEWAY][METRICS].registry
     return web.json_response(stats_document(registry.collect(), time.time()))
-
-
-async def post_reload(request: web.Request) -> web.Response:
-    result = reload_settings(request.app[GATEWAY])
-    return web.json_response(
-        {"applied": result.applied, "restart_required": result.restart_required}
-    )
 
 
 async def list_aliases(request: web.Request) -> web.Response:
@@ -205,25 +134,6 @@ async def list_aliases(request: web.Request) -> web.Response:
 async def get_alias(request: web.Request) -> web.Response:
     rollout = request.app[GATEWAY][ROLLOUT]
     return web.json_response(rollout.describe(request.match_info["alias"]))
-
-
-async def put_alias(request: web.Request) -> web.Response:
-    rollout = request.app[GATEWAY][ROLLOUT]
-    body = await _json_body(request)
-    return web.json_response(rollout.set_weights(request.match_info["alias"], body))
-
-
-async def rollback_alias(request: web.Request) -> web.Response:
-    rollout = request.app[GATEWAY][ROLLOUT]
-    return web.json_response(rollout.rollback(request.match_info["alias"]))
-
-
-def _drain_pool(drained: bool) -> Handler:
-    async def handler(request: web.Request) -> web.StreamResponse:
-        rollout = request.app[GATEWAY][ROLLOUT]
-        return web.json_response(rollout.set_drained(request.match_info["pool"], drained))
-
-    return handler
 
 
 async def kv_events(request: web.Request) -> web.Response:
@@ -265,10 +175,11 @@ async def admin_metrics(request: web.Request) -> web.Response:
 
 
 def create_admin_app(gateway: web.Application, token: str) -> web.Application:
-    """The admin API on ``gateway``. With ``serve --workers``, changes go from worker 0 to
-    every worker, in order, and a worker lacking some catches up (``gateway.admin.fanout``)."""
+    """The admin API on ``gateway``. Its changes go through the fleet's change log when there
+    is one (``gateway.admin.fleet``); else, with ``serve --workers``, from worker 0 to every
+    worker, in order, and a worker lacking some catches up (``gateway.admin.fanout``)."""
     middlewares = [_token_middleware(token, PUBLIC_PATHS)]
-    worker = gateway.get(WORKER)
+    worker = None if gateway[SETTINGS].fleet_on_redis else gateway.get(WORKER)
     if worker is not None:
         journal = gateway[ADMIN_JOURNAL]
         middlewares.append(fanout_middleware(journal, worker.peers, origin=worker.index == 0))
@@ -288,18 +199,14 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_get("/admin/stats", get_stats)
     app.router.add_get("/admin/backends", list_backends)
     app.router.add_get("/admin/policy", get_policy)
-    app.router.add_put("/admin/policy", put_policy)
-    app.router.add_post("/admin/reload", post_reload)
     app.router.add_get("/admin/metrics", admin_metrics)
     app.router.add_get("/admin/kv-events", kv_events)
-    app.router.add_post("/admin/backends/{backend_id}/drain", _set_draining(True))
-    app.router.add_post("/admin/backends/{backend_id}/undrain", _set_draining(False))
     app.router.add_get("/admin/aliases", list_aliases)
     app.router.add_get("/admin/aliases/{alias}", get_alias)
-    app.router.add_put("/admin/aliases/{alias}", put_alias)
-    app.router.add_post("/admin/aliases/{alias}/rollback", rollback_alias)
-    app.router.add_post("/admin/pools/{pool}/drain", _drain_pool(True))
-    app.router.add_post("/admin/pools/{pool}/undrain", _drain_pool(False))
+    for action in ACTIONS:
+        app.router.add_route(action.method, action.pattern, change_handler(action))
+    app.router.add_get("/admin/replicas", list_replicas)
+    app.router.add_get("/admin/changes", list_changes)
     app.router.add_post("/admin/lora/load", lora.load_adapter)
     app.router.add_post("/admin/lora/unload", lora.unload_adapter)
     return app

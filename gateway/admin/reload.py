@@ -128,13 +128,23 @@ def _refuse_untracked_events() -> None:
     )
 
 
-def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
-    """Switch policy and/or weights; raises ``InvalidRequest`` and changes nothing if bad."""
+@dataclass(frozen=True, slots=True)
+class PolicyPlan:
+    """A policy change checked in full against the running state, not yet made."""
+
+    name: PolicyName
+    weights: Weights
+    affinity: AffinityConfig
+    latency: LatencySettings
+    prediction: PredictionConfig
+
+
+def plan_policy(app: web.Application, body: Any) -> PolicyPlan:
+    """Check a policy change; ``InvalidRequest`` if bad. Changes nothing."""
     try:
         change = PolicyChange.model_validate(body)
     except ValidationError as exc:
         raise InvalidRequest(f"Invalid policy change: {_errors(exc)}") from exc
-    old = describe_policy(app)
     current = app[ROUTER].policy
     name: PolicyName = change.policy or current.name  # type: ignore[assignment]
     if change.weights is not None:
@@ -148,16 +158,23 @@ def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
     prediction = prediction_config(latency)
     if _needs_events(name, prediction) and app.get(KV_FEEDS) is None:
         _refuse_untracked_events()
-    app[LATENCY].configure(latency_config(latency))
+    return PolicyPlan(name, weights, affinity, latency, prediction)
+
+
+def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
+    """Switch policy and/or weights; raises ``InvalidRequest`` and changes nothing if bad."""
+    plan = plan_policy(app, body)
+    old = describe_policy(app)
+    app[LATENCY].configure(latency_config(plan.latency))
     app[ROUTER].policy = build_policy(
         app[CONFIG].current,
-        name,
-        weights,
+        plan.name,
+        plan.weights,
         app[KV_INDEX],
         app[LATENCY],
-        previous=current,
-        affinity=affinity,
-        prediction=prediction,
+        previous=app[ROUTER].policy,
+        affinity=plan.affinity,
+        prediction=plan.prediction,
     )
     new = describe_policy(app)
     app[METRICS].policy_changes.inc()
@@ -171,14 +188,19 @@ class ReloadResult:
     restart_required: list[str] = field(default_factory=list)
 
 
-def reload_settings(app: web.Application) -> ReloadResult:
-    """Re-read the configuration; apply what can change live, list what needs a restart."""
+def read_settings(app: web.Application) -> Settings:
+    """The configuration as the file and environment give it now; ``InvalidRequest`` if bad."""
     try:
-        new = app[CONFIG].load()
+        return app[CONFIG].load()
     except (ValidationError, ValueError, OSError) as exc:
         detail = _errors(exc) if isinstance(exc, ValidationError) else str(exc)
         log.warning("reload_refused", reason=detail)
         raise InvalidRequest(f"Configuration not reloaded: {detail}") from exc
+
+
+def reload_settings(app: web.Application) -> ReloadResult:
+    """Re-read the configuration; apply what can change live, list what needs a restart."""
+    new = read_settings(app)
     old = app[CONFIG].current
     result = ReloadResult()
     for name in type(new).model_fields:

@@ -248,6 +248,53 @@ class AdminSettings(BaseModel):
     token: SecretStr | None = Field(None, description="bearer token; no token, no admin API")
 
 
+class FleetSettings(BaseModel):
+    """Replicas that share a Redis act as one gateway: every admin change goes through one
+    ordered log there and is applied by each of them (docs/operations.md, "A fleet")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    log: Literal["auto", "redis", "off"] = Field(
+        "auto",
+        description="auto: on the limits' Redis (limits.redis) when limits.store or "
+        "responses.store is redis; redis: there, always; off: this replica alone",
+    )
+    name: str = Field(
+        "default",
+        pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+        description="replicas with the same Redis, key prefix and name are one fleet",
+    )
+    replica: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.:-]{1,128}$",
+        description="this replica's id in the fleet; unset: host name and process id",
+    )
+    wait: float = Field(
+        1.0, gt=0, le=30, description="seconds an admin change waits for every replica to apply it"
+    )
+    report_interval: float = Field(
+        2.0, gt=0, description="seconds between a replica's reports to the fleet's registry"
+    )
+    report_ttl: float = Field(
+        6.0, gt=0, description="seconds after its last report a silent replica drops out"
+    )
+    start_timeout: float = Field(
+        10.0,
+        ge=0,
+        description="seconds a starting replica tries to apply the log before it takes "
+        "traffic; Redis still unreachable then: it starts on its file's state and catches up",
+    )
+    compact_every: int = Field(
+        1000, ge=16, description="log entries past which a replica compacts it into a snapshot"
+    )
+
+    @model_validator(mode="after")
+    def _ttl_outlives_reports(self) -> FleetSettings:
+        if self.report_ttl <= self.report_interval:
+            raise ValueError("fleet.report_ttl must be longer than fleet.report_interval")
+        return self
+
+
 class ClientSettings(BaseModel):
     """What a client connection may do: a slow or idle client cannot hold one forever."""
 
@@ -329,6 +376,7 @@ class Settings(BaseSettings):
     )
     discovery: DiscoverySettings = Field(default_factory=DiscoverySettings)
     admin: AdminSettings = Field(default_factory=AdminSettings)
+    fleet: FleetSettings = Field(default_factory=FleetSettings)
     tracing: TracingSettings = Field(default_factory=TracingSettings)
     limits: LimitsSettings = Field(default_factory=LimitsSettings)
     client: ClientSettings = Field(default_factory=ClientSettings)
@@ -407,6 +455,13 @@ class Settings(BaseSettings):
             "the memory store counts per process: with workers > 1 set limits.store = "
             '"redis" (shared by every worker and replica), or run one worker'
         )
+
+    @property
+    def fleet_on_redis(self) -> bool:
+        """Whether admin changes go through the fleet's change log (``[fleet] log``)."""
+        if self.fleet.log != "auto":
+            return self.fleet.log == "redis"
+        return "redis" in (self.limits.store, self.responses.store)
 
     @property
     def follows_kv_events(self) -> bool:

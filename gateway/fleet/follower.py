@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import structlog
 from redis.exceptions import RedisError
@@ -53,6 +53,10 @@ class Applier(Protocol):
     async def apply(self, position: Position, change: Change) -> Outcome: ...
 
     async def restore(self, snapshot: Snapshot) -> None: ...
+
+    def export(self) -> dict[str, Any]:
+        """The state every change applied so far has made (a snapshot's)."""
+        ...
 
 
 class Follower:
@@ -125,6 +129,18 @@ class Follower:
         self.applied = position
         self._advanced.set()
         self._advanced = asyncio.Event()
+
+    @property
+    def advanced(self) -> asyncio.Event:
+        """Set once this replica applies a change after now (a new event each time)."""
+        return self._advanced
+
+    async def snapshot(self) -> Snapshot | None:
+        """The state as of the last change applied (None before any), between two applies."""
+        async with self._lock:
+            if self.applied is None:
+                return None
+            return Snapshot(self.applied, self.applier.export())
 
     async def run(self) -> None:
         """Follow the log until cancelled."""

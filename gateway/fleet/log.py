@@ -20,7 +20,7 @@ not caught here: the caller decides (an admin change refused with a 503, a follo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from redis.asyncio import Redis
 
@@ -76,6 +76,14 @@ class ChangeLog:
             return Position.parse(last[0][0])
         return Position.parse(snapshot_at) if snapshot_at else None
 
+    async def extent(self) -> tuple[int, Position | None]:
+        """How many entries the log holds, and the position of its snapshot (None: none yet)."""
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.xlen(self.keys.log)
+            pipe.hget(self.keys.snapshot, "position")
+            length, snapshot_at = await pipe.execute()
+        return int(length), None if snapshot_at is None else Position.parse(snapshot_at)
+
     async def after(self, applied: Position | None, *, count: int = 256) -> Batch:
         """What follows ``applied`` (None: nothing applied yet), at most ``count`` entries: the
         snapshot first when ``applied`` is behind it."""
@@ -95,6 +103,11 @@ class ChangeLog:
             if floor is None or position > floor
         ]
         return Batch(snapshot, entries)
+
+    async def recent(self, count: int) -> list[tuple[Position, Change]]:
+        """The last ``count`` changes, newest first (the audit trail's view)."""
+        rows: Any = await self.redis.xrevrange(self.keys.log, count=count)
+        return [(Position.parse(raw), Change.decode(fields)) for raw, fields in rows]
 
     async def wait(self, applied: Position | None, block: float) -> bool:
         """Block until the log holds something after ``applied``, at most ``block`` s (Redis

@@ -141,14 +141,18 @@ class Rollout:
             "sticky_header": self.sticky_header,
         }
 
-    def set_weights(self, alias: str, weights: Any) -> dict[str, Any]:
-        """Set (or create) an alias's weights; ``InvalidRequest`` and no change if bad."""
+    def checked_weights(self, alias: str, weights: Any) -> dict[str, float]:
+        """``weights`` as ``set_weights`` would set them; ``InvalidRequest`` if bad."""
         if not isinstance(weights, dict):
             raise InvalidRequest("The body must be a JSON object of pool: weight.")
         try:
-            new = check_weights(weights, self.pools.keys())
+            return check_weights(weights, self.pools.keys())
         except WeightsError as exc:
             raise InvalidRequest(f"Invalid weights for {alias!r}: {exc}.") from exc
+
+    def set_weights(self, alias: str, weights: Any) -> dict[str, Any]:
+        """Set (or create) an alias's weights; ``InvalidRequest`` and no change if bad."""
+        new = self.checked_weights(alias, weights)
         old = self.aliases.get(alias)
         if old is not None:
             self.previous[alias] = old
@@ -156,19 +160,24 @@ class Rollout:
         log.info("alias_weights_changed", alias=alias, old=old, new=new)
         return self.describe(alias)
 
-    def rollback(self, alias: str) -> dict[str, Any]:
-        """Back to the weights in force before the last change (one step; again undoes it)."""
+    def check_rollback(self, alias: str) -> dict[str, float]:
+        """The weights a rollback of ``alias`` goes back to; ``NotFound``/``InvalidRequest``."""
         self.describe(alias)  # 404 if unknown
         previous = self.previous.get(alias)
         if previous is None:
             raise InvalidRequest(f"Alias {alias!r} has no previous weights to roll back to.")
+        return previous
+
+    def rollback(self, alias: str) -> dict[str, Any]:
+        """Back to the weights in force before the last change (one step; again undoes it)."""
+        previous = self.check_rollback(alias)
         old = self.aliases[alias]
         self.aliases[alias], self.previous[alias] = previous, old
         log.warning("alias_rolled_back", alias=alias, old=old, new=previous)
         return self.describe(alias)
 
-    def set_drained(self, pool: str, drained: bool) -> dict[str, Any]:
-        """A drained pool gets no new requests through its aliases; in-flight ones finish."""
+    def check_drain(self, pool: str, drained: bool) -> None:
+        """``NotFound`` or ``InvalidRequest`` if ``set_drained`` would refuse."""
         if pool not in self.pools:
             raise NotFound(f"No pool {pool!r}.")
         if drained:
@@ -176,12 +185,40 @@ class Rollout:
                 left = [p for p, w in weights.items() if w > 0 and p not in self.drained | {pool}]
                 if not left:
                     raise InvalidRequest(f"Draining {pool!r} would leave {alias!r} no pool.")
+
+    def set_drained(self, pool: str, drained: bool) -> dict[str, Any]:
+        """A drained pool gets no new requests through its aliases; in-flight ones finish."""
+        self.check_drain(pool, drained)
+        if drained:
             self.drained.add(pool)
         else:
             self.drained.discard(pool)
         log.info("pool_drain_changed", pool=pool, drained=drained)
         p = self.pools[pool]
         return {"pool": pool, "model": p.model, "labels": dict(p.labels), "drained": drained}
+
+    def state(self) -> dict[str, Any]:
+        """What changes at run time (for a fleet's snapshot): weights, history, drains."""
+        return {
+            "aliases": self.aliases,
+            "previous": self.previous,
+            "drained": sorted(self.drained),
+        }
+
+    def restore(self, state: Mapping[str, Any]) -> None:
+        """Take ``state()`` of another replica; pools this one does not know are left out."""
+        known = self.pools.keys()
+
+        def kept(table: Any) -> dict[str, dict[str, float]]:
+            return {
+                str(alias): {str(p): float(w) for p, w in weights.items()}
+                for alias, weights in dict(table).items()
+                if set(weights) <= known
+            }
+
+        self.aliases = kept(state.get("aliases", {}))
+        self.previous = kept(state.get("previous", {}))
+        self.drained = {str(p) for p in state.get("drained", ())} & known
 
     def reconfigure(self, settings: Settings) -> None:
         """Take pools and aliases from a reloaded (already validated) configuration."""

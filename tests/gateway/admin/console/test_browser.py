@@ -172,6 +172,8 @@ def test_draining_a_backend_from_the_page_stops_traffic_to_it(page: Page, fleet:
     # Undrained from the page, it takes requests again.
     row.locator("button.undrain").click()
     apply_in_dialog(page, [("draining", "true", "false")])
+    # The page says so once the admin API answered (not at the click).
+    expect(page.locator("#banner")).to_have_text("Undrained gpu-b.")
     assert fleet.backend("gpu-b")["draining"] is False
     wait_until(lambda: fleet.requests_to("gpu-b") > before_b, within=20)
 

@@ -1,0 +1,221 @@
+"""Every admin change the gateway can make at run time, as one table.
+
+An action is checked, then applied. ``check`` validates a change against the running state
+without changing anything and says what it would set (the audit trail's ``new``); ``apply``
+makes it and answers the admin API's document. Both take the gateway app, the path's
+parameters and the parsed body, so an action runs the same way whether the admin API called
+it on a single gateway or a replica's follower took it from the fleet's change log
+(``ActionApplier``). ``state``/``restore`` are what a snapshot of the change log holds: every
+value these actions change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+import structlog
+from aiohttp import web
+
+from backends.errors import GatewayError, InvalidRequest, NotFound
+from gateway.admin.reload import (
+    change_policy,
+    describe_policy,
+    plan_policy,
+    read_settings,
+    reload_settings,
+)
+from gateway.admin.views import backend_view
+from gateway.fleet.changes import Change, Position, Snapshot
+from gateway.fleet.follower import Outcome
+from gateway.keys import POOL
+from gateway.request.rollout import ROLLOUT
+
+log = structlog.get_logger("gateway.admin.api")
+
+Params = Mapping[str, str]
+Doc = Any  # a JSON document
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    method: str
+    pattern: str  # aiohttp's form: /admin/backends/{backend_id}/drain
+    check: Callable[[web.Application, Params, Doc], Doc]  # what it would set; raises if bad
+    apply: Callable[[web.Application, Params, Doc], Doc]  # the answer's document
+    before: Callable[[web.Application, Params], Doc]  # what it replaces (the audit's ``old``)
+    json_body: bool = False
+
+    def matcher(self) -> re.Pattern[str]:
+        return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", self.pattern) + "$")
+
+
+def _backend(app: web.Application, params: Params) -> Any:
+    b = app[POOL].get(params["backend_id"])
+    if b is None:
+        raise NotFound(f"No backend {params['backend_id']!r}.")
+    return b
+
+
+def _drain(draining: bool) -> Action:
+    def check(app: web.Application, params: Params, _body: Doc) -> Doc:
+        _backend(app, params)
+        return {"draining": draining}
+
+    def apply(app: web.Application, params: Params, _body: Doc) -> Doc:
+        b = _backend(app, params)
+        pool, was = app[POOL], b.draining
+        pool.set_draining(b.id, draining)
+        log.info("backend_drain_changed", backend=b.id, draining=draining, was=was)
+        now = pool.now()
+        return backend_view(b, now, pool.snapshot(b, now))
+
+    def before(app: web.Application, params: Params) -> Doc:
+        b = app[POOL].get(params["backend_id"])
+        return None if b is None else {"draining": b.draining}
+
+    verb = "drain" if draining else "undrain"
+    return Action("POST", f"/admin/backends/{{backend_id}}/{verb}", check, apply, before)
+
+
+def _check_policy(app: web.Application, _params: Params, body: Doc) -> Doc:
+    plan_policy(app, body)
+    return body
+
+
+def _alias_weights_check(app: web.Application, params: Params, body: Doc) -> Doc:
+    return app[ROLLOUT].checked_weights(params["alias"], body)
+
+
+def _alias_weights(app: web.Application, params: Params) -> Doc:
+    return app[ROLLOUT].aliases.get(params["alias"])
+
+
+def _pool_drain(drained: bool) -> Action:
+    def check(app: web.Application, params: Params, _body: Doc) -> Doc:
+        app[ROLLOUT].check_drain(params["pool"], drained)
+        return {"drained": drained}
+
+    def apply(app: web.Application, params: Params, _body: Doc) -> Doc:
+        return app[ROLLOUT].set_drained(params["pool"], drained)
+
+    def before(app: web.Application, params: Params) -> Doc:
+        return {"drained": params["pool"] in app[ROLLOUT].drained}
+
+    verb = "drain" if drained else "undrain"
+    return Action("POST", f"/admin/pools/{{pool}}/{verb}", check, apply, before)
+
+
+def _reload_check(app: web.Application, _params: Params, _body: Doc) -> Doc:
+    read_settings(app)
+    return "reread the configuration file"
+
+
+def _reload(app: web.Application, _params: Params, _body: Doc) -> Doc:
+    result = reload_settings(app)
+    return {"applied": result.applied, "restart_required": result.restart_required}
+
+
+ACTIONS: Final = (
+    _drain(True),
+    _drain(False),
+    Action(
+        "PUT",
+        "/admin/policy",
+        _check_policy,
+        lambda app, _p, body: change_policy(app, body),
+        lambda app, _p: describe_policy(app),
+        json_body=True,
+    ),
+    Action(
+        "PUT",
+        "/admin/aliases/{alias}",
+        _alias_weights_check,
+        lambda app, p, body: app[ROLLOUT].set_weights(p["alias"], body),
+        _alias_weights,
+        json_body=True,
+    ),
+    Action(
+        "POST",
+        "/admin/aliases/{alias}/rollback",
+        lambda app, p, _b: app[ROLLOUT].check_rollback(p["alias"]),
+        lambda app, p, _b: app[ROLLOUT].rollback(p["alias"]),
+        _alias_weights,
+    ),
+    _pool_drain(True),
+    _pool_drain(False),
+    Action("POST", "/admin/reload", _reload_check, _reload, lambda _app, _p: None),
+)
+_MATCHERS: Final = [(a, a.matcher()) for a in ACTIONS]
+
+
+def parse_body(action: Action, raw: bytes) -> Doc:
+    if not action.json_body:
+        return None
+    try:
+        return json.loads(raw or b"null")
+    except ValueError as exc:
+        raise InvalidRequest("The body must be JSON.") from exc
+
+
+def find(method: str, path: str) -> tuple[Action, dict[str, str]] | None:
+    """The action a request (or a change from the log) names, with its path's parameters."""
+    path = path.partition("?")[0]
+    for action, matcher in _MATCHERS:
+        if action.method == method and (m := matcher.match(path)) is not None:
+            return action, m.groupdict()
+    return None
+
+
+def run(app: web.Application, action: Action, params: Params, raw: bytes) -> Outcome:
+    """Apply ``action``; its answer as a status and a JSON body, refusals in our error shape."""
+    try:
+        doc = action.apply(app, params, parse_body(action, raw))
+    except GatewayError as err:
+        return Outcome(err.status, json.dumps(err.envelope()).encode())
+    return Outcome(200, json.dumps(doc).encode())
+
+
+def state(app: web.Application) -> dict[str, Any]:
+    """Every value the actions change, as this replica has it now (a snapshot's state)."""
+    return {
+        "draining": {b.id: b.draining for b in app[POOL].all()},
+        "policy": describe_policy(app),
+        "rollout": app[ROLLOUT].state(),
+    }
+
+
+def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
+    """Take ``state()`` as another replica wrote it (backends this one lacks left out)."""
+    pool = app[POOL]
+    for backend_id, draining in dict(doc.get("draining", {})).items():
+        if pool.get(backend_id) is not None:
+            pool.set_draining(backend_id, bool(draining))
+    policy = doc.get("policy")
+    if isinstance(policy, dict):
+        change_policy(app, {k: v for k, v in policy.items() if v is not None})
+    app[ROLLOUT].restore(doc.get("rollout", {}))
+
+
+class ActionApplier:
+    """The fleet follower's ``Applier`` for a gateway app: changes from the log run as the
+    admin API would run them here."""
+
+    def __init__(self, app: web.Application) -> None:
+        self.app = app
+
+    async def apply(self, position: Position, change: Change) -> Outcome:
+        found = find(change.method, change.path)
+        if found is None:  # written by a newer version: said, and passed over
+            return Outcome(404, f"no such change here: {change.method} {change.path}".encode())
+        action, params = found
+        return run(self.app, action, params, change.body)
+
+    async def restore(self, snapshot: Snapshot) -> None:
+        restore(self.app, snapshot.state)
+
+    def export(self) -> dict[str, Any]:
+        return state(self.app)

@@ -1,0 +1,214 @@
+"""This replica as a member of its fleet: it follows the change log, reports itself to the
+registry, submits the admin changes its admin API accepts, and compacts the log.
+
+``Member.submit`` appends a change and waits (at most ``wait`` s) until this replica applied
+it, then until every replica in the registry reported it applied (``Spread``): the admin API's
+answer is this replica's outcome with how far the change reached. A replica reports itself
+every ``report_interval`` s and at once after it applied something, so the wait ends as soon
+as the last replica applied it.
+
+Started (``start``), a member applies what the log holds before its replica takes traffic,
+trying for at most ``start_timeout`` s; Redis still unreachable then, the replica starts on its
+file's state and the follower catches up once Redis answers. Stopped, it leaves the registry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+import structlog
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from backends.errors import FleetLogUnavailable
+from gateway.fleet.changes import Change, Position
+from gateway.fleet.follower import Applier, Follower, Outcome
+from gateway.fleet.log import ChangeLog, LogKeys
+from gateway.fleet.registry import Registry, Report
+
+log = structlog.get_logger("gateway.fleet")
+
+_FAILURES: Final = (RedisError, OSError, TimeoutError)
+_POLL_S: Final = 0.02  # how often a submitter reads the registry while replicas catch up
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """How far a change reached within the wait: replicas that applied it, of those alive."""
+
+    applied: int
+    replicas: int
+
+    def header(self) -> str:
+        return f"{self.applied}/{self.replicas}"
+
+
+@dataclass(frozen=True, slots=True)
+class Submitted:
+    position: Position
+    outcome: Outcome | None  # None: not applied here within the wait
+    spread: Spread
+
+
+@dataclass(frozen=True, slots=True)
+class MemberSettings:
+    fleet: str
+    prefix: str  # the Redis keys' prefix (the limits')
+    replica: str
+    version: str
+    wait: float
+    report_interval: float
+    report_ttl: float
+    start_timeout: float
+    compact_every: int
+
+
+def replica_id(configured: str | None, worker: int | None) -> str:
+    """This replica's id: the configured one, else host name and process id; a worker of
+    ``serve --workers`` adds its index."""
+    base = configured or f"{socket.gethostname()}-{os.getpid()}"
+    return base if worker is None else f"{base}/w{worker}"
+
+
+class Member:
+    def __init__(
+        self,
+        redis: Redis,
+        applier: Applier,
+        settings: MemberSettings,
+        describe: Callable[[], tuple[str, dict[str, int], dict[str, str]]],
+    ) -> None:
+        """``describe``: this replica's address, in-flight and health per backend, now."""
+        self.redis = redis
+        self.settings = settings
+        self.id = settings.replica
+        self.changes = ChangeLog(redis, LogKeys.of(settings.prefix, settings.fleet))
+        self.follower = Follower(self.changes, applier)
+        self.registry = Registry(redis, settings.prefix, settings.fleet, settings.report_ttl)
+        self._describe = describe
+        self._started_at = time.time()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.reports_failing = False
+
+    # -- life -----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Apply what the log holds (bounded), then follow it and report in the background."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.start_timeout
+        while True:
+            try:
+                applied = await self.follower.catch_up()
+                log.info("fleet_joined", replica=self.id, applied=applied, at=self._applied())
+                break
+            except _FAILURES as exc:
+                if loop.time() >= deadline:
+                    log.warning(
+                        "fleet_log_unreachable_at_start",
+                        replica=self.id,
+                        error=str(exc) or type(exc).__name__,
+                        effect="started on the configuration file's state; catches up later",
+                    )
+                    self.follower.reachable = False
+                    break
+                await asyncio.sleep(self.follower.retry)  # sleep-ok: retry while Redis is down
+        self._tasks = [
+            asyncio.create_task(self.follower.run(), name="fleet-follower"),
+            asyncio.create_task(self._report_loop(), name="fleet-reports"),
+        ]
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        with contextlib.suppress(*_FAILURES):
+            await self.registry.leave(self.id)
+
+    # -- changes --------------------------------------------------------------------------
+
+    async def submit(self, change: Change) -> Submitted:
+        """Append ``change``; wait until it is applied here and, within the wait, everywhere."""
+        try:
+            position = await self.changes.append(change)
+        except _FAILURES as exc:
+            raise FleetLogUnavailable(
+                "Admin changes are refused while the fleet's change log (Redis) cannot be "
+                f"reached ({str(exc) or type(exc).__name__}): nothing was changed on any "
+                "replica. Requests are still served on the last state applied.",
+                retry_after=1,
+            ) from exc
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.wait
+        outcome = await self.follower.reached(position, self.settings.wait)
+        spread = await self.spread(position, deadline)
+        return Submitted(position, outcome, spread)
+
+    async def spread(self, position: Position, deadline: float) -> Spread:
+        """How many replicas applied ``position``, waiting for all of them until ``deadline``."""
+        loop = asyncio.get_running_loop()
+        seen = Spread(0, 0)
+        while True:
+            try:
+                reports = await self.registry.replicas()
+            except _FAILURES:
+                return seen
+            done = sum(1 for r in reports if r.position is not None and r.position >= position)
+            seen = Spread(done, len(reports))
+            if done >= len(reports) or loop.time() >= deadline:
+                return seen
+            await asyncio.sleep(_POLL_S)  # sleep-ok: polls the registry for a bounded wait
+
+    # -- reports and compaction -----------------------------------------------------------
+
+    def _applied(self) -> str | None:
+        applied = self.follower.applied
+        return None if applied is None else str(applied)
+
+    def report(self) -> Report:
+        address, in_flight, health = self._describe()
+        return Report(
+            id=self.id,
+            version=self.settings.version,
+            address=address,
+            applied=self._applied(),
+            started_at=self._started_at,
+            reported_at=time.time(),
+            in_flight=in_flight,
+            health=health,
+        )
+
+    async def _report_loop(self) -> None:
+        while True:
+            moved = self.follower.advanced
+            try:
+                await self.registry.report(self.report())
+                await self._compact()
+                if self.reports_failing:
+                    self.reports_failing = False
+                    log.info("fleet_reports_resumed", replica=self.id)
+            except _FAILURES as exc:
+                if not self.reports_failing:
+                    self.reports_failing = True
+                    log.warning("fleet_reports_failing", error=str(exc) or type(exc).__name__)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(moved.wait(), self.settings.report_interval)
+
+    async def _compact(self) -> None:
+        """Past ``compact_every`` entries, make this replica's state the log's snapshot."""
+        length, current = await self.changes.extent()
+        if length <= self.settings.compact_every:
+            return
+        snapshot = await self.follower.snapshot()
+        if snapshot is None or (current is not None and snapshot.position <= current):
+            return
+        if await self.changes.compact(snapshot, current):
+            log.info("fleet_log_compacted", position=str(snapshot.position), entries=length)

@@ -20,10 +20,11 @@ from loadtest.soak.client import limits_probe
 from loadtest.soak.config import ALIAS
 from loadtest.soak.faults import FaultWindow, PlannedFault
 from loadtest.soak.fleet import REPLICAS, Fleet
-from loadtest.soak.invariants import LimitsProbe
+from loadtest.soak.invariants import AdminChange, LimitsProbe
 from loadtest.soak.outcomes import Observation
 
 RECOVERY_S: Final = 20.0  # a restarted or reverted backend must be up on both replicas by then
+CHANGE_WITHIN_S: Final = 5.0  # an admin change must be seen on every replica by then
 Clock = Callable[[], float]
 
 
@@ -39,6 +40,7 @@ class Chaos:
     probes: list[LimitsProbe] = field(default_factory=list)
     probe_observations: list[Observation] = field(default_factory=list)
     probing: bool = False  # the limits probe is running now
+    changes: list[AdminChange] = field(default_factory=list)  # admin changes, in order
     _before_shift: dict[str, float] | None = None  # the alias's weights a rollback restores
 
     async def run(self, plan: Sequence[PlannedFault]) -> None:
@@ -119,38 +121,54 @@ class Chaos:
         await self.fleet.restart_redis()
         return FaultWindow("redis_kill", None, start, self.clock())
 
-    async def _on_each(
-        self, method: str, path: str, body: object, check: Callable[[Any], bool]
+    async def _through_one(
+        self,
+        kind: str,
+        change: tuple[str, str, object],
+        read: str,
+        check: Callable[[Any], bool],
     ) -> tuple[bool, str]:
-        results = [await self.fleet.admin(self.ops, r, method, path, body) for r in range(REPLICAS)]
-        bad = [
-            f"replica {r}: {s} {doc}"
-            for r, (s, doc) in enumerate(results)
-            if s != 200 or not check(doc)
-        ]
-        return not bad, "; ".join(bad)
+        """Make an admin change through one replica (each change the next one in turn), as an
+        operator behind a load balancer does, then read ``read`` on every replica until
+        ``check`` holds there: recorded for the ``admin_changes_everywhere`` invariant."""
+        through = len(self.changes) % REPLICAS
+        method, path, body = change
+        status, _doc, spread = await self.fleet.admin_change(self.ops, through, method, path, body)
+        applied: list[int] = []
+        deadline = time.monotonic() + CHANGE_WITHIN_S
+        for r in range(REPLICAS):
+            while True:
+                got, doc = await self.fleet.admin(self.ops, r, "GET", read)
+                if got == 200 and check(doc):
+                    applied.append(r)
+                    break
+                if time.monotonic() > deadline:
+                    break
+                await asyncio.sleep(0.05)  # sleep-ok: polling a replica's state with a deadline
+        record = AdminChange(kind, through, status, spread, applied, REPLICAS)
+        self.changes.append(record)
+        return record.ok, record.problem
 
     async def _reload(self, f: PlannedFault) -> FaultWindow:
         start = self.clock()
         aliases = f.params["aliases"]
         self.fleet.write_configs(aliases=aliases)
-        ok, detail = await self._on_each(
-            "POST", "/admin/reload", None, lambda d: "aliases" in d.get("applied", [])
+        ok, detail = await self._through_one(
+            "reload",
+            ("POST", "/admin/reload", None),
+            f"/admin/aliases/{ALIAS}",
+            lambda d: d.get("weights") == _floats(aliases[ALIAS]),
         )
-        if ok:
-            ok, detail = await self._on_each(
-                "GET",
-                f"/admin/aliases/{ALIAS}",
-                None,
-                lambda d: d.get("weights") == _floats(aliases[ALIAS]),
-            )
         return FaultWindow("reload", None, start, self.clock(), ok, detail)
 
     async def _policy(self, f: PlannedFault) -> FaultWindow:
         start = self.clock()
         wanted = f.params["policy"]
-        ok, detail = await self._on_each(
-            "PUT", "/admin/policy", dict(f.params), lambda d: d.get("policy") == wanted
+        ok, detail = await self._through_one(
+            "policy",
+            ("PUT", "/admin/policy", dict(f.params)),
+            "/admin/policy",
+            lambda d: d.get("policy") == wanted,
         )
         return FaultWindow("policy", wanted, start, self.clock(), ok, detail)
 
@@ -159,20 +177,20 @@ class Chaos:
         weights = f.params[ALIAS]
         status, doc = await self.fleet.admin(self.ops, 0, "GET", f"/admin/aliases/{ALIAS}")
         self._before_shift = doc.get("weights") if status == 200 and isinstance(doc, dict) else None
-        ok, detail = await self._on_each(
-            "PUT",
+        ok, detail = await self._through_one(
+            "canary_shift",
+            ("PUT", f"/admin/aliases/{ALIAS}", dict(weights)),
             f"/admin/aliases/{ALIAS}",
-            dict(weights),
             lambda d: d.get("weights") == _floats(weights),
         )
         return FaultWindow("canary_shift", None, start, self.clock(), ok, detail)
 
     async def _canary_rollback(self, f: PlannedFault) -> FaultWindow:
         start = self.clock()
-        ok, detail = await self._on_each(
-            "POST",
-            f"/admin/aliases/{ALIAS}/rollback",
-            None,
+        ok, detail = await self._through_one(
+            "canary_rollback",
+            ("POST", f"/admin/aliases/{ALIAS}/rollback", None),
+            f"/admin/aliases/{ALIAS}",
             lambda d: self._before_shift is not None and d.get("weights") == self._before_shift,
         )
         return FaultWindow("canary_rollback", None, start, self.clock(), ok, detail)

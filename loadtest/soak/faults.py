@@ -49,6 +49,8 @@ PREFIX_AFFINITY: Final = {
     "policy": "prefix_affinity",
     "weights": {"active": 2.0, "queue": 3.0, "kv": 1.0},
 }
+# the kinds that are admin changes (made through one replica; ``admin_changes_everywhere``)
+ADMIN_KINDS: Final = frozenset({"reload", "policy", "canary_shift", "canary_rollback"})
 
 
 @dataclass(frozen=True, slots=True)

@@ -215,17 +215,30 @@ class Fleet:
         body: object = None,
     ) -> tuple[int, Any]:
         """One admin API call on ``replica``: (status, parsed JSON or text)."""
+        status, doc, _ = await self.admin_change(session, replica, method, path, body)
+        return status, doc
+
+    async def admin_change(
+        self,
+        session: aiohttp.ClientSession,
+        replica: int,
+        method: str,
+        path: str,
+        body: object = None,
+    ) -> tuple[int, Any, str | None]:
+        """``admin``, with the answer's ``X-Gateway-Replicas`` (how many replicas applied it)."""
         headers = {"Authorization": f"Bearer {self.token}"}
         url = self.admin_url(replica) + path
         try:
             async with session.request(method, url, json=body, headers=headers) as resp:
+                spread = resp.headers.get("X-Gateway-Replicas")
                 text = await resp.text()
                 try:
-                    return resp.status, await resp.json(content_type=None)
+                    return resp.status, await resp.json(content_type=None), spread
                 except ValueError:
-                    return resp.status, text
+                    return resp.status, text, spread
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            return 0, f"{type(exc).__name__}: {exc}"
+            return 0, f"{type(exc).__name__}: {exc}", None
 
     async def backend_health(self, session: aiohttp.ClientSession, replica: int) -> dict[str, str]:
         status, doc = await self.admin(session, replica, "GET", "/admin/backends")

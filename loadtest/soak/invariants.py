@@ -467,7 +467,61 @@ def check_memory(samples: Sequence[MemorySample], warm_until: float, replicas: i
     return Verdict("memory_flat", True, why, figures)
 
 
-# -- 8. every fault was injected; traces were exported ----------------------------------------
+# -- 8. every admin change, made through one replica, was applied by every replica ----------
+
+
+@dataclass(frozen=True, slots=True)
+class AdminChange:
+    """One admin change the soak made through one replica (``through``), and the replicas
+    that then showed its effect (``applied``)."""
+
+    kind: str
+    through: int
+    status: int
+    spread: str | None  # its answer's X-Gateway-Replicas
+    applied: list[int]
+    replicas: int
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and len(self.applied) == self.replicas
+
+    @property
+    def problem(self) -> str:
+        if self.status != 200:
+            return f"refused through replica {self.through}: {self.status}"
+        missing = sorted(set(range(self.replicas)) - set(self.applied))
+        return f"not applied by replica(s) {missing}" if missing else ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind,
+            "through": self.through,
+            "status": self.status,
+            "spread": self.spread,
+            "applied": self.applied,
+        }
+
+
+def check_admin_changes(changes: Sequence[AdminChange], planned: int) -> Verdict:
+    figures = {"planned": planned, "changes": [c.to_json() for c in changes]}
+    if len(changes) < planned:
+        why = f"{planned - len(changes)} of {planned} admin changes never made"
+        return Verdict("admin_changes_everywhere", False, why, figures)
+    bad = [f"{c.kind}: {c.problem}" for c in changes if not c.ok]
+    if bad:
+        return Verdict("admin_changes_everywhere", False, "; ".join(bad), figures)
+    through = sorted({c.through for c in changes})
+    return Verdict(
+        "admin_changes_everywhere",
+        True,
+        f"all {len(changes)} changes, each made through one replica ({through}), "
+        "applied by every replica",
+        figures,
+    )
+
+
+# -- 9. every fault was injected; traces were exported ----------------------------------------
 
 
 def check_faults(plan: Sequence[PlannedFault], windows: Sequence[FaultWindow]) -> Verdict:

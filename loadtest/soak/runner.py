@@ -37,6 +37,7 @@ from loadtest.soak.chaos import Chaos
 from loadtest.soak.client import CLIENT_TIMEOUT, Clock, execute, now_since
 from loadtest.soak.config import BACKENDS, PRODUCTION_TOML, tier_of
 from loadtest.soak.faults import (
+    ADMIN_KINDS,
     FaultWindow,
     PlannedFault,
     overlapping,
@@ -46,11 +47,13 @@ from loadtest.soak.faults import (
 )
 from loadtest.soak.fleet import REPLICAS, SIM_ARGS, Fleet
 from loadtest.soak.invariants import (
+    AdminChange,
     LeakState,
     LimitsProbe,
     MemorySample,
     ProbeSample,
     Verdict,
+    check_admin_changes,
     check_availability,
     check_bad_input,
     check_faults,
@@ -96,6 +99,7 @@ class Recorded:
     memory: list[MemorySample] = field(default_factory=list)
     windows: list[FaultWindow] = field(default_factory=list)
     probes: list[LimitsProbe] = field(default_factory=list)
+    changes: list[AdminChange] = field(default_factory=list)
     leak: LeakState | None = None
     aborts: AbortFigures | None = None
     otlp_posts: int = 0
@@ -124,6 +128,7 @@ def evaluate(rec: Recorded) -> list[Verdict]:
         check_bad_input(results),
         check_limits(rec.probes),
         check_memory(rec.memory, rec.warm_until, REPLICAS),
+        check_admin_changes(rec.changes, sum(f.kind in ADMIN_KINDS for f in rec.plan)),
         check_faults(rec.plan, rec.windows),
         check_traces(rec.otlp_posts),
     ]
@@ -278,6 +283,7 @@ async def _drive(fleet: Fleet, rec: Recorded, options: SoakOptions, mix: Mix, rp
                 task.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
         rec.windows = chaos.windows
+        rec.changes = chaos.changes
         rec.probes = chaos.probes
         rec.observations += chaos.probe_observations
         rec.otlp_posts = fleet.sink.posts

@@ -10,11 +10,13 @@ from loadtest.soak.faults import (
     plan_faults,
 )
 from loadtest.soak.invariants import (
+    AdminChange,
     LeakState,
     LimitsProbe,
     MemorySample,
     ProbeSample,
     ReplicaGauges,
+    check_admin_changes,
     check_availability,
     check_bad_input,
     check_faults,
@@ -273,6 +275,21 @@ def test_every_fault_must_have_run_and_recovered() -> None:
     assert not check_faults(plan, broken).passed
 
 
+def test_every_admin_change_made_through_one_replica_must_reach_every_replica() -> None:
+    made = [
+        AdminChange("policy", 0, 200, "2/2", [0, 1], 2),
+        AdminChange("canary_shift", 1, 200, "2/2", [0, 1], 2),
+    ]
+    assert check_admin_changes(made, planned=2).passed
+    assert not check_admin_changes(made, planned=3).passed  # one never made
+    missed = [*made, AdminChange("reload", 0, 200, "1/2", [0], 2)]
+    v = check_admin_changes(missed, planned=3)
+    assert not v.passed
+    assert "reload: not applied by replica(s) [1]" in v.why
+    refused = [*made, AdminChange("canary_rollback", 1, 503, None, [], 2)]
+    assert "refused through replica 1: 503" in check_admin_changes(refused, planned=3).why
+
+
 def test_traces_must_reach_the_sink() -> None:
     assert check_traces(3).passed
     assert not check_traces(0).passed
@@ -290,7 +307,7 @@ def test_evaluate_judges_every_invariant_and_the_report_says_so() -> None:
     assert names == [
         "no_leak", "aborted_upstream", "no_request_lost", "metrics_and_ready_up",
         "gateway_errors_documented", "bad_input_rejected", "limits_hold_across_replicas",
-        "memory_flat", "faults_injected", "traces_exported",
+        "memory_flat", "admin_changes_everywhere", "faults_injected", "traces_exported",
     ]  # fmt: skip
     assert not next(v for v in verdicts if v.name == "aborted_upstream").passed  # not measured
     results = [(o, classify(o)) for o in rec.observations]

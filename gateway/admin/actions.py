@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -31,10 +32,13 @@ from gateway.admin.reload import (
 from gateway.admin.views import backend_view
 from gateway.fleet.changes import Change, Position, Snapshot
 from gateway.fleet.follower import Outcome
-from gateway.keys import POOL
+from gateway.keys import LIMITER, POOL
+from gateway.limits.keys import Authenticator, hash_key
 from gateway.request.rollout import ROLLOUT
 
 log = structlog.get_logger("gateway.admin.api")
+
+KEY_PREFIX: Final = "sk-gw-"  # keys the gateway makes: recognisable in a leaked file
 
 Params = Mapping[str, str]
 Doc = Any  # a JSON document
@@ -48,6 +52,10 @@ class Action:
     apply: Callable[[web.Application, Params, Doc], Doc]  # the answer's document
     before: Callable[[web.Application, Params], Doc]  # what it replaces (the audit's ``old``)
     json_body: bool = False
+    # Run once, where the change is made, before anything else: the body to log and apply in
+    # its place, and what to add to the answer there (a key made by the gateway: its secret
+    # goes to the caller once, only its hash to the log)
+    prepare: Callable[[web.Application, Params, Doc], tuple[Doc, dict[str, Any]]] | None = None
 
     def matcher(self) -> re.Pattern[str]:
         return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", self.pattern) + "$")
@@ -119,6 +127,44 @@ def _reload(app: web.Application, _params: Params, _body: Doc) -> Doc:
     return {"applied": result.applied, "restart_required": result.restart_required}
 
 
+def _auth(app: web.Application) -> Authenticator:
+    return app[LIMITER].auth
+
+
+def _key_prepare(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
+    if not isinstance(body, dict) or not isinstance(body.get("name"), str):
+        raise InvalidRequest(
+            'The body must be a JSON object: {"name": ..., "tier": ..., "hash": "sha256:..."}; '
+            "without a hash the gateway makes the key and answers it once."
+        )
+    unknown = sorted(set(body) - {"name", "tier", "hash"})
+    if unknown:
+        raise InvalidRequest(f"Unknown field(s) for a key: {', '.join(unknown)}.")
+    doc = {"name": body["name"], "tier": str(body.get("tier", "default"))}
+    if "hash" in body:
+        return {**doc, "hash": str(body["hash"])}, {}
+    secret = KEY_PREFIX + secrets.token_urlsafe(32)
+    extra = {"key": secret, "key_note": "shown once: the gateway keeps only its hash"}
+    return {**doc, "hash": hash_key(secret)}, extra
+
+
+def _key_check(app: web.Application, _params: Params, body: Doc) -> Doc:
+    digest = _auth(app).check_add(body["name"], body["hash"], body["tier"])
+    return {"name": body["name"], "tier": body["tier"], "hash": digest.hex()[:12]}
+
+
+def _key_before(app: web.Application, params: Params) -> Doc:
+    name = params.get("name")
+    auth = _auth(app)
+    return None if name is None or auth.tier_of(name) is None else auth.describe(name)
+
+
+def _revoke_check(app: web.Application, params: Params, _body: Doc) -> Doc:
+    if _auth(app).tier_of(params["name"]) is None:
+        raise NotFound(f"No key {params['name']!r}.")
+    return {"revoked": params["name"]}
+
+
 ACTIONS: Final = (
     _drain(True),
     _drain(False),
@@ -148,6 +194,22 @@ ACTIONS: Final = (
     _pool_drain(True),
     _pool_drain(False),
     Action("POST", "/admin/reload", _reload_check, _reload, lambda _app, _p: None),
+    Action(
+        "POST",
+        "/admin/keys",
+        _key_check,
+        lambda app, _p, b: _auth(app).add(b["name"], b["hash"], b["tier"]),
+        lambda _app, _p: None,
+        json_body=True,
+        prepare=_key_prepare,
+    ),
+    Action(
+        "DELETE",
+        "/admin/keys/{name}",
+        _revoke_check,
+        lambda app, p, _b: _auth(app).revoke(p["name"]),
+        _key_before,
+    ),
 )
 _MATCHERS: Final = [(a, a.matcher()) for a in ACTIONS]
 
@@ -185,6 +247,7 @@ def state(app: web.Application) -> dict[str, Any]:
         "draining": {b.id: b.draining for b in app[POOL].all()},
         "policy": describe_policy(app),
         "rollout": app[ROLLOUT].state(),
+        "keys": _auth(app).state(),
     }
 
 
@@ -198,6 +261,7 @@ def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
     if isinstance(policy, dict):
         change_policy(app, {k: v for k, v in policy.items() if v is not None})
     app[ROLLOUT].restore(doc.get("rollout", {}))
+    _auth(app).restore(doc.get("keys", {}))
 
 
 class ActionApplier:

@@ -13,9 +13,10 @@ other workers by ``gateway.admin.fanout``).
 
 from __future__ import annotations
 
+import json
 import re
 import time
-from typing import Final
+from typing import Any, Final
 
 import structlog
 from aiohttp import web
@@ -26,13 +27,15 @@ from gateway.admin.actions import Action, parse_body
 from gateway.fleet.changes import Change
 from gateway.fleet.member import Member
 from gateway.fleet.registry import summary
-from gateway.keys import FLEET, GATEWAY
+from gateway.keys import FLEET, GATEWAY, LIMITER
 
 log = structlog.get_logger("gateway.admin.api")
 
 CALLER_HEADER: Final = "X-Admin-Caller"  # who asks, for the audit trail (never a credential)
 _CALLER: Final = re.compile(r"[^A-Za-z0-9_.@:/ -]")
 _MAX_LISTED: Final = 500
+# a change's body as logged, when it differs from the request's (``Action.prepare``)
+CHANGE_BODY: Final = web.RequestKey("change_body", bytes)
 
 
 def _caller(request: web.Request) -> str:
@@ -46,10 +49,15 @@ def change_handler(action: Action) -> Handler:
         gateway = request.app[GATEWAY]
         raw = await request.read()
         params = dict(request.match_info)
+        body, extra = parse_body(action, raw), dict[str, Any]()
+        if action.prepare is not None:
+            body, extra = action.prepare(gateway, params, body)
+            raw = json.dumps(body).encode()
+            request[CHANGE_BODY] = raw  # what the workers' fan-out sends on, without a secret
         member = gateway[FLEET]
         if member is None:  # this replica alone: a refusal raises, as any admin error
-            return web.json_response(action.apply(gateway, params, parse_body(action, raw)))
-        new = action.check(gateway, params, parse_body(action, raw))  # refused: nothing logged
+            return web.json_response({**action.apply(gateway, params, body), **extra})
+        new = action.check(gateway, params, body)  # refused: nothing logged
         change = Change(
             method=request.method,
             path=request.path_qs,
@@ -77,9 +85,12 @@ def change_handler(action: Action) -> Handler:
                 status=202,
                 headers=headers,
             )
+        answer = done.outcome.body
+        if extra and done.outcome.applied:
+            answer = json.dumps({**json.loads(answer), **extra}).encode()
         return web.Response(
             status=done.outcome.status,
-            body=done.outcome.body,
+            body=answer,
             content_type="application/json",
             headers=headers,
         )
@@ -140,3 +151,8 @@ async def reload_through_log(member: Member) -> None:
         log.warning("reload_refused", error=exc.message)
         return
     log.info("reload_logged", position=str(done.position), replicas=done.spread.header())
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    """``GET /admin/keys``: the API keys in force (name, tier, where from, a hash prefix)."""
+    return web.json_response({"keys": request.app[GATEWAY][LIMITER].auth.listing()})

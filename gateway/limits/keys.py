@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final
 
-from backends.errors import AuthenticationError
+from backends.errors import AuthenticationError, InvalidRequest, NotFound
 from gateway.limits.settings import LimitsSettings, TierSettings
 from gateway.limits.store import Limits
 
 ANONYMOUS: Final = "anonymous"
+_NAME: Final = re.compile(r"^[A-Za-z0-9._@-]{1,64}$")
+_HEX: Final = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
 
 
 def hash_key(key: str) -> str:
@@ -60,23 +63,18 @@ def presented_key(headers: Mapping[str, str]) -> str | None:
 
 
 class Authenticator:
+    """The keys in force: the configuration's, plus those added and less those revoked at run
+    time (through the admin API, and in a fleet through its change log: ``state``/``restore``
+    carry the run-time part in a snapshot)."""
+
     def __init__(self, settings: LimitsSettings) -> None:
         self.required = settings.auth
+        self._tiers = settings.tiers
         self._by_hash: dict[bytes, tuple[bytes, Principal]] = {}
-        for k in settings.keys:
-            tier = settings.tiers[k.tier]
-            digest = bytes.fromhex(k.hash)
-            self._by_hash[digest] = (
-                digest,
-                Principal(
-                    id=f"key:{k.name}",
-                    tier=k.tier,
-                    limits=_limits(tier),
-                    max_priority=tier.max_priority,
-                    authenticated=True,
-                    objective=tier.objective,
-                ),
-            )
+        self._by_name: dict[str, tuple[bytes, str, str]] = {}  # name -> digest, tier, source
+        self._configured = {k.name: (bytes.fromhex(k.hash), k.tier) for k in settings.keys}
+        for name, (digest, tier) in self._configured.items():
+            self._put(name, digest, tier, "config")
         anon = settings.tiers[settings.anonymous_tier]
         self.anonymous = Principal(
             id=ANONYMOUS,
@@ -86,6 +84,95 @@ class Authenticator:
             authenticated=False,
             objective=anon.objective,
         )
+
+    def _put(self, name: str, digest: bytes, tier_name: str, source: str) -> None:
+        tier = self._tiers[tier_name]
+        self._by_hash[digest] = (
+            digest,
+            Principal(
+                id=f"key:{name}",
+                tier=tier_name,
+                limits=_limits(tier),
+                max_priority=tier.max_priority,
+                authenticated=True,
+                objective=tier.objective,
+            ),
+        )
+        self._by_name[name] = (digest, tier_name, source)
+
+    # -- changes at run time ----------------------------------------------------------------
+
+    def check_add(self, name: str, hash_hex: str, tier: str) -> bytes:
+        """The digest ``add`` would install; ``InvalidRequest`` if the key cannot be added."""
+        if not _NAME.match(name):
+            raise InvalidRequest("A key's name: 1-64 letters, digits, '.', '_', '@' or '-'.")
+        if tier not in self._tiers:
+            raise InvalidRequest(f"No tier {tier!r}; tiers: {', '.join(sorted(self._tiers))}.")
+        m = _HEX.match(hash_hex.strip().lower())
+        if m is None:
+            raise InvalidRequest("A key's hash: sha256 as 64 hex digits, optionally 'sha256:...'.")
+        digest = bytes.fromhex(m.group(1))
+        held = self._by_hash.get(digest)
+        if held is not None and held[1].id != f"key:{name}":
+            raise InvalidRequest("Another key has this hash.")
+        return digest
+
+    def add(self, name: str, hash_hex: str, tier: str) -> dict[str, str]:
+        """Add the key ``name`` (or replace its hash and tier: a rotation)."""
+        digest = self.check_add(name, hash_hex, tier)
+        self._drop(name)
+        self._put(name, digest, tier, "runtime")
+        return self.describe(name)
+
+    def revoke(self, name: str) -> dict[str, str]:
+        """Refuse the key ``name`` from now on; ``NotFound`` if there is none."""
+        if name not in self._by_name:
+            raise NotFound(f"No key {name!r}.")
+        gone = self.describe(name)
+        self._drop(name)
+        return {**gone, "revoked": "true"}
+
+    def _drop(self, name: str) -> None:
+        held = self._by_name.pop(name, None)
+        if held is not None:
+            self._by_hash.pop(held[0], None)
+
+    def describe(self, name: str) -> dict[str, str]:
+        """A key as the admin API shows it: never more of its hash than a prefix."""
+        digest, tier, source = self._by_name[name]
+        return {"name": name, "tier": tier, "source": source, "hash": digest.hex()[:12]}
+
+    def listing(self) -> list[dict[str, str]]:
+        return [self.describe(name) for name in sorted(self._by_name)]
+
+    def tier_of(self, name: str) -> str | None:
+        held = self._by_name.get(name)
+        return None if held is None else held[1]
+
+    def state(self) -> dict[str, object]:
+        """The run-time part: keys added or replaced, configured keys revoked."""
+        added = {
+            name: {"hash": digest.hex(), "tier": tier}
+            for name, (digest, tier, source) in self._by_name.items()
+            if source == "runtime"
+        }
+        revoked = sorted(set(self._configured) - set(self._by_name))
+        return {"added": added, "revoked": revoked}
+
+    def restore(self, state: Mapping[str, object]) -> None:
+        """Back to the configuration's keys, then ``state`` on them (unknown tiers left out)."""
+        for name in list(self._by_name):
+            self._drop(name)
+        for name, (digest, tier) in self._configured.items():
+            self._put(name, digest, tier, "config")
+        revoked = state.get("revoked", [])
+        for name in revoked if isinstance(revoked, list) else []:
+            self._drop(str(name))
+        added = state.get("added", {})
+        for name, doc in (added if isinstance(added, dict) else {}).items():
+            if isinstance(doc, dict) and doc.get("tier") in self._tiers:
+                self._drop(str(name))
+                self._put(str(name), bytes.fromhex(str(doc["hash"])), str(doc["tier"]), "runtime")
 
     def lookup(self, key: str) -> Principal | None:
         digest = hashlib.sha256(key.encode()).digest()

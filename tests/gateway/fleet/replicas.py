@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 import aiohttp
 
+from gateway.limits.keys import hash_key
 from tests.redis_server import free_port
 from tests.waiting import wait_for
 from tools.fake_vllm import FakeBackend, running_fake
@@ -30,6 +31,7 @@ from tools.fake_vllm import FakeBackend, running_fake
 TOKEN = "fleet-secret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 ALIAS = "chat"
+OPS_KEY = "sk-ops-secret"  # the configured key when auth is on
 T = TypeVar("T")
 
 
@@ -37,14 +39,22 @@ def chat(model: str = "m") -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
-def config(backends: dict[str, str], redis_url: str, prefix: str, **fleet: object) -> str:
+def config(
+    backends: dict[str, str], redis_url: str, prefix: str, *, auth: bool = False, **fleet: object
+) -> str:
     lines = [
         'policy = "least_load"',
         "shutdown_grace = 5",
         f'admin = {{ token = "{TOKEN}" }}',
         "scrape = { interval = 0.1 }",
         "health = { interval = 0.1 }",
-        f'limits = {{ redis = {{ url = "{redis_url}", key_prefix = "{prefix}", timeout = 1.0 }} }}',
+        "limits = { "
+        + (
+            f'auth = true, keys = [{{ name = "ops", hash = "{hash_key(OPS_KEY)}" }}], '
+            if auth
+            else ""
+        )
+        + f'redis = {{ url = "{redis_url}", key_prefix = "{prefix}", timeout = 1.0 }} }}',
         "fleet = { "
         + ", ".join(
             [
@@ -209,6 +219,14 @@ class Fleet:
                 assert r.status == 200, await r.text()
         return {name: len(f.seen) - before[name] for name, f in self.fakes.items()}
 
+    async def status_with(self, replica: Replica, key: str) -> int:
+        """A chat request through ``replica`` with the API key ``key``: its status."""
+        url = replica.url + "/v1/chat/completions"
+        headers = {"Authorization": f"Bearer {key}"}
+        async with self.session.post(url, json=chat(), headers=headers) as r:
+            await r.read()
+            return r.status
+
     async def state(self, replica: Replica) -> tuple[Any, ...]:
         """What the admin changes set, as ``replica`` has it."""
         policy = await self.read(replica, "/admin/policy")
@@ -227,8 +245,10 @@ async def running_fleet(
     tmp_path: Path,
     redis_url: str,
     prefix: str,
+    *,
     n: int = 3,
     workers: tuple[int, ...] = (),
+    auth: bool = False,
     **fleet: object,
 ) -> AsyncIterator[Fleet]:
     """``n`` replicas; ``workers``: each one's ``serve --workers`` (1 where not given)."""
@@ -237,7 +257,9 @@ async def running_fleet(
         for fake in fakes.values():
             await stack.enter_async_context(running_fake(fake))
         path = tmp_path / "gateway.toml"
-        path.write_text(config({k: f.url for k, f in fakes.items()}, redis_url, prefix, **fleet))
+        path.write_text(
+            config({k: f.url for k, f in fakes.items()}, redis_url, prefix, auth=auth, **fleet)
+        )
         counts = [*workers, *[1] * n][:n]
         replicas = [Replica(f"r{i}", path, workers=counts[i]) for i in range(n)]
         session = await stack.enter_async_context(aiohttp.ClientSession())

@@ -9,7 +9,8 @@ import asyncio
 import signal
 from pathlib import Path
 
-from tests.gateway.fleet.replicas import ALIAS, poll, running_fleet
+from gateway.limits.keys import hash_key
+from tests.gateway.fleet.replicas import ALIAS, AUTH, OPS_KEY, poll, running_fleet
 
 
 async def test_a_change_through_one_replica_is_applied_by_all_and_requests_follow_it(
@@ -75,6 +76,10 @@ async def test_a_bad_change_is_refused_where_it_is_made_and_logged_nowhere(
             ("PUT", f"/admin/aliases/{ALIAS}", {"nowhere": 100}, 400),
             ("POST", f"/admin/aliases/{ALIAS}/rollback", None, 400),  # no history yet
             ("POST", "/admin/pools/stable/drain", None, 400),  # would leave the alias no pool
+            ("POST", "/admin/keys", {"tier": "default"}, 400),  # no name
+            ("POST", "/admin/keys", {"name": "x", "tier": "platinum"}, 400),
+            ("POST", "/admin/keys", {"name": "x", "hash": "sha256:nothex"}, 400),
+            ("DELETE", "/admin/keys/nobody", None, 404),
         ):
             got, _, doc = await fleet.change(r0, method, path, body)
             assert got == status, doc
@@ -142,3 +147,38 @@ async def test_sighup_to_one_replica_reloads_every_replica(
         assert [(c["path"], c["caller"], c["replica"]) for c in trail] == [
             ("/admin/reload", "SIGHUP", "r0")
         ]
+
+
+async def test_a_key_made_through_one_replica_works_everywhere_and_a_revoked_one_nowhere(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    async with running_fleet(tmp_path, redis_url, redis_prefix, auth=True) as fleet:
+        r0, r1, r2 = fleet
+        status, headers, doc = await fleet.change(r1, "POST", "/admin/keys", {"name": "team-a"})
+        assert (status, headers["X-Gateway-Replicas"]) == (200, "3/3")  # within 1 s everywhere
+        key = doc["key"]
+        assert key.startswith("sk-gw-")
+        for r in fleet:
+            assert await fleet.status_with(r, key) == 200
+        # The log holds the key's hash, never the key.
+        async with fleet.session.get(r0.admin + "/admin/changes", headers=AUTH) as resp:
+            assert key not in await resp.text()
+        listed = {k["name"]: k for k in (await fleet.read(r2, "/admin/keys"))["keys"]}
+        assert listed["team-a"]["source"] == "runtime"
+        assert listed["ops"]["source"] == "config"
+        status, headers, _ = await fleet.change(r2, "DELETE", "/admin/keys/team-a")
+        assert (status, headers["X-Gateway-Replicas"]) == (200, "3/3")
+        for r in fleet:
+            assert await fleet.status_with(r, key) == 401
+            assert await fleet.status_with(r, OPS_KEY) == 200
+        # A key given by its hash (made elsewhere) works the same; a restart keeps it.
+        own = "sk-made-by-the-operator"
+        status, _, doc = await fleet.change(
+            r0, "POST", "/admin/keys", {"name": "team-b", "hash": hash_key(own), "tier": "default"}
+        )
+        assert status == 200
+        assert "key" not in doc
+        await r1.stop()
+        await r1.start()
+        assert await fleet.status_with(r1, own) == 200
+        assert await fleet.status_with(r1, key) == 401

@@ -11,7 +11,7 @@ import pytest
 from multidict import CIMultiDict
 from pydantic import ValidationError
 
-from backends.errors import AuthenticationError, RateLimited
+from backends.errors import AuthenticationError, InvalidRequest, NotFound, RateLimited
 from gateway.cli import main as cli_main
 from gateway.config.settings import Settings
 from gateway.limits.keys import Authenticator, hash_key, presented_key
@@ -60,6 +60,50 @@ def test_known_keys_get_their_tier() -> None:
     assert alice.max_priority == 5
     bob = auth.authenticate(headers(x_api_key=BOB))
     assert (bob.id, bob.tier, bob.limits.requests_per_minute) == ("key:bob", "default", 2)
+
+
+def test_keys_added_rotated_and_revoked_at_run_time() -> None:
+    auth = Authenticator(limits_settings())
+    carol = "sk-carol-secret"
+    assert auth.add("carol", hash_key(carol), "gold")["source"] == "runtime"
+    assert auth.authenticate(headers(x_api_key=carol)).id == "key:carol"
+    rotated = "sk-carol-rotated"
+    auth.add("carol", hash_key(rotated), "default")  # the same name: a rotation
+    assert auth.authenticate(headers(x_api_key=rotated)).tier == "default"
+    with pytest.raises(AuthenticationError):
+        auth.authenticate(headers(x_api_key=carol))
+    auth.revoke("bob")  # a configured key may be revoked too
+    with pytest.raises(AuthenticationError):
+        auth.authenticate(headers(x_api_key=BOB))
+    listed = {k["name"]: k for k in auth.listing()}
+    assert sorted(listed) == ["alice", "carol"]
+    assert len(listed["carol"]["hash"]) == 12  # a prefix, never the whole hash
+    # The run-time part survives into another replica's authenticator (a snapshot).
+    other = Authenticator(limits_settings())
+    other.restore(auth.state())
+    assert other.listing() == auth.listing()
+    assert other.authenticate(headers(x_api_key=rotated)).id == "key:carol"
+
+
+@pytest.mark.parametrize(
+    ("name", "key_hash", "tier", "why"),
+    [
+        ("dave", "not-a-hash", "default", "sha256"),
+        ("dave", hash_key("x"), "platinum", "No tier"),
+        ("bad name!", hash_key("x"), "default", "name"),
+        ("dave", hash_key(ALICE), "default", "Another key"),
+    ],
+)
+def test_a_key_that_cannot_be_added_is_refused_and_changes_nothing(
+    name: str, key_hash: str, tier: str, why: str
+) -> None:
+    auth = Authenticator(limits_settings())
+    before = auth.listing()
+    with pytest.raises(InvalidRequest, match=why):
+        auth.add(name, key_hash, tier)
+    assert auth.listing() == before
+    with pytest.raises(NotFound):
+        auth.revoke("nobody")
 
 
 def test_missing_or_unknown_key_is_401_when_auth_is_on() -> None:

@@ -6,6 +6,7 @@
 const POLL_MS = 1000;
 const HISTORY_S = 300; // what the charts show
 const WINDOW_S = 5; // rates and percentiles are over the last five seconds
+const CHANGES_SHOWN = 10; // the audit trail's newest entries
 const PALETTE = [
   "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
   "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -15,7 +16,7 @@ let token = null;
 let timer = null;
 let polling = false; // one poll at a time
 let history = []; // [{at, backends, stats, derived}]
-let latest = { policy: null, aliases: null, backends: null };
+let latest = { policy: null, aliases: null, backends: null, replicas: null, changes: null, keys: null };
 let policyFormDoc = null; // the policy document the form was last built from
 let rolloutShape = ""; // aliases and pools the rollout section was built for
 const colors = new Map();
@@ -169,14 +170,17 @@ async function poll() {
   polling = true;
   clearTimeout(timer);
   try {
-    const [backends, stats, policy, aliases] = await Promise.all([
+    const [backends, stats, policy, aliases, replicas, changes, keys] = await Promise.all([
       api("GET", "/admin/backends"),
       api("GET", "/admin/stats"),
       api("GET", "/admin/policy"),
       api("GET", "/admin/aliases"),
+      api("GET", "/admin/replicas"),
+      api("GET", `/admin/changes?limit=${CHANGES_SHOWN}`),
+      api("GET", "/admin/keys"),
     ]);
     if (token === null) return;
-    latest = { policy, aliases, backends };
+    latest = { policy, aliases, backends, replicas, changes, keys };
     record(backends, stats);
     render();
     setStatus(`live · ${new Date(stats.at * 1000).toLocaleTimeString()}`, "ok");
@@ -296,6 +300,8 @@ function render() {
   renderRollout(last);
   renderRejections(last);
   renderDecisions(last);
+  renderFleet();
+  renderKeys();
 }
 
 function renderTiles(last) {
@@ -777,6 +783,69 @@ function renderDecisions(last) {
   prune(tbody, keys);
 }
 
+// ---- the fleet: replicas, the audit trail, API keys ------------------------------------------
+
+function renderFleet() {
+  const { replicas, changes } = latest;
+  const tbody = $("replicas").tBodies[0];
+  const keys = new Set();
+  const summary = $("fleet-summary");
+  if (replicas.fleet === null) {
+    summary.textContent = "This gateway acts alone (no fleet: see docs/fleet.md).";
+  } else {
+    const s = replicas.summary;
+    const lag = s.lagging.length ? `behind the log: ${s.lagging.join(", ")}` : "all up to date";
+    const split = Object.keys(s.disagree).length ? ` · health seen differently: ${Object.keys(s.disagree).join(", ")}` : "";
+    summary.textContent = `fleet ${replicas.fleet}: ${s.replicas} replicas, ${lag}, ${sumValues(s.in_flight)} in flight${split}`;
+  }
+  for (const r of replicas.replicas) {
+    keys.add(r.id);
+    const self = r.id === replicas.self ? " (this one)" : "";
+    upsertRow(tbody, r.id, [r.id + self, r.version, r.address, fmtSeconds(r.uptime_s), sumValues(r.in_flight), r.applied ?? "–"]);
+  }
+  prune(tbody, keys);
+  const trail = $("changes").tBodies[0];
+  const seen = new Set();
+  for (const c of changes.changes) {
+    seen.add(c.position);
+    const when = new Date(c.at * 1000).toLocaleTimeString();
+    upsertRow(trail, c.position, [when, `${c.method} ${c.path}`, c.replica, c.caller, fmtValue(c.old), fmtValue(c.new)]);
+  }
+  prune(trail, seen);
+  // newest first, as listed
+  for (const c of changes.changes) trail.append([...trail.rows].find((r) => r.dataset.key === c.position));
+}
+
+function renderKeys() {
+  const tbody = $("keys").tBodies[0];
+  const keys = new Set();
+  for (const k of latest.keys.keys) {
+    keys.add(k.name);
+    const revoke = el("button", { type: "button", class: "revoke", dataset: { sig: k.name }, onclick: () => revokeKey(k.name) }, "Revoke");
+    upsertRow(tbody, k.name, [k.name, k.tier, k.source, k.hash, revoke]);
+  }
+  prune(tbody, keys);
+}
+
+async function makeKey(event) {
+  event.preventDefault();
+  const name = $("key-name").value.trim();
+  const tier = $("key-tier").value.trim();
+  const known = latest.keys?.keys.find((k) => k.name === name);
+  const text = known ? `${name} has a key: this replaces it (the old one stops working).` : `A new key for ${name}, shown once.`;
+  if (!(await confirmChange(`Make a key for ${name}`, text, [["tier", known?.tier ?? null, tier]]))) return;
+  const made = await act(`Made a key for ${name}.`, () => api("POST", "/admin/keys", { name, tier }));
+  if (made) {
+    $("key-secret").textContent = made.key;
+    $("key-made").hidden = false;
+  }
+}
+
+async function revokeKey(name) {
+  if (!(await confirmChange(`Revoke ${name}`, `Requests with ${name}'s key are refused from now on, on every replica.`, []))) return;
+  await act(`Revoked ${name}.`, () => api("DELETE", `/admin/keys/${encodeURIComponent(name)}`));
+}
+
 async function reload() {
   if (!(await confirmChange("Reload the configuration", "The gateway re-reads its configuration file: what can change live is applied now, the rest is listed as needing a restart.", []))) return;
   const result = await act("Configuration reloaded.", () => api("POST", "/admin/reload"));
@@ -793,5 +862,6 @@ document.addEventListener("DOMContentLoaded", () => {
   $("policy-review").addEventListener("click", reviewPolicy);
   $("policy-reset").addEventListener("click", () => latest.policy && buildPolicyForm(latest.policy));
   $("reload").addEventListener("click", reload);
+  $("key-form").addEventListener("submit", makeKey);
   $("token").focus();
 });

@@ -258,3 +258,37 @@ def test_a_change_made_elsewhere_shows_in_the_inputs_not_being_edited(
     block = page.locator('#aliases div.alias[data-alias="chat"]')
     assert fleet.admin("PUT", "/admin/aliases/chat", json={"stable": 80, "canary": 20}).is_success
     expect(block.locator('input[name="weight.canary"]')).to_have_value("20")
+
+
+def test_the_fleet_panel_lists_replicas_and_changes_and_manages_keys(
+    page: Page, fleet: Fleet
+) -> None:
+    signed_in(page, fleet)
+    replicas = page.locator("#replicas tbody tr")
+    expect(replicas).to_have_count(1)  # one replica of the production file's fleet
+    expect(replicas.first).to_contain_text("(this one)")
+    expect(page.locator("#fleet-summary")).to_contain_text("1 replicas, all up to date")
+    # A key made on the page: shown once, works at once.
+    page.fill("#key-name", "team-x")
+    page.fill("#key-tier", "interactive")
+    page.click("#key-form button[type=submit]")
+    apply_in_dialog(page, [("tier", "none", "interactive")])
+    expect(page.locator("#banner")).to_have_text("Made a key for team-x.")
+    secret = page.locator("#key-secret").text_content() or ""
+    assert secret.startswith("sk-gw-")
+    with httpx.Client(timeout=30) as client:
+        assert chat(client, fleet.url, secret, MODEL) == 200
+    row = page.locator('#keys tr[data-key="team-x"]')
+    expect(row).to_contain_text("runtime")
+    # The audit trail shows it, newest first, without the secret.
+    newest = page.locator("#changes tbody tr").first
+    expect(newest).to_contain_text("POST /admin/keys")
+    expect(page.locator("#changes")).not_to_contain_text(secret)
+    # Revoked on the page: refused at once.
+    row.locator("button.revoke").click()
+    apply_in_dialog(page, [])
+    expect(page.locator("#banner")).to_have_text("Revoked team-x.")
+    expect(row).to_have_count(0)
+    with httpx.Client(timeout=30) as client:
+        assert chat(client, fleet.url, secret, MODEL) == 401
+    expect(page.locator("#changes tbody tr").first).to_contain_text("DELETE /admin/keys/team-x")

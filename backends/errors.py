@@ -20,6 +20,8 @@ answers a client with is here:
     │   └── ResponseBackendGone           / response_backend_gone (its backend left the fleet)
     ├── RateLimited                   429 requests|tokens / rate_limit_exceeded
     │                                     (+ Retry-After, x-ratelimit-*)
+    ├── BudgetExhausted               429 insufficient_quota (a key's token budget spent:
+    │                                     no Retry-After, waiting does not help)
     ├── ShuttingDown                  503 service_unavailable (connection closed after it)
     ├── Unavailable                   503 service_unavailable (+ Retry-After)
     │   ├── NoBackendAvailable            / no_backend_available
@@ -115,6 +117,14 @@ class RateLimited(GatewayError):
 
     def envelope(self) -> dict[str, Any]:
         return error_envelope(self.message, self.limit_type, param=self.param, code=self.code)
+
+
+class BudgetExhausted(GatewayError):
+    """429 as OpenAI answers a spent quota: type and code ``insufficient_quota``."""
+
+    status = 429
+    type = "insufficient_quota"
+    default_code = "insufficient_quota"
 
 
 class NotFound(GatewayError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
@@ -33,7 +34,7 @@ from gateway.admin.views import backend_view
 from gateway.fleet.changes import Change, Position, Snapshot
 from gateway.fleet.follower import Outcome
 from gateway.keys import LIMITER, POOL
-from gateway.limits.keys import Authenticator, hash_key
+from gateway.limits.keys import Authenticator, Budget, hash_key
 from gateway.request.rollout import ROLLOUT
 
 log = structlog.get_logger("gateway.admin.api")
@@ -165,6 +166,51 @@ def _revoke_check(app: web.Application, params: Params, _body: Doc) -> Doc:
     return {"revoked": params["name"]}
 
 
+def _budget_prepare(_app: web.Application, params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
+    """A budget's count gets its id where the change is made, so every replica (and a replay)
+    counts under the same one."""
+    if not isinstance(body, dict) or set(body) - {"tokens", "keep"}:
+        raise InvalidRequest(
+            'The body must be {"tokens": N} (null: no budget), with "keep": true to go on '
+            "counting what the key has spent so far."
+        )
+    tokens = body.get("tokens")
+    if tokens is not None and (
+        not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1
+    ):
+        raise InvalidRequest("tokens: a positive whole number, or null for no budget.")
+    counter = f"{params['name']}:{uuid.uuid4().hex}"
+    return {"tokens": tokens, "keep": bool(body.get("keep", False)), "counter": counter}, {}
+
+
+def _budget_of(app: web.Application, params: Params, body: Doc) -> Budget | None:
+    if body.get("tokens") is None:
+        return None
+    current = _auth(app).budget(params["name"])
+    keep = body.get("keep") and current is not None
+    counter = current.counter if keep and current is not None else str(body["counter"])
+    return Budget(int(body["tokens"]), counter)
+
+
+def _budget_check(app: web.Application, params: Params, body: Doc) -> Doc:
+    _auth(app).budget(params["name"])  # 404 if no such key
+    return {"tokens": body.get("tokens"), "keep": body.get("keep")}
+
+
+def _budget_apply(app: web.Application, params: Params, body: Doc) -> Doc:
+    budget = _budget_of(app, params, body)
+    doc = _auth(app).set_budget(params["name"], budget)
+    return {**doc, "budget": None if budget is None else budget.tokens}
+
+
+def _budget_before(app: web.Application, params: Params) -> Doc:
+    auth = _auth(app)
+    if auth.tier_of(params["name"]) is None:
+        return None
+    b = auth.budget(params["name"])
+    return None if b is None else {"tokens": b.tokens}
+
+
 ACTIONS: Final = (
     _drain(True),
     _drain(False),
@@ -202,6 +248,15 @@ ACTIONS: Final = (
         lambda _app, _p: None,
         json_body=True,
         prepare=_key_prepare,
+    ),
+    Action(
+        "PUT",
+        "/admin/keys/{name}/budget",
+        _budget_check,
+        _budget_apply,
+        _budget_before,
+        json_body=True,
+        prepare=_budget_prepare,
     ),
     Action(
         "DELETE",

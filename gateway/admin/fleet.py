@@ -154,5 +154,15 @@ async def reload_through_log(member: Member) -> None:
 
 
 async def list_keys(request: web.Request) -> web.Response:
-    """``GET /admin/keys``: the API keys in force (name, tier, where from, a hash prefix)."""
-    return web.json_response({"keys": request.app[GATEWAY][LIMITER].auth.listing()})
+    """``GET /admin/keys``: the API keys in force (name, tier, where from, a hash prefix, its
+    budget and what it spent)."""
+    limiter = request.app[GATEWAY][LIMITER]
+    keys: list[dict[str, Any]] = []
+    for doc in limiter.auth.listing():
+        budget = limiter.auth.budget(doc["name"])
+        if budget is not None:
+            spent = await limiter.store.budget_spent(budget.counter)
+            keys.append({**doc, "budget": {"tokens": budget.tokens, "spent": spent}})
+        else:
+            keys.append({**doc, "budget": None})
+    return web.json_response({"keys": keys})

@@ -30,6 +30,15 @@ def hash_key(key: str) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class Budget:
+    """A key's token budget: ``tokens`` in all, spent as counted under ``counter`` (a new
+    counter each time a budget is set, unless it keeps the last one's count)."""
+
+    tokens: int
+    counter: str
+
+
+@dataclass(frozen=True, slots=True)
 class Principal:
     """The caller of one request. ``id`` names it in limit stores, logs and metrics."""
 
@@ -39,6 +48,7 @@ class Principal:
     max_priority: int
     authenticated: bool
     objective: str | None = None  # what predicted_latency minimises for it (its tier's)
+    budget: Budget | None = None
 
 
 def _limits(t: TierSettings) -> Limits:
@@ -73,6 +83,7 @@ class Authenticator:
         self._by_hash: dict[bytes, tuple[bytes, Principal]] = {}
         self._by_name: dict[str, tuple[bytes, str, str]] = {}  # name -> digest, tier, source
         self._configured = {k.name: (bytes.fromhex(k.hash), k.tier) for k in settings.keys}
+        self._budgets: dict[str, Budget] = {}  # by key name, set at run time
         for name, (digest, tier) in self._configured.items():
             self._put(name, digest, tier, "config")
         anon = settings.tiers[settings.anonymous_tier]
@@ -96,6 +107,7 @@ class Authenticator:
                 max_priority=tier.max_priority,
                 authenticated=True,
                 objective=tier.objective,
+                budget=self._budgets.get(name),
             ),
         )
         self._by_name[name] = (digest, tier_name, source)
@@ -124,12 +136,29 @@ class Authenticator:
         self._put(name, digest, tier, "runtime")
         return self.describe(name)
 
+    def budget(self, name: str) -> Budget | None:
+        if name not in self._by_name:
+            raise NotFound(f"No key {name!r}.")
+        return self._budgets.get(name)
+
+    def set_budget(self, name: str, budget: Budget | None) -> dict[str, str]:
+        """Give the key ``name`` a token budget (None: none)."""
+        self.budget(name)  # 404 if unknown
+        if budget is None:
+            self._budgets.pop(name, None)
+        else:
+            self._budgets[name] = budget
+        digest, tier, source = self._by_name[name]
+        self._put(name, digest, tier, source)
+        return self.describe(name)
+
     def revoke(self, name: str) -> dict[str, str]:
         """Refuse the key ``name`` from now on; ``NotFound`` if there is none."""
         if name not in self._by_name:
             raise NotFound(f"No key {name!r}.")
         gone = self.describe(name)
         self._drop(name)
+        self._budgets.pop(name, None)
         return {**gone, "revoked": "true"}
 
     def _drop(self, name: str) -> None:
@@ -157,12 +186,18 @@ class Authenticator:
             if source == "runtime"
         }
         revoked = sorted(set(self._configured) - set(self._by_name))
-        return {"added": added, "revoked": revoked}
+        budgets = {n: {"tokens": b.tokens, "counter": b.counter} for n, b in self._budgets.items()}
+        return {"added": added, "revoked": revoked, "budgets": budgets}
 
     def restore(self, state: Mapping[str, object]) -> None:
         """Back to the configuration's keys, then ``state`` on them (unknown tiers left out)."""
         for name in list(self._by_name):
             self._drop(name)
+        self._budgets.clear()
+        budgets = state.get("budgets", {})
+        for name, doc in (budgets if isinstance(budgets, dict) else {}).items():
+            if isinstance(doc, dict):
+                self._budgets[str(name)] = Budget(int(doc["tokens"]), str(doc["counter"]))
         for name, (digest, tier) in self._configured.items():
             self._put(name, digest, tier, "config")
         revoked = state.get("revoked", [])

@@ -12,9 +12,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from backends.errors import BudgetExhausted
 from backends.supervise import Supervisor
 from gateway.limits.headers import rate_limit_headers, rate_limited
-from gateway.limits.keys import Authenticator, Principal
+from gateway.limits.keys import Authenticator, Budget, Principal
 from gateway.limits.memory import MemoryLimitStore
 from gateway.limits.redis_store import RedisLimitStore
 from gateway.limits.settings import LimitsSettings
@@ -31,6 +32,7 @@ class Grant:
     decision: Decision
     reserved: int
     finished: bool = False
+    budget: Budget | None = None  # the key's budget this request was charged to
 
     @property
     def headers(self) -> dict[str, str]:
@@ -73,7 +75,30 @@ class Limiter:
         if decision.degraded:
             self.degraded_admissions += 1
         assert decision.ticket is not None
-        return Grant(principal, decision.ticket, decision, cost)
+        grant = Grant(principal, decision.ticket, decision, cost)
+        if principal.budget is not None:
+            await self._charge(grant, principal.budget)
+        return grant
+
+    async def _charge(self, grant: Grant, budget: Budget) -> None:
+        """Take the request's reservation from its key's budget, or refuse it (and give back
+        what the rate limits reserved): the reservation is taken before the request runs, so
+        requests at once through any replica cannot all see the same budget left."""
+        try:
+            spent = await self.store.charge_budget(budget.counter, grant.reserved, budget.tokens)
+        except BaseException:
+            await self.finish(grant, 0)
+            raise
+        if spent is None:
+            grant.budget = budget
+            return
+        await self.finish(grant, 0)
+        self.rejections[(grant.principal.id, "budget")] += 1
+        raise BudgetExhausted(
+            f"`{grant.principal.id}` has used {spent} of its {budget.tokens}-token budget; "
+            f"this request would take up to {grant.reserved} more. Ask for a larger budget, "
+            "or lower max_tokens."
+        )
 
     async def finish(self, grant: Grant, usage: Usage | int | None) -> None:
         """Settle against the real usage (``None``: keep the reservation), release the slot.
@@ -85,7 +110,11 @@ class Limiter:
             return
         grant.finished = True
         actual = usage.total_tokens if isinstance(usage, Usage) else usage
-        await finish(self.store, grant.ticket, actual)
+        try:
+            await finish(self.store, grant.ticket, actual)
+        finally:
+            if grant.budget is not None and actual is not None and actual != grant.reserved:
+                await self.store.refund_budget(grant.budget.counter, grant.reserved - actual)
 
 
 def make_store(

@@ -18,6 +18,7 @@ class MemoryLimitStore:
         self._clock = clock
         self._buckets: dict[str, tuple[bucket.Buckets, Limits]] = {}
         self._slots: dict[str, set[str]] = {}
+        self._spent: dict[str, int] = {}  # budget counter -> tokens
 
     def admit_now(self, key: str, limits: Limits, cost_tokens: int) -> Decision:
         """``admit`` without the coroutine, for callers (and tests) that are not async."""
@@ -67,6 +68,19 @@ class MemoryLimitStore:
 
     async def release(self, ticket: Ticket) -> None:
         self.release_now(ticket)
+
+    async def charge_budget(self, counter: str, cost: int, budget: int) -> int | None:
+        spent = self._spent.get(counter, 0)
+        if spent + cost > budget:
+            return spent
+        self._spent[counter] = spent + cost
+        return None
+
+    async def refund_budget(self, counter: str, delta: int) -> None:
+        self._spent[counter] = max(0, self._spent.get(counter, 0) - delta)
+
+    async def budget_spent(self, counter: str) -> int | None:
+        return self._spent.get(counter, 0)
 
     async def open(self) -> None:
         pass  # nothing to connect to

@@ -118,6 +118,18 @@ _OPEN_WAIT_S: Final = 5.0  # for the connections opened at start
 _CONNECT_TIMEOUT_S: Final = 1.0
 
 
+# KEYS: the budget's counter. ARGV: cost, budget, TTL (ms). -1 when taken, else what is spent.
+BUDGET_LUA: Final = """
+local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
+local cost = tonumber(ARGV[1])
+if spent + cost > tonumber(ARGV[2]) then return spent end
+redis.call('INCRBY', KEYS[1], cost)
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+return -1
+"""
+_BUDGET_TTL_MS: Final = 90 * 86_400_000  # a budget's count outlives any billing period
+
+
 class _InRetryWindow(ConnectionError):
     """Redis failed moments ago; it is not tried again until the retry interval has passed."""
 
@@ -132,6 +144,7 @@ class _Script:
 
 _ADMIT: Final = _Script(ADMIT_LUA)
 _SETTLE: Final = _Script(SETTLE_LUA)
+_BUDGET: Final = _Script(BUDGET_LUA)
 
 
 class _Owed:
@@ -277,6 +290,42 @@ class RedisLimitStore:
                 tokens=tokens,
             )
         return Decision(allowed=True, ticket=ticket, requests=requests, tokens=tokens)
+
+    def budget_key(self, counter: str) -> str:
+        return f"{self._prefix}{{budget:{counter}}}"
+
+    async def charge_budget(self, counter: str, cost: int, budget: int) -> int | None:
+        try:
+            res = int(
+                await self._script(
+                    _BUDGET, [self.budget_key(counter)], (cost, budget, _BUDGET_TTL_MS)
+                )
+            )
+        except _FAILURES as exc:
+            self._note_failure(exc)
+            if not self.fail_open:
+                raise LimitsUnavailable(
+                    "Token budgets cannot be checked right now; please retry shortly.",
+                    retry_after=self._retry_after,
+                ) from exc
+            return None
+        return None if res < 0 else res
+
+    async def refund_budget(self, counter: str, delta: int) -> None:
+        if self._in_retry_window():
+            return  # lost: the budget keeps the reservation (never under-counts a refund)
+        try:
+            await self._bounded(self._client.decrby(self.budget_key(counter), delta))
+        except _FAILURES as exc:
+            self._note_failure(exc)
+
+    async def budget_spent(self, counter: str) -> int | None:
+        try:
+            raw = await self._bounded(self._client.get(self.budget_key(counter)))
+        except _FAILURES as exc:
+            self._note_failure(exc)
+            return None
+        return int(raw or 0)
 
     async def settle(self, ticket: Ticket, actual_tokens: int) -> None:
         if not ticket.claim_settle():

@@ -119,6 +119,20 @@ class LimitStore(Protocol):
         """Give back the ticket's concurrency slot (once per ticket)."""
         ...
 
+    async def charge_budget(self, counter: str, cost: int, budget: int) -> int | None:
+        """Take ``cost`` tokens from the budget counted under ``counter`` unless that would
+        spend more than ``budget``: None when taken, else the tokens spent so far. Out of
+        reach: the failure mode's (open: None, unchecked; closed: ``LimitsUnavailable``)."""
+        ...
+
+    async def refund_budget(self, counter: str, delta: int) -> None:
+        """Give back ``delta`` tokens (negative: take more) once a request's usage is known."""
+        ...
+
+    async def budget_spent(self, counter: str) -> int | None:
+        """Tokens spent under ``counter``; None when the store cannot say."""
+        ...
+
     async def open(self) -> None:
         """Connect ahead of the first request (never raises: a store out of reach at start
         is its failure mode's business, as later)."""

@@ -54,7 +54,8 @@ def config(
             if auth
             else ""
         )
-        + f'redis = {{ url = "{redis_url}", key_prefix = "{prefix}", timeout = 1.0 }} }}',
+        + f'store = "redis", redis = {{ url = "{redis_url}", key_prefix = "{prefix}", '
+        + "timeout = 1.0 } }",
         "fleet = { "
         + ", ".join(
             [

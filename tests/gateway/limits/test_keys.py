@@ -11,10 +11,16 @@ import pytest
 from multidict import CIMultiDict
 from pydantic import ValidationError
 
-from backends.errors import AuthenticationError, InvalidRequest, NotFound, RateLimited
+from backends.errors import (
+    AuthenticationError,
+    BudgetExhausted,
+    InvalidRequest,
+    NotFound,
+    RateLimited,
+)
 from gateway.cli import main as cli_main
 from gateway.config.settings import Settings
-from gateway.limits.keys import Authenticator, hash_key, presented_key
+from gateway.limits.keys import Authenticator, Budget, hash_key, presented_key
 from gateway.limits.limiter import Limiter
 from gateway.limits.memory import MemoryLimitStore
 from gateway.limits.settings import LimitsSettings
@@ -180,6 +186,30 @@ async def test_limiter_reserves_estimate_and_refunds_on_finish() -> None:
     await limiter.finish(grant, Usage(10, 20, 30))
     again = await limiter.admit(alice, doc)  # 1000 - 30 left: 500 fits
     assert again.headers["x-ratelimit-remaining-tokens"] == "470"
+
+
+async def test_a_budget_is_charged_before_and_corrected_after_and_refuses_when_spent() -> None:
+    store = MemoryLimitStore()
+    limiter = Limiter(limits_settings(tiers={"default": {}, "gold": {}}), store)
+    limiter.auth.set_budget("bob", Budget(1000, "bob:1"))
+    bob = limiter.authenticate(headers(x_api_key=BOB))  # no rate limits: the budget alone
+    doc = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 486}
+    grant = await limiter.admit(bob, doc)  # 500 reserved
+    assert await store.budget_spent("bob:1") == 500
+    await limiter.finish(grant, Usage(10, 90, 100))  # corrected to what it used
+    assert await store.budget_spent("bob:1") == 100
+    grant = await limiter.admit(bob, doc)
+    await limiter.finish(grant, None)  # usage unknown: the reservation stays charged
+    assert await store.budget_spent("bob:1") == 600
+    with pytest.raises(BudgetExhausted) as spent:  # 600 + 500 > 1000
+        await limiter.admit(bob, doc)
+    assert spent.value.envelope()["error"]["type"] == "insufficient_quota"
+    assert spent.value.status == 429
+    assert limiter.rejections[("key:bob", "budget")] == 1
+    assert await store.budget_spent("bob:1") == 600  # the refused request took nothing
+    limiter.auth.set_budget("bob", None)
+    bob = limiter.authenticate(headers(x_api_key=BOB))
+    await limiter.finish(await limiter.admit(bob, doc), Usage(1, 1, 2))  # no budget: admitted
 
 
 def keys_cli(argv: list[str]) -> int:

@@ -234,6 +234,30 @@ async def test_redis_stopped_then_restarted_fail_closed(
     assert (await store.admit("k", limits, 0)).reason == "requests"
 
 
+async def test_a_budget_is_one_count_for_every_client_and_follows_the_failure_mode(
+    make_store: StoreFactory, own_redis: RedisServer
+) -> None:
+    stores = [
+        make_store(url=own_redis.url, timeout=0.5, retry_interval=0, failure_mode=mode)
+        for mode in ("closed", "open")
+    ]
+    closed, opened = stores
+    # 20 charges of 100 at once from two clients on a budget of 1,000: exactly 10 taken.
+    results = await asyncio.gather(
+        *(stores[i % 2].charge_budget("team:1", 100, 1000) for i in range(20))
+    )
+    assert sum(1 for r in results if r is None) == 10
+    assert await closed.budget_spent("team:1") == 1000
+    await opened.refund_budget("team:1", 300)  # three used nothing after all
+    assert await closed.charge_budget("team:1", 300, 1000) is None
+    assert await closed.charge_budget("team:1", 1, 1000) == 1000  # refused: what is spent
+    own_redis.stop()
+    with pytest.raises(LimitsUnavailable):
+        await closed.charge_budget("team:1", 1, 1000)
+    assert await opened.charge_budget("team:1", 1, 1000) is None  # unchecked: fail-open
+    assert await opened.budget_spent("team:1") is None
+
+
 async def test_open_connects_the_whole_pool_and_loads_the_scripts(
     make_store: StoreFactory, redis_url: str
 ) -> None:

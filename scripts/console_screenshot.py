@@ -14,8 +14,10 @@ import shutil
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
+import redis
 from playwright.sync_api import expect, sync_playwright
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,12 +36,16 @@ def main() -> int:
     if chromium is None:
         print("no chromium on PATH (make browser installs it)", file=sys.stderr)
         return 1
+    prefix = f"console-screenshot:{uuid.uuid4().hex}:"  # its fleet's log starts empty
     with (
         tempfile.TemporaryDirectory() as logs,
-        running_fleet(Path(logs), args.redis, "console-screenshot:") as fleet,
+        running_fleet(Path(logs), args.redis, prefix) as fleet,
         sync_playwright() as pw,
     ):
         traffic = Traffic(fleet.url).start(streams=6, over_limit=6)
+        # A key made at run time, with a budget: the keys table and the audit trail show them.
+        fleet.admin("POST", "/admin/keys", json={"name": "team-a", "tier": "interactive"})
+        fleet.admin("PUT", "/admin/keys/team-a/budget", json={"tokens": 1_000_000})
         browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1500, "height": 1000})
         page.goto(fleet.admin_url + "/")
@@ -59,6 +65,11 @@ def main() -> int:
         page.screenshot(path=str(args.out), full_page=True)
         traffic.stop()
         browser.close()
+    client = redis.Redis.from_url(args.redis)
+    stale = list(client.scan_iter(match=prefix + "*"))
+    if stale:
+        client.delete(*stale)
+    client.close()
     print(f"wrote {args.out}")
     return 0
 

@@ -3,7 +3,8 @@
 It polls the admin API (``/admin/backends`` and ``/admin/metrics``) once a second and shows,
 per backend: health, circuit, in-flight, queue, KV usage, score, requests per second and time
 to first token (p50, p99) over the last interval, and the TTFT and inter-token latency the
-gateway predicts for it as loaded now (its learned speed). The arithmetic is pure (``Frame``); only
+gateway predicts for it as loaded now (its learned speed); in a fleet, below them, every replica
+(``/admin/replicas``) with the last change it applied. The arithmetic is pure (``Frame``); only
 ``run`` does I/O.
 """
 
@@ -20,7 +21,7 @@ from typing import Any, Final
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
 
@@ -168,6 +169,33 @@ def render(rows: list[Row], policy: str) -> Table:
     return table
 
 
+def render_replicas(doc: Mapping[str, Any]) -> Table | None:
+    """The fleet's replicas (``GET /admin/replicas``); None when the gateway acts alone."""
+    if doc.get("fleet") is None:
+        return None
+    summary = doc["summary"]
+    lag = ", ".join(summary["lagging"]) or "none"
+    table = Table(
+        title=f"fleet {doc['fleet']}: {summary['replicas']} replicas, log at {summary['head']}, "
+        f"behind: {lag}",
+        expand=False,
+    )
+    for col in ("replica", "version", "address", "up", "in-flight", "applied"):
+        table.add_column(col, justify="left" if col in ("replica", "address") else "right")
+    for r in doc["replicas"]:
+        name = r["id"] + (" *" if r["id"] == doc.get("self") else "")
+        behind = r["id"] in summary["lagging"]
+        table.add_row(
+            name,
+            r["version"],
+            r["address"],
+            f"{r['uptime_s']:.0f} s",
+            str(sum(r["in_flight"].values())),
+            f"[yellow]{r['applied']}[/]" if behind else str(r["applied"]),
+        )
+    return table
+
+
 class TopClient:
     def __init__(self, session: aiohttp.ClientSession, admin_url: str, token: str) -> None:
         self._session = session
@@ -180,14 +208,17 @@ class TopClient:
         resp.raise_for_status()
         return resp
 
-    async def next_frame(self) -> Table:
+    async def next_frame(self) -> RenderableType:
         async with await self._get("/admin/backends") as r:
             backends = await r.json()
         async with await self._get("/admin/metrics") as r:
             sample = parse_metrics(await r.text(), time.monotonic())
+        async with await self._get("/admin/replicas") as r:
+            replicas = render_replicas(await r.json())
         rows = frame(backends, sample, self._prev)
         self._prev = sample
-        return render(rows, backends.get("policy", "?"))
+        table = render(rows, backends.get("policy", "?"))
+        return table if replicas is None else Group(table, replicas)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from gateway.cli import main
 from tests.helpers import FakeBackend, gateway_for, stream_chat
-from tools.top import MetricsSample, TopClient, bucket_quantile, frame
+from tools.top import MetricsSample, TopClient, bucket_quantile, frame, render_replicas
 
 TOKEN = "top-secret"
 
@@ -66,3 +66,25 @@ def test_top_without_a_token_says_how_to_give_one(
     monkeypatch.delenv("LLM_GATEWAY_ADMIN_TOKEN", raising=False)
     assert main(["top", "--admin", "http://127.0.0.1:9"]) == 2
     assert "--token" in capsys.readouterr().out
+
+
+def test_top_shows_the_fleets_replicas_and_who_lags() -> None:
+    report = {"version": "0.1.0", "address": "10.0.0.1:8080", "uptime_s": 62.0}
+    doc = {
+        "fleet": "prod",
+        "self": "r0",
+        "summary": {"replicas": 2, "head": "17-0", "lagging": ["r1"]},
+        "replicas": [
+            {**report, "id": "r0", "in_flight": {"a": 2, "b": 1}, "applied": "17-0"},
+            {**report, "id": "r1", "in_flight": {"a": 4}, "applied": "12-0"},
+        ],
+    }
+    table = render_replicas(doc)
+    assert table is not None
+    out = io.StringIO()
+    Console(file=out, width=160).print(table)
+    text = out.getvalue()
+    assert "fleet prod: 2 replicas, log at 17-0, behind: r1" in text
+    assert "r0 *" in text  # the replica top asks
+    assert "12-0" in text
+    assert render_replicas({"fleet": None, "replicas": []}) is None  # a gateway alone

@@ -822,7 +822,8 @@ function renderKeys() {
   for (const k of latest.keys.keys) {
     keys.add(k.name);
     const revoke = el("button", { type: "button", class: "revoke", dataset: { sig: k.name }, onclick: () => revokeKey(k.name) }, "Revoke");
-    upsertRow(tbody, k.name, [k.name, k.tier, k.source, k.hash, revoke]);
+    const budget = k.budget ? `${fmtNumber(k.budget.spent ?? null, 0)} of ${fmtNumber(k.budget.tokens, 0)}` : "–";
+    upsertRow(tbody, k.name, [k.name, k.tier, k.source, k.hash, budget, revoke]);
   }
   prune(tbody, keys);
 }

@@ -105,3 +105,23 @@ async def test_with_redis_gone_changes_are_refused_and_requests_served(
         assert status in (200, 202)  # in the log; applied here at once, or soon
         for r in fleet:
             await poll(lambda r=r: fleet.draining(r), lambda d: d["c"] is True, what="c drained")
+
+
+async def test_a_replica_started_while_redis_is_down_serves_and_catches_up_later(
+    tmp_path: Path, own_redis: RedisServer, redis_prefix: str
+) -> None:
+    async with running_fleet(
+        tmp_path, own_redis.url, redis_prefix, n=2, start_timeout=1.0
+    ) as fleet:
+        r0, r1 = fleet
+        await r1.stop()
+        own_redis.stop()
+        await r1.start()  # tries the log for start_timeout, then starts on its file's state
+        assert r1.events("fleet_log_unreachable_at_start")
+        assert sum((await fleet.send(r1, 4)).values()) == 4  # served, on the file's state
+        status, _, doc = await fleet.change(r1, "POST", "/admin/backends/a/drain")
+        assert (status, doc["error"]["code"]) == (503, "fleet_log_unavailable")
+        own_redis.start()
+        status, _, _ = await fleet.change(r0, "POST", "/admin/backends/a/drain")
+        assert status in (200, 202)
+        await poll(lambda: fleet.draining(r1), lambda d: d["a"] is True, what="r1 caught up")

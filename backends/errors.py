@@ -10,8 +10,6 @@ answers a client with is here:
     │   └── BodyTimeout               408 invalid_request_error (body not received in time)
     ├── AuthenticationError           401 authentication_error / invalid_api_key
     ├── NotFound                      404 not_found_error (an admin object: backend, alias, pool)
-    ├── AdminConflict                 409 invalid_request_error / admin_conflict (an admin change
-    │                                     a worker of ``serve --workers`` cannot apply in order)
     ├── ModelNotFound                 404 invalid_request_error / model_not_found
     ├── EndpointNotServed             404 invalid_request_error / endpoint_not_served (every
     │                                     backend of the model lacks the endpoint)
@@ -132,15 +130,6 @@ class NotFound(GatewayError):
 
     status = 404
     type = "not_found_error"
-
-
-class AdminConflict(GatewayError):
-    """An admin change that a worker of ``serve --workers`` takes only in order, from worker 0
-    (``gateway.admin.fanout``): sent to another worker directly, or ahead of one it missed."""
-
-    status = 409
-    type = "invalid_request_error"
-    default_code = "admin_conflict"
 
 
 class ModelNotFound(GatewayError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from importlib import metadata
 from typing import TYPE_CHECKING
@@ -23,15 +24,15 @@ from backends.shared_inflight import SharedInFlight
 from backends.supervise import Supervisor
 from backends.upstream.client import Transport, UpstreamClient
 from gateway.admin.actions import ActionApplier
-from gateway.admin.fanout import JOURNAL_PATH, journal_handler
-from gateway.admin.journal import AdminJournal
 from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
 from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
+from gateway.fleet.files import FileLog, FileRegistry
+from gateway.fleet.log import ChangeLog, LogKeys, RedisLog
 from gateway.fleet.member import Member, MemberSettings, replica_id
+from gateway.fleet.registry import RedisRegistry, Registry
 from gateway.keys import (
-    ADMIN_JOURNAL,
     ADMISSION,
     FLEET,
     GATEWAY,
@@ -278,43 +279,58 @@ def _describe_replica(app: web.Application) -> tuple[str, dict[str, int], dict[s
 
 
 async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
-    """This replica in its fleet: the admin changes of every replica applied here, in the
-    change log's order, before it takes traffic (``gateway.fleet``)."""
+    """This replica (or worker) in its fleet: the admin changes of every replica and worker
+    applied here, in the change log's order, before it takes traffic (``gateway.fleet``). The
+    log is on Redis, or, for the workers of a host without it, in files."""
     s = app[SETTINGS]
-    if not s.fleet_on_redis:
+    store = s.fleet_store
+    if store is None:
         yield
         return
-    f, r = s.fleet, s.limits.redis
+    f = s.fleet
     worker = app.get(WORKER)
-    redis = Redis.from_url(
-        r.url.get_secret_value(),
-        socket_timeout=5.0,  # longer than the follower's blocking read (1 s)
-        socket_connect_timeout=2.0,
-        max_connections=8,
-    )
-    member = Member(
-        redis,
-        ActionApplier(app),
-        MemberSettings(
-            fleet=f.name,
-            prefix=r.key_prefix,
-            replica=replica_id(f.replica, None if worker is None else worker.index),
-            version=_version(),
-            wait=f.wait,
-            report_interval=f.report_interval,
-            report_ttl=f.report_ttl,
-            start_timeout=f.start_timeout,
-            compact_every=f.compact_every,
-        ),
-        lambda: _describe_replica(app),
-    )
-    await member.start()
-    app[FLEET] = member
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        changes: ChangeLog
+        registry: Registry
+        if store == "redis":
+            r = s.limits.redis
+            redis = Redis.from_url(
+                r.url.get_secret_value(),
+                socket_timeout=5.0,  # longer than the follower's blocking read (1 s)
+                socket_connect_timeout=2.0,
+                max_connections=8,
+            )
+            stack.push_async_callback(redis.aclose)
+            changes = RedisLog(redis, LogKeys.of(r.key_prefix, f.name))
+            registry = RedisRegistry(redis, r.key_prefix, f.name, f.report_ttl)
+        else:
+            if f.dir is not None:
+                directory = f.dir
+            else:
+                assert worker is not None, "Settings.unshared_changes refuses files without a dir"
+                directory = worker.sockets / "fleet"
+            changes = FileLog(directory, f.name)
+            registry = FileRegistry(directory, f.name, f.report_ttl)
+        member = Member(
+            changes,
+            registry,
+            ActionApplier(app),
+            MemberSettings(
+                fleet=f.name,
+                replica=replica_id(f.replica, None if worker is None else worker.index),
+                version=_version(),
+                wait=f.wait,
+                report_interval=f.report_interval,
+                report_ttl=f.report_ttl,
+                start_timeout=f.start_timeout,
+                compact_every=f.compact_every,
+            ),
+            lambda: _describe_replica(app),
+        )
+        await member.start()
+        stack.push_async_callback(member.stop)
+        app[FLEET] = member
         yield
-    finally:
-        await member.stop()
-        await redis.aclose()
 
 
 def _version() -> str:
@@ -363,13 +379,11 @@ async def own_response_home(request: web.Request) -> web.Response:
 
 def worker_private_app(gateway: web.Application) -> web.Application:
     """What a worker answers the other workers of its host (``serve --workers``), on its
-    private socket: its own figures, the stored responses it knows the home of, and the admin
-    changes it applied (``gateway.admin.fanout``)."""
+    private socket: its own figures and the stored responses it knows the home of."""
     app = web.Application()
     app[GATEWAY] = gateway
     app.router.add_get("/metrics", own_metrics)
     app.router.add_get("/responses/home", own_response_home)
-    app.router.add_get(JOURNAL_PATH, journal_handler)
     if gateway[WORKER].index == 0:
         app.router.add_get(READ_PATH, read_handler(gateway[READ_CACHE]))
     return app
@@ -407,7 +421,6 @@ def create_app(
     app[SETTINGS] = settings
     if worker is not None:
         app[WORKER] = worker
-        app[ADMIN_JOURNAL] = AdminJournal()
         app[READ_CACHE] = ReadCache()
     app[CONFIG] = ConfigSource(load=loader or (lambda: settings), current=settings)
     app[LIFECYCLE] = Lifecycle()

@@ -81,6 +81,9 @@ def _serve(args: argparse.Namespace) -> int:
     if settings.worker_count > 1 and (why := settings.per_process_limits()) is not None:
         print(f"llm-gateway: bad configuration: {why}", file=sys.stderr)
         return 2
+    if (why := settings.unshared_changes()) is not None:
+        print(f"llm-gateway: bad configuration: {why}", file=sys.stderr)
+        return 2
     try:
         return serve(settings, loader=lambda: load_settings(args.config, **overrides))
     except ListenError as exc:

@@ -12,7 +12,6 @@ from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
 from backends.upstream.client import Transport
-from gateway.admin.journal import AdminJournal
 from gateway.config.settings import Settings
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
@@ -57,8 +56,6 @@ GATEWAY: Final = web.AppKey("gateway", web.Application)
 RELAY_FAST: Final = web.AppKey("relay_fast", bool)  # on the admin app: the main app
 KV_INDEX: Final = web.AppKey("kv_index", KvIndex)  # what each engine caches (its KV events)
 WORKER: Final = web.AppKey("worker", Worker)  # one of ``serve --workers``' processes
-# with ``serve --workers``: the admin changes applied, in worker 0's order
-ADMIN_JOURNAL: Final = web.AppKey("admin_journal", AdminJournal)
 READ_CACHE: Final = web.AppKey("read_cache", ReadCache)  # worker 0's latest backend readings
 LATENCY: Final = web.AppKey("latency", LatencyTracker)  # each backend's learned speed
 KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not followed

@@ -12,20 +12,18 @@ import contextlib
 import signal
 import socket
 import ssl
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 import structlog
 from aiohttp import web
 
 from backends.errors import InvalidRequest
 from gateway.admin.api import create_admin_app
-from gateway.admin.fanout import CATCH_UP, reload_everywhere
 from gateway.admin.fleet import reload_through_log
 from gateway.admin.reload import SettingsLoader, reload_settings
 from gateway.app import create_app, worker_private_app
 from gateway.config.settings import Settings, TlsSettings
-from gateway.keys import ADMIN_JOURNAL, FLEET, LIFECYCLE
+from gateway.keys import FLEET, LIFECYCLE
 from gateway.observe.logs import configure_logging
 from gateway.workers.supervisor import Supervisor, Worker
 
@@ -64,40 +62,30 @@ async def stop_gracefully(app: web.Application, runners: list[web.AppRunner]) ->
     log.info("gateway_stopped")
 
 
-def _on_sighup(
-    app: web.Application, settings: Settings, worker: Worker | None
-) -> Callable[[], None]:
-    """What SIGHUP does: in a fleet, a reload appended to the fleet's change log, so every
-    replica and worker re-reads its configuration in the log's order; else re-read it here, or
-    with ``serve --workers`` and the admin API on (the supervisor sends it to worker 0 alone)
-    ask worker 0 to reload as an admin change, sent on to every worker
-    (``gateway.admin.fanout.reload_everywhere``)."""
+def _on_sighup(app: web.Application, settings: Settings) -> Callable[[], None]:
+    """What SIGHUP does: in a fleet (Redis, or the workers of this host), a reload appended to
+    the change log, so every replica and worker re-reads its configuration in the log's order
+    (with ``serve --workers`` the supervisor sends SIGHUP to worker 0 alone); else re-read it
+    here."""
     tasks: set[asyncio.Task[None]] = set()
 
-    def later(coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(coro)
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
-
-    if settings.fleet_on_redis:
+    if settings.fleet_store is not None:
 
         def reload_fleet() -> None:
             member = app[FLEET]
             if member is not None:
-                later(reload_through_log(member))
+                task = asyncio.create_task(reload_through_log(member))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
 
         return reload_fleet
-    if worker is None or settings.admin.token is None:
 
-        def reload() -> None:
-            # A refused reload has been logged with its reason; the running configuration stays.
-            with contextlib.suppress(InvalidRequest):
-                reload_settings(app)
+    def reload() -> None:
+        # A refused reload has been logged with its reason; the running configuration stays.
+        with contextlib.suppress(InvalidRequest):
+            reload_settings(app)
 
-        return reload
-    # Worker 0's socket from any worker: a worker sent SIGHUP on its own (kill -HUP) reloads all.
-    first, token = worker.admin_socket(0), settings.admin.token.get_secret_value()
-    return lambda: later(reload_everywhere(first, token))
+    return reload
 
 
 def ssl_context(tls: TlsSettings) -> ssl.SSLContext | None:
@@ -158,13 +146,10 @@ async def run_until_signalled(
             )
             await admin.setup()
             runners.insert(0, admin)
-            if worker is not None:  # every worker: the changes worker 0 sends on, replays
+            if worker is not None:  # every worker's, for its own reads; changes go to the log
                 path = worker.admin_socket(worker.index)
                 await web.UnixSite(admin, str(path)).start()
                 admin_address = str(path)
-                if worker.restarted and CATCH_UP in admin.app:  # missed changes, before traffic
-                    replayed = await admin.app[CATCH_UP].run()
-                    log.info("admin_caught_up", replayed=replayed, last=app[ADMIN_JOURNAL].last)
             if worker is None or worker.index == 0:
                 admin_site = web.TCPSite(admin, settings.admin.host, settings.admin.port)
                 await listen(
@@ -195,7 +180,7 @@ async def run_until_signalled(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup(app, settings, worker))
+    loop.add_signal_handler(signal.SIGHUP, _on_sighup(app, settings))
     try:
         await stop.wait()
     finally:
@@ -225,10 +210,9 @@ def serve(settings: Settings, loader: SettingsLoader | None = None) -> int:
             return 2
         return 0
 
-    # With the admin API on or in a fleet, a reload is an admin change (numbered, replayed by a
-    # worker started again): SIGHUP goes to worker 0, which sends it on or logs it.
-    first = settings.admin.token is not None or settings.fleet_on_redis
-    return Supervisor(count, one, hup_to_first=first).run()
+    # In a fleet a reload is an admin change (in the log, replayed by a worker started again):
+    # SIGHUP goes to worker 0, which appends it once.
+    return Supervisor(count, one, hup_to_first=settings.fleet_store is not None).run()
 
 
 def free_port(host: str) -> int:

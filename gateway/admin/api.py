@@ -22,14 +22,12 @@ from backends.errors import GatewayError, error_envelope
 from gateway.admin import lora
 from gateway.admin.actions import ACTIONS
 from gateway.admin.console import PUBLIC_PATHS, add_console_routes
-from gateway.admin.fanout import CATCH_UP, CatchUp, fanout_middleware
 from gateway.admin.fleet import change_handler, list_changes, list_keys, list_replicas
 from gateway.admin.reload import describe_policy
 from gateway.admin.stats import stats_document
 from gateway.admin.views import backend_view, latency_view
 from gateway.app import server_header
 from gateway.keys import (
-    ADMIN_JOURNAL,
     GATEWAY,
     KV_FEEDS,
     KV_INDEX,
@@ -37,8 +35,6 @@ from gateway.keys import (
     METRICS,
     POOL,
     ROUTER,
-    SETTINGS,
-    WORKER,
 )
 from gateway.observe.latency_metrics import latency_views
 from gateway.request.rollout import ROLLOUT
@@ -176,25 +172,10 @@ async def admin_metrics(request: web.Request) -> web.Response:
 
 def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     """The admin API on ``gateway``. Its changes go through the fleet's change log when there
-    is one (``gateway.admin.fleet``); else, with ``serve --workers``, from worker 0 to every
-    worker, in order, and a worker lacking some catches up (``gateway.admin.fanout``)."""
-    middlewares = [_token_middleware(token, PUBLIC_PATHS)]
-    worker = None if gateway[SETTINGS].fleet_on_redis else gateway.get(WORKER)
-    if worker is not None:
-        journal = gateway[ADMIN_JOURNAL]
-        middlewares.append(fanout_middleware(journal, worker.peers, origin=worker.index == 0))
-    app = web.Application(middlewares=middlewares)
+    is one (Redis, or files for the workers of one host: ``gateway.admin.fleet``)."""
+    app = web.Application(middlewares=[_token_middleware(token, PUBLIC_PATHS)])
     app.on_response_prepare.append(server_header)
     app[GATEWAY] = gateway
-    if worker is not None:
-        catch_up = app[CATCH_UP] = CatchUp(
-            journal, worker.private_peers, worker.admin_socket(worker.index), token
-        )
-
-        async def stop_catching_up(_app: web.Application) -> None:
-            await catch_up.close()
-
-        app.on_cleanup.append(stop_catching_up)
     add_console_routes(app)
     app.router.add_get("/admin/stats", get_stats)
     app.router.add_get("/admin/backends", list_backends)

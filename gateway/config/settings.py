@@ -250,14 +250,21 @@ class AdminSettings(BaseModel):
 
 class FleetSettings(BaseModel):
     """Replicas that share a Redis act as one gateway: every admin change goes through one
-    ordered log there and is applied by each of them (docs/operations.md, "A fleet")."""
+    ordered log there and is applied by each of them; the workers of one host without Redis
+    keep the same log in files (docs/fleet.md)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    log: Literal["auto", "redis", "off"] = Field(
+    log: Literal["auto", "redis", "files", "off"] = Field(
         "auto",
         description="auto: on the limits' Redis (limits.redis) when limits.store or "
-        "responses.store is redis; redis: there, always; off: this replica alone",
+        "responses.store is redis, else in files when there are several workers or "
+        "fleet.dir is set; redis or files: there, always; off: this process alone",
+    )
+    dir: Path | None = Field(
+        None,
+        description="where the log kept in files lives (it survives restarts there); unset: "
+        "a private directory of serve --workers', gone when the gateway stops",
     )
     name: str = Field(
         "default",
@@ -457,11 +464,26 @@ class Settings(BaseSettings):
         )
 
     @property
-    def fleet_on_redis(self) -> bool:
-        """Whether admin changes go through the fleet's change log (``[fleet] log``)."""
-        if self.fleet.log != "auto":
-            return self.fleet.log == "redis"
-        return "redis" in (self.limits.store, self.responses.store)
+    def fleet_store(self) -> Literal["redis", "files"] | None:
+        """Where the fleet's change log is (``[fleet] log``); None: admin changes apply to
+        this process alone."""
+        log = self.fleet.log
+        if log == "auto":
+            if "redis" in (self.limits.store, self.responses.store):
+                return "redis"
+            return "files" if self.fleet.dir is not None or self.worker_count > 1 else None
+        return None if log == "off" else log
+
+    def unshared_changes(self) -> str | None:
+        """Why admin changes could not reach every process (None: they can)."""
+        if self.fleet.log == "files" and self.fleet.dir is None and self.worker_count == 1:
+            return 'fleet.log = "files" with one process needs fleet.dir (where they stay)'
+        if self.worker_count > 1 and self.admin.token is not None and self.fleet_store is None:
+            return (
+                'fleet.log = "off" with workers > 1 would apply an admin change in one '
+                'worker only: leave fleet.log = "auto"'
+            )
+        return None
 
     @property
     def follows_kv_events(self) -> bool:

@@ -19,6 +19,7 @@ from the log goes through the same code as one made on a single gateway.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -166,7 +167,8 @@ class Follower:
 
     async def reached(self, position: Position, within: float) -> Outcome | None:
         """Wait until this replica applied ``position`` (at most ``within`` s); what applying it
-        answered, or None if it was not applied in time (or so long ago it is forgotten)."""
+        answered (a plain 200 where it came in a snapshot, or so long ago it is forgotten), or
+        None if it was not applied in time."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + within
         while self.applied is None or self.applied < position:
@@ -177,4 +179,8 @@ class Follower:
                 await asyncio.wait_for(self._advanced.wait(), left)
             except TimeoutError:
                 return None
-        return self._outcomes.get(position)
+        outcome = self._outcomes.get(position)
+        if outcome is None:  # in the state, but not applied one by one here
+            note = {"position": str(position), "applied": "with the state of the log's snapshot"}
+            outcome = Outcome(200, json.dumps(note).encode())
+        return outcome

@@ -1,5 +1,8 @@
-"""The fleet's change log on the Redis its replicas share: one ordered, durable list of admin
-changes (``gateway.fleet.changes``), and the snapshot it is compacted into.
+"""The fleet's change log: one ordered, durable list of admin changes
+(``gateway.fleet.changes``) and the snapshot it is compacted into. ``ChangeLog`` is what a
+replica needs of one; ``RedisLog`` keeps it on the Redis the replicas share, and
+``gateway.fleet.files.FileLog`` in a directory, for the workers of one host without Redis
+(``serve --workers``): one mechanism, two places.
 
 Two Redis keys per fleet, under ``<prefix><fleet>:``:
 
@@ -20,7 +23,7 @@ not caught here: the caller decides (an admin change refused with a 503, a follo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 from redis.asyncio import Redis
 
@@ -51,8 +54,43 @@ class LogKeys:
         return cls(log=base + "log", snapshot=base + "snapshot")
 
 
-class ChangeLog:
-    """One fleet's change log. ``redis`` is owned by the caller (opened and closed there)."""
+class ChangeLog(Protocol):
+    """What a replica needs of its fleet's change log. Failures to reach it raise ``OSError``,
+    ``TimeoutError`` or Redis's errors; the caller decides (refuse a change, retry)."""
+
+    async def append(self, change: Change) -> Position:
+        """Add ``change`` at the end of the log; its position."""
+        ...
+
+    async def head(self) -> Position | None:
+        """The last change's position (or the snapshot's); None for an empty log."""
+        ...
+
+    async def extent(self) -> tuple[int, Position | None]:
+        """How many entries the log holds, and its snapshot's position."""
+        ...
+
+    async def after(self, applied: Position | None, *, count: int = 256) -> Batch:
+        """What follows ``applied``: the snapshot first when ``applied`` is behind it."""
+        ...
+
+    async def recent(self, count: int) -> list[tuple[Position, Change]]:
+        """The last ``count`` changes, newest first."""
+        ...
+
+    async def wait(self, applied: Position | None, block: float) -> bool:
+        """Until the log holds something after ``applied`` (at most ``block`` s); whether it
+        (probably) does: a spurious True costs the caller one more read."""
+        ...
+
+    async def compact(self, snapshot: Snapshot, replaces: Position | None) -> bool:
+        """Make ``snapshot`` the log's start unless the stored one is no longer ``replaces``."""
+        ...
+
+
+class RedisLog:
+    """One fleet's change log on Redis. ``redis`` is owned by the caller (opened and closed
+    there)."""
 
     def __init__(self, redis: Redis, keys: LogKeys) -> None:
         self.redis = redis

@@ -1,5 +1,5 @@
-"""This replica as a member of its fleet: it follows the change log, reports itself to the
-registry, submits the admin changes its admin API accepts, and compacts the log.
+"""This replica (or worker) as a member of its fleet: it follows the change log, reports
+itself to the registry, submits the admin changes its admin API accepts, and compacts the log.
 
 ``Member.submit`` appends a change and waits (at most ``wait`` s) until this replica applied
 it, then until every replica in the registry reported it applied (``Spread``): the admin API's
@@ -24,13 +24,12 @@ from dataclasses import dataclass
 from typing import Final
 
 import structlog
-from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from backends.errors import FleetLogUnavailable
 from gateway.fleet.changes import Change, Position
 from gateway.fleet.follower import Applier, Follower, Outcome
-from gateway.fleet.log import ChangeLog, LogKeys
+from gateway.fleet.log import ChangeLog
 from gateway.fleet.registry import Registry, Report
 
 log = structlog.get_logger("gateway.fleet")
@@ -60,7 +59,6 @@ class Submitted:
 @dataclass(frozen=True, slots=True)
 class MemberSettings:
     fleet: str
-    prefix: str  # the Redis keys' prefix (the limits')
     replica: str
     version: str
     wait: float
@@ -71,27 +69,29 @@ class MemberSettings:
 
 
 def replica_id(configured: str | None, worker: int | None) -> str:
-    """This replica's id: the configured one, else host name and process id; a worker of
-    ``serve --workers`` adds its index."""
-    base = configured or f"{socket.gethostname()}-{os.getpid()}"
-    return base if worker is None else f"{base}/w{worker}"
+    """This replica's id: the configured one, else host name and process id (a worker's: its
+    supervisor's, so a worker started again takes its place); a worker adds its index."""
+    if worker is None:
+        return configured or f"{socket.gethostname()}-{os.getpid()}"
+    return f"{configured or f'{socket.gethostname()}-{os.getppid()}'}/w{worker}"
 
 
 class Member:
     def __init__(
         self,
-        redis: Redis,
+        changes: ChangeLog,
+        registry: Registry,
         applier: Applier,
         settings: MemberSettings,
         describe: Callable[[], tuple[str, dict[str, int], dict[str, str]]],
     ) -> None:
-        """``describe``: this replica's address, in-flight and health per backend, now."""
-        self.redis = redis
+        """``changes`` and ``registry``: the fleet's, on Redis or in files (owned by the
+        caller); ``describe``: this replica's address, in-flight and health per backend, now."""
         self.settings = settings
         self.id = settings.replica
-        self.changes = ChangeLog(redis, LogKeys.of(settings.prefix, settings.fleet))
+        self.changes = changes
         self.follower = Follower(self.changes, applier)
-        self.registry = Registry(redis, settings.prefix, settings.fleet, settings.report_ttl)
+        self.registry = registry
         self._describe = describe
         self._started_at = time.time()
         self._tasks: list[asyncio.Task[None]] = []
@@ -141,7 +141,7 @@ class Member:
             position = await self.changes.append(change)
         except _FAILURES as exc:
             raise FleetLogUnavailable(
-                "Admin changes are refused while the fleet's change log (Redis) cannot be "
+                "Admin changes are refused while the fleet's change log cannot be "
                 f"reached ({str(exc) or type(exc).__name__}): nothing was changed on any "
                 "replica. Requests are still served on the last state applied.",
                 retry_after=1,
@@ -203,12 +203,17 @@ class Member:
                 await asyncio.wait_for(moved.wait(), self.settings.report_interval)
 
     async def _compact(self) -> None:
-        """Past ``compact_every`` entries, make this replica's state the log's snapshot."""
+        """Past ``compact_every`` entries, make this replica's state the log's snapshot, once
+        every replica in the registry has applied as far: one behind would have to start over
+        from the snapshot, and the change it was applying would not be answered."""
         length, current = await self.changes.extent()
         if length <= self.settings.compact_every:
             return
         snapshot = await self.follower.snapshot()
         if snapshot is None or (current is not None and snapshot.position <= current):
+            return
+        others = [r.position for r in await self.registry.replicas() if r.id != self.id]
+        if any(p is None or p < snapshot.position for p in others):
             return
         if await self.changes.compact(snapshot, current):
             log.info("fleet_log_compacted", position=str(snapshot.position), entries=length)

@@ -1,9 +1,11 @@
 """The registry of replicas: each replica (and each worker of ``serve --workers``) reports
-itself to the fleet's Redis every few seconds; one that stops reporting drops out.
+itself every few seconds; one that stops reporting drops out. ``Registry`` is what a replica
+needs of it; ``RedisRegistry`` keeps it on the fleet's Redis, ``gateway.fleet.files`` in a
+directory for the workers of one host without Redis.
 
-A report is one Redis string per replica, ``<prefix><fleet>:replica:<id>``, written with a TTL
-(``SET ... PX``), so Redis itself forgets a replica that died: no clock of ours decides. The
-ids are also kept in a set, ``<prefix><fleet>:replicas``, for listing; an id whose report has
+On Redis, a report is one string per replica, ``<prefix><fleet>:replica:<id>``, written with
+a TTL (``SET ... PX``), so Redis itself forgets a replica that died: no clock of ours decides.
+The ids are also kept in a set, ``<prefix><fleet>:replicas``, for listing; an id whose report has
 expired is taken out of the set by the next listing.
 
 What the reports say together (``lagging``, ``disagreements``) is pure and below the I/O.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import Redis
 
@@ -93,14 +95,32 @@ def in_flight(reports: Sequence[Report]) -> dict[str, int]:
     return dict(sorted(total.items()))
 
 
-class Registry:
-    """One fleet's registry. ``redis`` is owned by the caller."""
+class Registry(Protocol):
+    async def report(self, report: Report) -> None:
+        """Say that ``report.id`` is alive, as ``report`` says, for the registry's TTL."""
+        ...
+
+    async def leave(self, replica: str) -> None:
+        """A replica that stops cleanly drops out at once, not after its TTL."""
+        ...
+
+    async def replicas(self) -> list[Report]:
+        """Every replica whose last report has not expired, by id."""
+        ...
+
+
+def check_ttl(ttl: float) -> float:
+    if ttl <= 0:
+        raise ValueError("the registry's TTL must be positive")
+    return ttl
+
+
+class RedisRegistry:
+    """One fleet's registry on Redis. ``redis`` is owned by the caller."""
 
     def __init__(self, redis: Redis, prefix: str, fleet: str, ttl: float) -> None:
-        if ttl <= 0:
-            raise ValueError("the registry's TTL must be positive")
         self.redis = redis
-        self.ttl = ttl
+        self.ttl = check_ttl(ttl)
         self._base = f"{prefix}{fleet}:"
         self._ids = self._base + "replicas"
 

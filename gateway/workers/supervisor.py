@@ -8,22 +8,21 @@ them). What they share:
 - **in-flight counts**, the policies' main input: a table in shared memory
   (``backends.shared_inflight``), each worker writing its own row, every snapshot adding the
   others'. A burst spread over the workers is seen whole by each.
-- **the admin API**: worker 0 serves it on the admin port; an action that changes something
-  (policy and weights, drain, aliases, reload) is applied there, numbered, then sent to every
-  other worker on its private admin socket (a Unix socket in a directory only this user can
-  enter), so every worker routes alike. ``X-Gateway-Workers: applied/total`` says how many took
-  it. Each worker keeps the numbered changes (``gateway.admin.journal``): one that missed some,
-  or was started again, fetches them from the others and replays them in order
-  (``gateway.admin.fanout``).
+- **the admin changes**: worker 0 serves the admin API on the admin port, every worker on its
+  private admin socket (a Unix socket in a directory only this user can enter). A change (policy
+  and weights, drain, aliases, keys, reload) goes through the fleet's change log
+  (``gateway.fleet``): on Redis when the workers share one, else in files in that directory
+  (``gateway.fleet.files``). Every worker applies every change, in the log's order, once; one
+  started again applies what it missed before it takes traffic.
 - **one ``/metrics``**: the worker a scrape reaches combines every worker's figures
   (``gateway.observe.host_metrics``), asked on their private sockets, which also say which backend
   holds a stored response a worker made (``gateway.request.responses.PeerHomes``).
 - **signals**: SIGTERM and SIGINT drain every worker (each with its ``shutdown_grace``); SIGHUP
-  makes each re-read the configuration (with the admin API on, as an admin change: worker 0
-  reloads and sends the reload on, so it takes its place among the changes replayed).
+  goes to worker 0, which appends a reload to the change log, so it takes its place among the
+  changes every worker applies.
 
 A worker that dies is started again (its row of in-flight counts cleared first: its requests died
-with it), at most once a second, and replays the admin changes before it takes traffic. Each backend
+with it), at most once a second, and applies the change log before it takes traffic. Each backend
 is read (health, models, load figures) once per host: by worker 0, whose latest readings the others
 take (``gateway.workers.shared_reads``). What each worker learns on its own (prefix memory, latency
 fits) it learns from the same backends. Limits with the memory store would count per process and are
@@ -56,8 +55,6 @@ log = structlog.get_logger("gateway.workers.supervisor")
 WorkerMain = Callable[["Worker"], int]  # what a worker runs (``gateway.server``'s): its exit code
 
 RESTART_EVERY_S: Final = 1.0  # a worker that keeps dying is started again at most this often
-FANOUT_HEADER: Final = "X-Gateway-Fanout"  # on an admin action sent on to the other workers
-APPLIED_HEADER: Final = "X-Gateway-Workers"
 _HANDLED: Final = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -70,18 +67,12 @@ class Worker:
     count: int
     table: SharedInFlight
     sockets: Path
-    restarted: bool = False  # started again after it died: it catches up on admin changes
 
     def admin_socket(self, index: int) -> Path:
         return self.sockets / f"admin-{index}.sock"
 
     def private_socket(self, index: int) -> Path:
         return self.sockets / f"private-{index}.sock"
-
-    @property
-    def peers(self) -> list[Path]:
-        """The other workers' admin sockets (worker 0 sends admin changes on to them)."""
-        return [self.admin_socket(i) for i in range(self.count) if i != self.index]
 
     @property
     def private_peers(self) -> list[Path]:
@@ -122,7 +113,7 @@ class Supervisor:
     """Forks the workers, passes signals on, and starts again one that died."""
 
     def __init__(self, count: int, run: WorkerMain, hup_to_first: bool = False) -> None:
-        """``hup_to_first``: SIGHUP goes to worker 0 alone (it sends the reload on)."""
+        """``hup_to_first``: SIGHUP goes to worker 0 alone (it logs the reload for all)."""
         self.count = count
         self._run = run
         self._hup_to_first = hup_to_first
@@ -148,7 +139,7 @@ class Supervisor:
             self._shm.unlink()
             shutil.rmtree(self._sockets, ignore_errors=True)
 
-    def _spawn(self, index: int, restarted: bool = False) -> None:
+    def _spawn(self, index: int) -> None:
         wait = self._started.get(index, 0.0) + RESTART_EVERY_S - time.monotonic()
         if wait > 0:
             time.sleep(wait)
@@ -164,7 +155,7 @@ class Supervisor:
                     signal.signal(sig, signal.SIG_DFL)
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, _HANDLED)
                 table = SharedInFlight(self._shm.buf, self.count, index)
-                code = self._run(Worker(index, self.count, table, self._sockets, restarted))
+                code = self._run(Worker(index, self.count, table, self._sockets))
             except BaseException:
                 log.exception("worker_crashed", worker=index)
             finally:
@@ -195,7 +186,7 @@ class Supervisor:
                 continue
             log.warning("worker_died", worker=index, pid=pid, exit_code=exit_code)
             self._table.clear_row(index)
-            self._spawn(index, restarted=True)
+            self._spawn(index)
             if self._stopping:  # the stop came while it was being started
                 self._send(signal.SIGTERM)
             log.info("worker_restarted", worker=index, pid=self._pid_of(index))

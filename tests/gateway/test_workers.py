@@ -205,12 +205,12 @@ async def test_an_admin_change_reaches_every_worker_and_a_refused_one_none() -> 
         change = {"policy": "least_load", "weights": {"active": 5, "queue": 1, "kv": 0}}
         async with s.put(w.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
             assert r.status == 200, await r.text()
-            assert r.headers["X-Gateway-Workers"] == "2/2"
+            assert r.headers["X-Gateway-Replicas"] == "2/2"
         async with s.put(
             w.admin_url + "/admin/policy", json={"policy": "psychic"}, headers=AUTH
         ) as r:
             assert r.status == 400
-            assert "X-Gateway-Workers" not in r.headers
+            assert "X-Gateway-Replicas" not in r.headers  # refused before the log
         connector = aiohttp.UnixConnector(path=w.sockets[1])
         async with (
             aiohttp.ClientSession(connector=connector) as other,
@@ -221,7 +221,7 @@ async def test_an_admin_change_reaches_every_worker_and_a_refused_one_none() -> 
         assert doc["weights"]["active"] == 5
         assert len(w.events("policy_changed")) == 2  # once in each worker, the bad one nowhere
         async with s.post(w.admin_url + f"/admin/backends/{sim.url[7:]}/drain", headers=AUTH) as r:
-            assert r.headers["X-Gateway-Workers"] == "2/2"
+            assert r.headers["X-Gateway-Replicas"] == "2/2"
         async with (
             aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=w.sockets[1])) as other,
             other.get("http://worker/admin/backends", headers=AUTH) as r,
@@ -325,7 +325,7 @@ async def policy_of(socket: str) -> dict[str, Any]:
         return doc
 
 
-async def test_a_worker_started_again_replays_the_admin_changes_before_traffic(
+async def test_a_worker_started_again_applies_the_change_log_before_traffic(
     tmp_path: Path,
 ) -> None:
     config = tmp_path / "gateway.toml"
@@ -337,11 +337,11 @@ async def test_a_worker_started_again_replays_the_admin_changes_before_traffic(
     ):
         change = {"policy": "least_load", "weights": {"active": 5, "queue": 1, "kv": 0}}
         async with s.put(w.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
-            assert r.headers["X-Gateway-Workers"] == "2/2"
+            assert r.headers["X-Gateway-Replicas"] == "2/2"
         async with s.post(w.admin_url + f"/admin/backends/{sim.url[7:]}/drain", headers=AUTH) as r:
-            assert r.headers["X-Gateway-Workers"] == "2/2"
-        # The file changed, then SIGHUP: a reload, itself a numbered change. A worker started
-        # again starts from the configuration the workers started with, so it must replay the
+            assert r.headers["X-Gateway-Replicas"] == "2/2"
+        # The file changed, then SIGHUP: a reload, itself a change in the log. A worker started
+        # again starts from the configuration the workers started with, so it must apply the
         # reload in its place after the change to 5 to end at 3 as the others.
         config.write_text("[weights]\nactive = 3\n")
         w.proc.send_signal(signal.SIGHUP)
@@ -350,9 +350,9 @@ async def test_a_worker_started_again_replays_the_admin_changes_before_traffic(
         configured = (await policy_of(w.sockets[1]))["weights"]["active"]
         assert configured == 3
         os.kill(w.pids()[1], signal.SIGKILL)
-        await wait_for(lambda: w.events("admin_caught_up"), what="worker 1 caught up")
-        [caught] = w.events("admin_caught_up")
-        assert (caught["worker"], caught["replayed"], caught["last"]) == (1, 3, 3)
+        await wait_for(lambda: len(w.events("fleet_joined")) == 3, what="worker 1 joined again")
+        caught = w.events("fleet_joined")[-1]
+        assert (caught["worker"], caught["applied"]) == (1, 3)
         await wait_for(lambda: len(listening(w, 1)) == 2, what="worker 1 listens again")
         assert w.logs.index(caught) < w.logs.index(listening(w, 1)[1])  # before it takes traffic
         assert (await policy_of(w.sockets[1]))["weights"]["active"] == configured
@@ -361,17 +361,17 @@ async def test_a_worker_started_again_replays_the_admin_changes_before_traffic(
             other.get("http://worker/admin/backends", headers=AUTH) as r,
         ):
             assert (await r.json())["backends"][0]["draining"] is True
-        # Worker 0 too: it replays worker 1's, and its next change is numbered after them.
+        # Worker 0 too: the log outlives any worker, and its next change comes after them.
         os.kill(w.pids()[0], signal.SIGKILL)
-        await wait_for(lambda: len(w.events("admin_caught_up")) == 2, what="worker 0 caught up")
-        assert w.events("admin_caught_up")[1]["replayed"] == 3
+        await wait_for(lambda: len(w.events("fleet_joined")) == 4, what="worker 0 joined again")
+        assert w.events("fleet_joined")[-1]["applied"] == 3
         await wait_for(lambda: len(listening(w, 0)) == 2, what="worker 0 listens again")
         admin = listening(w, 0)[-1]["admin"]
         async with s.get(admin + "/admin/backends", headers=AUTH) as r:
             assert (await r.json())["backends"][0]["draining"] is True
         change["weights"] = {"active": 9, "queue": 1, "kv": 0}
         async with s.put(admin + "/admin/policy", json=change, headers=AUTH) as r:
-            assert r.headers["X-Gateway-Workers"] == "2/2"
+            assert r.headers["X-Gateway-Replicas"] == "2/2"
         assert (await policy_of(w.sockets[1]))["weights"]["active"] == 9
 
 
@@ -380,6 +380,8 @@ async def test_a_worker_started_again_replays_the_admin_changes_before_traffic(
     [
         ({"GATEWAY_LIMITS__TIERS": '{"default": {"requests_per_minute": 5}}'}, "limits.store"),
         ({"GATEWAY_WORKERS": "0"}, "workers must be at least 1"),
+        ({"GATEWAY_FLEET__LOG": "off", "GATEWAY_ADMIN__TOKEN": TOKEN}, "in one worker only"),
+        ({"GATEWAY_FLEET__LOG": "files", "GATEWAY_WORKERS": "1"}, "needs fleet.dir"),
     ],
 )
 async def test_what_cannot_be_shared_is_refused_at_start(env: dict[str, str], message: str) -> None:

@@ -1,4 +1,5 @@
-"""Gateway replicas as real processes sharing one Redis: the fleet as an operator runs it.
+"""Gateway replicas as real processes sharing one Redis: the fleet as an operator runs it (or
+one host's gateway without Redis, its change log in files: ``redis_url`` None).
 
 Three fake backends (``a`` and ``b`` in pool ``stable``, ``c`` in pool ``canary``, the alias
 ``chat`` on stable) behind ``n`` replicas of ``llm-gateway serve``, each on its own ports, with
@@ -40,8 +41,22 @@ def chat(model: str = "m") -> dict[str, Any]:
 
 
 def config(
-    backends: dict[str, str], redis_url: str, prefix: str, *, auth: bool = False, **fleet: object
+    backends: dict[str, str],
+    redis_url: str | None,
+    prefix: str,
+    *,
+    auth: bool = False,
+    files: Path | None = None,
+    **fleet: object,
 ) -> str:
+    """With ``redis_url`` None, no Redis: the fleet's log in files under ``files``."""
+    store = (
+        f'store = "redis", redis = {{ url = "{redis_url}", key_prefix = "{prefix}", '
+        + "timeout = 1.0 }"
+        if redis_url is not None
+        else 'store = "memory"'
+    )
+    where = ['log = "redis"'] if redis_url is not None else ['log = "files"', f'dir = "{files}"']
     lines = [
         'policy = "least_load"',
         "shutdown_grace = 5",
@@ -54,12 +69,12 @@ def config(
             if auth
             else ""
         )
-        + f'store = "redis", redis = {{ url = "{redis_url}", key_prefix = "{prefix}", '
-        + "timeout = 1.0 } }",
+        + store
+        + " }",
         "fleet = { "
         + ", ".join(
             [
-                'log = "redis"',
+                *where,
                 "report_interval = 0.5",
                 "report_ttl = 3.0",
                 *(f"{k} = {json.dumps(v)}" for k, v in fleet.items()),
@@ -244,7 +259,7 @@ class Fleet:
 @asynccontextmanager
 async def running_fleet(
     tmp_path: Path,
-    redis_url: str,
+    redis_url: str | None,
     prefix: str,
     *,
     n: int = 3,
@@ -252,14 +267,22 @@ async def running_fleet(
     auth: bool = False,
     **fleet: object,
 ) -> AsyncIterator[Fleet]:
-    """``n`` replicas; ``workers``: each one's ``serve --workers`` (1 where not given)."""
+    """``n`` replicas; ``workers``: each one's ``serve --workers`` (1 where not given);
+    ``redis_url`` None: no Redis, the log in files under ``tmp_path`` (one host)."""
     async with AsyncExitStack() as stack:
         fakes = {name: FakeBackend() for name in "abc"}
         for fake in fakes.values():
             await stack.enter_async_context(running_fake(fake))
         path = tmp_path / "gateway.toml"
         path.write_text(
-            config({k: f.url for k, f in fakes.items()}, redis_url, prefix, auth=auth, **fleet)
+            config(
+                {k: f.url for k, f in fakes.items()},
+                redis_url,
+                prefix,
+                auth=auth,
+                files=tmp_path / "fleet",
+                **fleet,
+            )
         )
         counts = [*workers, *[1] * n][:n]
         replicas = [Replica(f"r{i}", path, workers=counts[i]) for i in range(n)]

@@ -16,7 +16,7 @@ from redis.asyncio import Redis
 
 from gateway.fleet.changes import Change, Position, Snapshot
 from gateway.fleet.follower import Follower, Outcome
-from gateway.fleet.log import ChangeLog, LogKeys
+from gateway.fleet.log import LogKeys, RedisLog
 from tests.redis_server import RedisServer
 from tests.waiting import wait_for
 
@@ -69,13 +69,13 @@ async def test_replicas_apply_the_same_changes_in_the_same_order(
     others = [Redis.from_url(redis_url, socket_timeout=5.0) for _ in range(2)]
     replicas = [Replica() for _ in range(3)]
     followers = [
-        Follower(ChangeLog(c, keys), r, block=0.2)
+        Follower(RedisLog(c, keys), r, block=0.2)
         for c, r in zip([redis, *others], replicas, strict=True)
     ]
     try:
         async with following(followers[0]), following(followers[1]), following(followers[2]):
             # Two replicas accept conflicting changes at once: the log decides the order.
-            a, b = ChangeLog(others[0], keys), ChangeLog(others[1], keys)
+            a, b = RedisLog(others[0], keys), RedisLog(others[1], keys)
             made = await asyncio.gather(
                 *(
                     log.append(change(verb, "b1", replica=name))
@@ -98,8 +98,8 @@ async def test_a_refused_change_is_refused_everywhere_and_its_answer_is_the_hand
 ) -> None:
     keys = LogKeys.of(redis_prefix, "f")
     one, two = Replica(), Replica()
-    f1, f2 = Follower(ChangeLog(redis, keys), one), Follower(ChangeLog(redis, keys), two)
-    log = ChangeLog(redis, keys)
+    f1, f2 = Follower(RedisLog(redis, keys), one), Follower(RedisLog(redis, keys), two)
+    log = RedisLog(redis, keys)
     await log.append(change("drain", "b0"))
     bad = await log.append(change("drain", "b9"))
     await f1.catch_up()
@@ -113,7 +113,7 @@ async def test_a_replica_that_starts_late_catches_up_from_the_snapshot(
     redis: Redis, redis_prefix: str
 ) -> None:
     keys = LogKeys.of(redis_prefix, "f")
-    log = ChangeLog(redis, keys)
+    log = RedisLog(redis, keys)
     early = Replica()
     follower = Follower(log, early)
     for verb, b in (("drain", "b0"), ("drain", "b1"), ("undrain", "b0"), ("drain", "b2")):
@@ -132,6 +132,14 @@ async def test_a_replica_that_starts_late_catches_up_from_the_snapshot(
     await follower.catch_up()
     assert early.drained == late.drained
     assert late.seen == [after]
+    # A change the late one learnt through the snapshot is answered as applied, not "pending".
+    covered = await Follower(log, Replica()).reached(taken.position, within=0.0)
+    assert covered is None  # that follower never caught up: not applied there
+    third = Follower(log, Replica())
+    await third.catch_up()
+    answer = await third.reached(taken.position, within=0.0)
+    assert answer is not None
+    assert answer.applied
 
 
 async def test_a_replica_cut_off_from_redis_keeps_its_state_and_catches_up_on_its_return(
@@ -140,8 +148,8 @@ async def test_a_replica_cut_off_from_redis_keeps_its_state_and_catches_up_on_it
     keys = LogKeys.of("t:", "f")
     client = Redis.from_url(own_redis.url, socket_timeout=2.0, socket_connect_timeout=0.5)
     replica = Replica()
-    follower = Follower(ChangeLog(client, keys), replica, block=0.2, retry=0.05)
-    writer = ChangeLog(client, keys)
+    follower = Follower(RedisLog(client, keys), replica, block=0.2, retry=0.05)
+    writer = RedisLog(client, keys)
     try:
         async with following(follower):
             first = await writer.append(change("drain", "b0"))

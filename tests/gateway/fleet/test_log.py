@@ -1,16 +1,45 @@
-"""The fleet's change log on a real Redis: order, durability across clients, readers that were
-away, compaction that never opens a gap, two compactors at once."""
+"""The fleet's change log, the same contract on a real Redis and in files (the workers of one
+host without Redis): order, durability across clients, readers that were away, compaction that
+never opens a gap, two compactors at once, a reader woken by an append."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
 
 from backends.errors import InvalidRequest
 from gateway.fleet.changes import Batch, Change, Position, Snapshot, behind
-from gateway.fleet.log import ChangeLog, LogKeys
+from gateway.fleet.files import FileLog
+from gateway.fleet.log import ChangeLog, LogKeys, RedisLog
+
+Open = Callable[[str], ChangeLog]  # a fleet's log, as one more client (replica, worker) sees it
+
+
+@pytest.fixture(params=["redis", "files"])
+async def open_log(
+    request: pytest.FixtureRequest, redis_prefix: str, redis_url: str, tmp_path: Path
+) -> AsyncIterator[Open]:
+    """Each call: another client of the same store (its own connection, or its own FileLog)."""
+    clients: list[Redis] = []
+
+    def redis_log(fleet: str) -> ChangeLog:
+        client = Redis.from_url(redis_url, socket_timeout=5.0)
+        clients.append(client)
+        return RedisLog(client, LogKeys.of(redis_prefix, fleet))
+
+    def file_log(fleet: str) -> ChangeLog:
+        return FileLog(tmp_path / "fleet", fleet, poll=0.005)
+
+    try:
+        yield redis_log if request.param == "redis" else file_log
+    finally:
+        for c in clients:
+            await c.aclose()
 
 
 def drain(i: int, *, replica: str = "r0") -> Change:
@@ -62,18 +91,13 @@ def test_a_replica_starts_from_the_snapshot_only_when_behind_it() -> None:
     assert not behind(None, None)
 
 
-async def test_changes_come_back_in_the_order_appended_to_any_reader(
-    redis: Redis, redis_prefix: str, redis_url: str
-) -> None:
-    log = ChangeLog(redis, LogKeys.of(redis_prefix, "f"))
+async def test_changes_come_back_in_the_order_appended_to_any_reader(open_log: Open) -> None:
+    log = open_log("f")
     positions = [await log.append(drain(i)) for i in range(5)]
     assert positions == sorted(positions)
+    assert len(set(positions)) == 5
     assert await log.head() == positions[-1]
-    other = Redis.from_url(redis_url)  # another replica's client
-    try:
-        got = await everything(ChangeLog(other, LogKeys.of(redis_prefix, "f")))
-    finally:
-        await other.aclose()
+    got = await everything(open_log("f"))  # another replica's client
     assert got.snapshot is None
     assert [p for p, _ in got.entries] == positions
     assert [c.path for _, c in got.entries] == [f"/admin/backends/b{i}/drain" for i in range(5)]
@@ -81,21 +105,20 @@ async def test_changes_come_back_in_the_order_appended_to_any_reader(
     assert [p for p, _ in later.entries] == positions[3:]
 
 
-async def test_two_fleets_share_one_redis_apart(redis: Redis, redis_prefix: str) -> None:
-    a = ChangeLog(redis, LogKeys.of(redis_prefix, "a"))
-    b = ChangeLog(redis, LogKeys.of(redis_prefix, "b"))
+async def test_two_fleets_share_one_store_apart(open_log: Open) -> None:
+    a, b = open_log("a"), open_log("b")
     await a.append(drain(1))
     assert (await b.after(None)).entries == []
     assert await b.head() is None
 
 
 async def test_a_reader_that_was_away_while_the_log_was_compacted_starts_from_the_snapshot(
-    redis: Redis, redis_prefix: str
+    open_log: Open,
 ) -> None:
-    log = ChangeLog(redis, LogKeys.of(redis_prefix, "f"))
+    log = open_log("f")
     p = [await log.append(drain(i)) for i in range(6)]
     assert await log.compact(Snapshot(p[3], {"drained": ["b0", "b1", "b2", "b3"]}), None)
-    assert await redis.xlen(log.keys.log) == 2  # what follows the snapshot, nothing more
+    assert await log.extent() == (2, p[3])  # what follows the snapshot, nothing more
     for applied in (None, p[0], p[2]):  # behind the snapshot: it comes first
         got = await everything(log, applied)
         assert got.snapshot == Snapshot(p[3], {"drained": ["b0", "b1", "b2", "b3"]})
@@ -106,15 +129,14 @@ async def test_a_reader_that_was_away_while_the_log_was_compacted_starts_from_th
     assert await log.head() == p[5]
 
 
-async def test_of_two_compactions_from_the_same_snapshot_one_wins(
-    redis: Redis, redis_prefix: str
-) -> None:
-    log = ChangeLog(redis, LogKeys.of(redis_prefix, "f"))
+async def test_of_two_compactions_from_the_same_snapshot_one_wins(open_log: Open) -> None:
+    log = open_log("f")
     p = [await log.append(drain(i)) for i in range(4)]
     assert await log.compact(Snapshot(p[1], {"n": 2}), None)
     # Both read the snapshot at p[1]; the second would trim what only the first's covers.
     first, second = await asyncio.gather(
-        log.compact(Snapshot(p[3], {"n": 4}), p[1]), log.compact(Snapshot(p[2], {"n": 3}), p[1])
+        log.compact(Snapshot(p[3], {"n": 4}), p[1]),
+        open_log("f").compact(Snapshot(p[2], {"n": 3}), p[1]),
     )
     assert sorted([first, second]) == [False, True]
     got = await everything(log)
@@ -125,20 +147,37 @@ async def test_of_two_compactions_from_the_same_snapshot_one_wins(
 
 
 async def test_a_compacted_log_keeps_its_head_and_a_waiting_reader_wakes_on_append(
-    redis: Redis, redis_prefix: str, redis_url: str
+    open_log: Open,
 ) -> None:
-    log = ChangeLog(redis, LogKeys.of(redis_prefix, "f"))
+    log = open_log("f")
     p = await log.append(drain(0))
     assert await log.compact(Snapshot(p, {"n": 1}), None)
     assert await log.head() == p  # the log is empty, its position is not lost
     assert await log.wait(p, block=0.001) is False
-    other = Redis.from_url(redis_url)
-    try:
-        waiting = asyncio.create_task(
-            ChangeLog(other, LogKeys.of(redis_prefix, "f")).wait(p, block=30.0)
-        )
-        q = await log.append(drain(1))
-        assert await waiting is True
-    finally:
-        await other.aclose()
+    waiting = asyncio.create_task(open_log("f").wait(p, block=30.0))
+    q = await log.append(drain(1))
+    assert await waiting is True
+    assert q > p
     assert [x for x, _ in (await log.after(p)).entries] == [q]
+    assert [x for x, _ in await log.recent(5)] == [q]
+
+
+async def test_the_recent_changes_come_newest_first(open_log: Open) -> None:
+    log = open_log("f")
+    p = [await log.append(drain(i)) for i in range(4)]
+    recent = await log.recent(3)
+    assert [x for x, _ in recent] == p[:0:-1]
+    assert recent[0][1].path == "/admin/backends/b3/drain"
+
+
+async def test_in_files_a_line_cut_short_by_a_crash_is_passed_over_and_cut_off(
+    tmp_path: Path,
+) -> None:
+    log = FileLog(tmp_path, "f")
+    p = await log.append(drain(0))
+    log.path.write_bytes(log.path.read_bytes() + b'{"position": "99')  # a writer died mid-line
+    assert [x for x, _ in (await log.after(None)).entries] == [p]
+    q = await log.append(drain(1))
+    assert [x for x, _ in (await log.after(None)).entries] == [p, q]
+    assert log.path.read_bytes().count(b"\n") == 2
+    assert oct(os.stat(log.path).st_mode & 0o777) == "0o600"  # bodies are for this user only

@@ -1,17 +1,20 @@
-"""The registry of replicas on a real Redis: reports, listing, a replica dropping out when its
-report expires (Redis's clock, not ours) or when it leaves; what the reports say together."""
+"""The registry of replicas on a real Redis (and in files, for the workers of one host):
+reports, listing, a replica dropping out when its report expires (Redis's clock, not ours; in
+files, an injected one) or when it leaves; what the reports say together."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 from redis.asyncio import Redis
 
 from backends.errors import InvalidRequest
 from gateway.fleet.changes import Position
-from gateway.fleet.registry import Registry, Report, disagreements, lagging, summary
+from gateway.fleet.files import FileRegistry
+from gateway.fleet.registry import RedisRegistry, Report, disagreements, lagging, summary
 
 
 def report(rid: str, applied: str | None = "5-0", **kw: object) -> Report:
@@ -48,22 +51,22 @@ def test_replicas_behind_the_log_lag_and_views_that_differ_are_flagged() -> None
 
 
 async def test_replicas_are_listed_until_they_leave(redis: Redis, redis_prefix: str) -> None:
-    reg = Registry(redis, redis_prefix, "f", ttl=60.0)
+    reg = RedisRegistry(redis, redis_prefix, "f", ttl=60.0)
     for rid in ("r1", "r0"):
         await reg.report(report(rid))
     await reg.report(report("r1", "9-0"))  # a later report replaces the earlier
     assert [(r.id, r.applied) for r in await reg.replicas()] == [("r0", "5-0"), ("r1", "9-0")]
     await reg.leave("r0")
     assert [r.id for r in await reg.replicas()] == ["r1"]
-    assert await Registry(redis, redis_prefix, "other", ttl=60.0).replicas() == []
+    assert await RedisRegistry(redis, redis_prefix, "other", ttl=60.0).replicas() == []
 
 
 async def test_a_replica_that_stops_reporting_drops_out_after_its_ttl(
     redis: Redis, redis_prefix: str
 ) -> None:
-    reg = Registry(redis, redis_prefix, "f", ttl=60.0)
+    reg = RedisRegistry(redis, redis_prefix, "f", ttl=60.0)
     await reg.report(report("r0"))
-    short = Registry(redis, redis_prefix, "f", ttl=0.05)
+    short = RedisRegistry(redis, redis_prefix, "f", ttl=0.05)
     await short.report(report("r9"))
 
     deadline = time.monotonic() + 10.0  # Redis expires it in 50 ms; the bound is for a slow host
@@ -71,3 +74,19 @@ async def test_a_replica_that_stops_reporting_drops_out_after_its_ttl(
         assert time.monotonic() < deadline, "r9's report never expired"
         await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
     assert await redis.sismember(redis_prefix + "f:replicas", "r9") == 0  # and its id went
+
+
+async def test_in_files_replicas_are_listed_until_they_leave_or_their_report_is_too_old(
+    tmp_path: Path,
+) -> None:
+    now = [160.0]
+    reg = FileRegistry(tmp_path, "f", ttl=6.0, clock=lambda: now[0])
+    await reg.report(report("w0"))
+    await reg.report(report("host-1/w1", reported_at=158.0))  # an id with a slash: one file
+    assert [r.id for r in await reg.replicas()] == ["host-1/w1", "w0"]
+    assert await FileRegistry(tmp_path, "other", ttl=6.0).replicas() == []
+    now[0] = 165.0  # w1 reported 7 s ago: gone, its file too
+    assert [r.id for r in await reg.replicas()] == ["w0"]
+    assert len(list(reg.dir.iterdir())) == 1
+    await reg.leave("w0")
+    assert await reg.replicas() == []

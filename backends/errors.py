@@ -18,8 +18,8 @@ answers a client with is here:
     │   └── ResponseBackendGone           / response_backend_gone (its backend left the fleet)
     ├── RateLimited                   429 requests|tokens / rate_limit_exceeded
     │                                     (+ Retry-After, x-ratelimit-*)
-    ├── BudgetExhausted               429 insufficient_quota (a key's token budget spent:
-    │                                     no Retry-After, waiting does not help)
+    ├── BudgetExceeded                429 insufficient_quota / budget_exceeded (a key's daily or
+    │                                     monthly tokens spent; Retry-After: until it resets)
     ├── ShuttingDown                  503 service_unavailable (connection closed after it)
     ├── Unavailable                   503 service_unavailable (+ Retry-After)
     │   ├── NoBackendAvailable            / no_backend_available
@@ -117,12 +117,14 @@ class RateLimited(GatewayError):
         return error_envelope(self.message, self.limit_type, param=self.param, code=self.code)
 
 
-class BudgetExhausted(GatewayError):
-    """429 as OpenAI answers a spent quota: type and code ``insufficient_quota``."""
+class BudgetExceeded(GatewayError):
+    """429: the caller's token budget for the day or month is spent; in OpenAI's shape as a
+    spent quota (type ``insufficient_quota``), code ``budget_exceeded``, and ``Retry-After``
+    until it resets."""
 
     status = 429
     type = "insufficient_quota"
-    default_code = "insufficient_quota"
+    default_code = "budget_exceeded"
 
 
 class NotFound(GatewayError):

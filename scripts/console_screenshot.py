@@ -44,8 +44,16 @@ def main() -> int:
     ):
         traffic = Traffic(fleet.url).start(streams=6, over_limit=6)
         # A key made at run time, with a budget: the keys table and the audit trail show them.
-        fleet.admin("POST", "/admin/keys", json={"name": "team-a", "tier": "interactive"})
-        fleet.admin("PUT", "/admin/keys/team-a/budget", json={"tokens": 1_000_000})
+        fleet.admin(
+            "POST",
+            "/admin/keys",
+            json={"name": "team-a", "tier": "interactive", "labels": {"team": "search"}},
+        )
+        fleet.admin(
+            "PUT",
+            "/admin/keys/team-a/budget",
+            json={"tokens_per_day": 1_000_000, "tokens_per_month": 20_000_000},
+        )
         browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1500, "height": 1000})
         page.goto(fleet.admin_url + "/")

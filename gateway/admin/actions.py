@@ -14,9 +14,10 @@ from __future__ import annotations
 import json
 import re
 import secrets
-import uuid
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, Final
 
 import structlog
@@ -34,7 +35,8 @@ from gateway.admin.views import backend_view
 from gateway.fleet.changes import Change, Position, Snapshot
 from gateway.fleet.follower import Outcome
 from gateway.keys import LIMITER, POOL
-from gateway.limits.keys import Authenticator, Budget, hash_key
+from gateway.limits.budget import FIELDS, Budget, iso
+from gateway.limits.keys import Authenticator, check_labels, hash_key
 from gateway.request.rollout import ROLLOUT
 
 log = structlog.get_logger("gateway.admin.api")
@@ -132,26 +134,87 @@ def _auth(app: web.Application) -> Authenticator:
     return app[LIMITER].auth
 
 
+def _new_secret() -> tuple[str, dict[str, Any]]:
+    """A key made here: its hash for the log, the key itself for the caller, once."""
+    secret = KEY_PREFIX + secrets.token_urlsafe(32)
+    return hash_key(secret), {
+        "key": secret,
+        "key_note": "shown once: the gateway keeps only its hash",
+    }
+
+
+def _expires_at(value: Any) -> float | None:
+    """``expires_at`` as sent (ISO 8601, or Unix seconds) as Unix time, in the future."""
+    if value is None:
+        return None
+    try:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            at = float(value)
+        else:
+            parsed = datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+            if parsed.tzinfo is None:
+                parsed = parsed.replace(tzinfo=UTC)
+            at = parsed.timestamp()
+    except ValueError:
+        raise InvalidRequest(
+            "expires_at: an ISO 8601 time (UTC if no zone) or Unix seconds."
+        ) from None
+    if at <= time.time():
+        raise InvalidRequest("expires_at is in the past.")
+    return at
+
+
+_KEY_FIELDS: Final = {"name", "tier", "hash", "labels", "expires_at", *FIELDS.values()}
+
+
 def _key_prepare(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
+    """Checked and made whole where the change is made: the expiry as Unix time, and without
+    a hash, a key made here (its secret answered once, its hash logged)."""
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
         raise InvalidRequest(
-            'The body must be a JSON object: {"name": ..., "tier": ..., "hash": "sha256:..."}; '
-            "without a hash the gateway makes the key and answers it once."
+            'The body must be a JSON object: {"name": ..., "tier": ..., "hash": "sha256:...", '
+            '"labels": {...}, "expires_at": "2027-01-01T00:00:00Z", "tokens_per_day": N, '
+            '"tokens_per_month": N}; without a hash the gateway makes the key and answers it once.'
         )
-    unknown = sorted(set(body) - {"name", "tier", "hash"})
+    unknown = sorted(set(body) - _KEY_FIELDS)
     if unknown:
         raise InvalidRequest(f"Unknown field(s) for a key: {', '.join(unknown)}.")
-    doc = {"name": body["name"], "tier": str(body.get("tier", "default"))}
+    budget = Budget.from_json({k: body.get(k) for k in FIELDS.values()})
+    doc = {
+        "name": body["name"],
+        "tier": str(body.get("tier", "default")),
+        "labels": check_labels(body.get("labels") or {}),
+        "expires_at": _expires_at(body.get("expires_at")),
+        "budget": None if budget is None else budget.to_json(),
+    }
     if "hash" in body:
         return {**doc, "hash": str(body["hash"])}, {}
-    secret = KEY_PREFIX + secrets.token_urlsafe(32)
-    extra = {"key": secret, "key_note": "shown once: the gateway keeps only its hash"}
-    return {**doc, "hash": hash_key(secret)}, extra
+    digest, extra = _new_secret()
+    return {**doc, "hash": digest}, extra
 
 
 def _key_check(app: web.Application, _params: Params, body: Doc) -> Doc:
     digest = _auth(app).check_add(body["name"], body["hash"], body["tier"])
-    return {"name": body["name"], "tier": body["tier"], "hash": digest.hex()[:12]}
+    return {
+        "name": body["name"],
+        "tier": body["tier"],
+        "hash": digest.hex()[:12],
+        "labels": body.get("labels"),
+        "expires_at": body.get("expires_at"),
+        "budget": body.get("budget"),
+    }
+
+
+def _key_apply(app: web.Application, _params: Params, body: Doc) -> Doc:
+    budget = body.get("budget")
+    return _auth(app).add(
+        body["name"],
+        body["hash"],
+        body["tier"],
+        labels=body.get("labels") or {},
+        expires_at=body.get("expires_at"),
+        budget=None if not budget else Budget.from_json(budget),
+    )
 
 
 def _key_before(app: web.Application, params: Params) -> Doc:
@@ -160,47 +223,67 @@ def _key_before(app: web.Application, params: Params) -> Doc:
     return None if name is None or auth.tier_of(name) is None else auth.describe(name)
 
 
+_MAX_OVERLAP_S: Final = 30 * 86_400
+
+
+def _rotate_prepare(
+    _app: web.Application, _params: Params, body: Doc
+) -> tuple[Doc, dict[str, Any]]:
+    """The old secret's last moment, decided here (every replica honours it until then)."""
+    body = {} if body is None else body
+    if not isinstance(body, dict) or set(body) - {"overlap_seconds", "hash"}:
+        raise InvalidRequest(
+            'The body, if any: {"overlap_seconds": N} (how long the old key still works, '
+            f'at most {_MAX_OVERLAP_S}; default 3600), and "hash" to give the new key\'s hash.'
+        )
+    overlap = body.get("overlap_seconds", 3600)
+    if (
+        not isinstance(overlap, int | float)
+        or isinstance(overlap, bool)
+        or not 0 <= overlap <= _MAX_OVERLAP_S
+    ):
+        raise InvalidRequest(f"overlap_seconds: 0 to {_MAX_OVERLAP_S}.")
+    doc = {"previous_until": time.time() + float(overlap)}
+    if "hash" in body:
+        return {**doc, "hash": str(body["hash"])}, {}
+    digest, extra = _new_secret()
+    return {**doc, "hash": digest}, extra
+
+
+def _rotate_check(app: web.Application, params: Params, body: Doc) -> Doc:
+    digest = _auth(app).check_rotate(params["name"], body["hash"])
+    return {"hash": digest.hex()[:12], "previous_until": iso(float(body["previous_until"]))}
+
+
 def _revoke_check(app: web.Application, params: Params, _body: Doc) -> Doc:
     if _auth(app).tier_of(params["name"]) is None:
         raise NotFound(f"No key {params['name']!r}.")
     return {"revoked": params["name"]}
 
 
-def _budget_prepare(_app: web.Application, params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
-    """A budget's count gets its id where the change is made, so every replica (and a replay)
-    counts under the same one."""
-    if not isinstance(body, dict) or set(body) - {"tokens", "keep"}:
+def _budget_body(body: Doc) -> Budget | None:
+    if not isinstance(body, dict):
         raise InvalidRequest(
-            'The body must be {"tokens": N} (null: no budget), with "keep": true to go on '
-            "counting what the key has spent so far."
+            'The body must be {"tokens_per_day": N, "tokens_per_month": N} (null: none for '
+            "that period; both null: the key's tier's budget, if any)."
         )
-    tokens = body.get("tokens")
-    if tokens is not None and (
-        not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1
-    ):
-        raise InvalidRequest("tokens: a positive whole number, or null for no budget.")
-    counter = f"{params['name']}:{uuid.uuid4().hex}"
-    return {"tokens": tokens, "keep": bool(body.get("keep", False)), "counter": counter}, {}
-
-
-def _budget_of(app: web.Application, params: Params, body: Doc) -> Budget | None:
-    if body.get("tokens") is None:
-        return None
-    current = _auth(app).budget(params["name"])
-    keep = body.get("keep") and current is not None
-    counter = current.counter if keep and current is not None else str(body["counter"])
-    return Budget(int(body["tokens"]), counter)
+    return Budget.from_json(body)
 
 
 def _budget_check(app: web.Application, params: Params, body: Doc) -> Doc:
+    budget = _budget_body(body)
     _auth(app).budget(params["name"])  # 404 if no such key
-    return {"tokens": body.get("tokens"), "keep": body.get("keep")}
+    return None if budget is None else budget.to_json()
 
 
 def _budget_apply(app: web.Application, params: Params, body: Doc) -> Doc:
-    budget = _budget_of(app, params, body)
+    budget = _budget_body(body)
     doc = _auth(app).set_budget(params["name"], budget)
-    return {**doc, "budget": None if budget is None else budget.tokens}
+    current = _auth(app).budget(params["name"])
+    return {
+        **doc,
+        "budget": None if current is None else {"source": current.source, **current.to_json()},
+    }
 
 
 def _budget_before(app: web.Application, params: Params) -> Doc:
@@ -208,7 +291,7 @@ def _budget_before(app: web.Application, params: Params) -> Doc:
     if auth.tier_of(params["name"]) is None:
         return None
     b = auth.budget(params["name"])
-    return None if b is None else {"tokens": b.tokens}
+    return None if b is None else {"source": b.source, **b.to_json()}
 
 
 ACTIONS: Final = (
@@ -244,10 +327,19 @@ ACTIONS: Final = (
         "POST",
         "/admin/keys",
         _key_check,
-        lambda app, _p, b: _auth(app).add(b["name"], b["hash"], b["tier"]),
+        _key_apply,
         lambda _app, _p: None,
         json_body=True,
         prepare=_key_prepare,
+    ),
+    Action(
+        "POST",
+        "/admin/keys/{name}/rotate",
+        _rotate_check,
+        lambda app, p, b: _auth(app).rotate(p["name"], b["hash"], float(b["previous_until"])),
+        _key_before,
+        json_body=True,
+        prepare=_rotate_prepare,
     ),
     Action(
         "PUT",
@@ -256,7 +348,6 @@ ACTIONS: Final = (
         _budget_apply,
         _budget_before,
         json_body=True,
-        prepare=_budget_prepare,
     ),
     Action(
         "DELETE",

@@ -22,7 +22,13 @@ from backends.errors import GatewayError, error_envelope
 from gateway.admin import lora
 from gateway.admin.actions import ACTIONS
 from gateway.admin.console import PUBLIC_PATHS, add_console_routes
-from gateway.admin.fleet import change_handler, list_changes, list_keys, list_replicas
+from gateway.admin.fleet import (
+    change_handler,
+    key_usage,
+    list_changes,
+    list_keys,
+    list_replicas,
+)
 from gateway.admin.reload import describe_policy
 from gateway.admin.stats import stats_document
 from gateway.admin.views import backend_view, latency_view
@@ -189,6 +195,7 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_get("/admin/replicas", list_replicas)
     app.router.add_get("/admin/changes", list_changes)
     app.router.add_get("/admin/keys", list_keys)
+    app.router.add_get("/admin/keys/{name}/usage", key_usage)
     app.router.add_post("/admin/lora/load", lora.load_adapter)
     app.router.add_post("/admin/lora/unload", lora.unload_adapter)
     return app

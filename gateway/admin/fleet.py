@@ -22,7 +22,7 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from backends.errors import FleetLogUnavailable
+from backends.errors import FleetLogUnavailable, InvalidRequest
 from gateway.admin.actions import Action, parse_body
 from gateway.fleet.changes import Change
 from gateway.fleet.member import Member
@@ -103,8 +103,9 @@ def _member(request: web.Request) -> Member | None:
 
 
 async def list_replicas(request: web.Request) -> web.Response:
-    """``GET /admin/replicas``: every replica of the fleet as it last reported itself, and
-    what they say together (who lags behind the log, whose health views disagree)."""
+    """``GET /admin/replicas``: every replica of the fleet as it last reported itself (its
+    figures since it started included), and what they say together (who lags behind the log,
+    whose health views disagree, the fleet's figures: the replicas' summed)."""
     member = _member(request)
     if member is None:
         return web.json_response({"fleet": None, "replicas": []})
@@ -154,15 +155,28 @@ async def reload_through_log(member: Member) -> None:
 
 
 async def list_keys(request: web.Request) -> web.Response:
-    """``GET /admin/keys``: the API keys in force (name, tier, where from, a hash prefix, its
-    budget and what it spent)."""
+    """``GET /admin/keys``: the API keys in force (name, tier, where from, a hash prefix,
+    labels, expiry, its budget with what it spent this day and month)."""
     limiter = request.app[GATEWAY][LIMITER]
-    keys: list[dict[str, Any]] = []
-    for doc in limiter.auth.listing():
-        budget = limiter.auth.budget(doc["name"])
-        if budget is not None:
-            spent = await limiter.store.budget_spent(budget.counter)
-            keys.append({**doc, "budget": {"tokens": budget.tokens, "spent": spent}})
-        else:
-            keys.append({**doc, "budget": None})
+    keys = [
+        {**doc, "budget": await limiter.budget_view(doc["name"], limiter.auth.budget(doc["name"]))}
+        for doc in limiter.auth.listing()
+    ]
     return web.json_response({"keys": keys})
+
+
+_USAGE_DAYS: Final = 31
+_MAX_USAGE_DAYS: Final = 93
+
+
+async def key_usage(request: web.Request) -> web.Response:
+    """``GET /admin/keys/{name}/usage?days=N``: the key's budget and what it spent in each
+    period, and its tokens by day (the last N, default 31) and model."""
+    try:
+        days = int(request.query.get("days", _USAGE_DAYS))
+    except ValueError:
+        raise InvalidRequest("days: a whole number of days.") from None
+    if not 1 <= days <= _MAX_USAGE_DAYS:
+        raise InvalidRequest(f"days: 1 to {_MAX_USAGE_DAYS}.")
+    limiter = request.app[GATEWAY][LIMITER]
+    return web.json_response(await limiter.usage(request.match_info["name"], days))

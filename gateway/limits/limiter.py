@@ -6,21 +6,26 @@ request's admission. The store is owned by the app's cleanup context (``open_sto
 
 from __future__ import annotations
 
+import math
+import time
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
-from backends.errors import BudgetExhausted
+from backends.errors import BudgetExceeded
 from backends.supervise import Supervisor
+from gateway.limits.budget import Budget, day_of, days_back, iso, resets_at
 from gateway.limits.headers import rate_limit_headers, rate_limited
-from gateway.limits.keys import Authenticator, Budget, Principal
+from gateway.limits.keys import Authenticator, Principal
 from gateway.limits.memory import MemoryLimitStore
 from gateway.limits.redis_store import RedisLimitStore
 from gateway.limits.settings import LimitsSettings
-from gateway.limits.store import Decision, LimitStore, Ticket, finish
+from gateway.limits.store import Decision, LimitStore, Ticket, Used, finish
 from gateway.limits.tokens import Usage, reservation
+
+_MODEL_CHARS: Final = 128
 
 
 @dataclass(slots=True)
@@ -32,7 +37,8 @@ class Grant:
     decision: Decision
     reserved: int
     finished: bool = False
-    budget: Budget | None = None  # the key's budget this request was charged to
+    charged: tuple[str, ...] = ()  # the budget counts this request was charged to
+    model: str = ""  # as the request named it: its usage is kept by model
 
     @property
     def headers(self) -> dict[str, str]:
@@ -41,10 +47,14 @@ class Grant:
 
 
 class Limiter:
-    def __init__(self, settings: LimitsSettings, store: LimitStore) -> None:
+    def __init__(
+        self, settings: LimitsSettings, store: LimitStore, clock: Callable[[], float] = time.time
+    ) -> None:
+        """``clock``: Unix time (budgets' days and months, keys' expiry)."""
         self.settings = settings
         self.store = store
-        self.auth = Authenticator(settings)
+        self.clock = clock
+        self.auth = Authenticator(settings, clock)
         self.rejections: Counter[tuple[str, str]] = Counter()  # (principal id, reason)
         self.degraded_admissions = 0  # admitted unchecked: the shared store was down
 
@@ -77,27 +87,37 @@ class Limiter:
         assert decision.ticket is not None
         grant = Grant(principal, decision.ticket, decision, cost)
         if principal.budget is not None:
+            model = doc.get("model")
+            grant.model = model[:_MODEL_CHARS] if isinstance(model, str) else ""
             await self._charge(grant, principal.budget)
         return grant
 
     async def _charge(self, grant: Grant, budget: Budget) -> None:
-        """Take the request's reservation from its key's budget, or refuse it (and give back
-        what the rate limits reserved): the reservation is taken before the request runs, so
-        requests at once through any replica cannot all see the same budget left."""
+        """Take the request's reservation from its caller's budget (each period's count), or
+        refuse it (and give back what the rate limits reserved): the reservation is taken
+        before the request runs, so requests at once through any replica cannot all see the
+        same budget left."""
+        now = self.clock()
+        counts = budget.counted(now)
+        owner = grant.principal.id
         try:
-            spent = await self.store.charge_budget(budget.counter, grant.reserved, budget.tokens)
+            refused = await self.store.charge_budget(owner, grant.reserved, counts)
         except BaseException:
             await self.finish(grant, 0)
             raise
-        if spent is None:
-            grant.budget = budget
+        if refused is None:
+            grant.charged = tuple(c.name for c in counts)
             return
         await self.finish(grant, 0)
-        self.rejections[(grant.principal.id, "budget")] += 1
-        raise BudgetExhausted(
-            f"`{grant.principal.id}` has used {spent} of its {budget.tokens}-token budget; "
-            f"this request would take up to {grant.reserved} more. Ask for a larger budget, "
-            "or lower max_tokens."
+        self.rejections[(owner, "budget")] += 1
+        count, spent = refused
+        resets = resets_at(count.period, now)
+        raise BudgetExceeded(
+            f"`{owner}` has used {spent} of its {count.limit} tokens for this "
+            f"{count.period} (UTC); this request would take up to {grant.reserved} more. "
+            f"The budget resets at {iso(resets)}. Ask for a larger budget, or lower "
+            "max_tokens.",
+            headers={"Retry-After": str(max(1, math.ceil(resets - now)))},
         )
 
     async def finish(self, grant: Grant, usage: Usage | int | None) -> None:
@@ -113,8 +133,51 @@ class Limiter:
         try:
             await finish(self.store, grant.ticket, actual)
         finally:
-            if grant.budget is not None and actual is not None and actual != grant.reserved:
-                await self.store.refund_budget(grant.budget.counter, grant.reserved - actual)
+            if grant.charged:
+                used = grant.reserved if actual is None else actual
+                await self.store.settle_budget(
+                    grant.principal.id,
+                    grant.charged,
+                    grant.reserved - used,
+                    Used(day_of(self.clock()), grant.model, used) if used > 0 else None,
+                )
+
+    async def usage(self, name: str, days: int) -> dict[str, Any]:
+        """``GET /admin/keys/{name}/usage``: the key's budget, what it spent in each period
+        and when that resets, and its tokens by day (the last ``days``) and model."""
+        budget = self.auth.budget(name)  # NotFound if no such key
+        owner, now = f"key:{name}", self.clock()
+        by_day = await self.store.budget_usage(owner, days_back(now, days))
+        return {
+            "name": name,
+            "budget": await self.budget_view(name, budget),
+            "days": None
+            if by_day is None
+            else [
+                {"day": day, "tokens": sum(models.values()), "models": models}
+                for day, models in by_day.items()
+            ],
+        }
+
+    async def budget_view(self, name: str, budget: Budget | None) -> dict[str, Any] | None:
+        """A key's budget as the admin API shows it: each period's limit, spent, reset."""
+        if budget is None:
+            return None
+        now = self.clock()
+        counts = budget.counted(now)
+        spent = await self.store.budget_spent(f"key:{name}", [c.name for c in counts])
+        return {
+            "source": budget.source,
+            **budget.to_json(),
+            "periods": {
+                c.period: {
+                    "limit": c.limit,
+                    "spent": None if spent is None else spent[i],
+                    "resets_at": iso(resets_at(c.period, now)),
+                }
+                for i, c in enumerate(counts)
+            },
+        }
 
 
 def make_store(

@@ -4,11 +4,19 @@ on the event loop; the clock is injected."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Final
 
 from gateway.limits import bucket
-from gateway.limits.store import Decision, Limits, Ticket
+from gateway.limits.budget import Counted
+from gateway.limits.store import Decision, Limits, Ticket, Used
+
+# Bounds on what budgets keep per owner (owners are keys: the operator's, not the clients'):
+_COUNTS_KEPT: Final = 4  # this and the last period of each kind
+_DAYS_KEPT: Final = 93  # usage by day, a quarter's worth
+_MODELS_KEPT: Final = 64  # models a day, the rest as "other"
 
 
 class MemoryLimitStore:
@@ -18,7 +26,9 @@ class MemoryLimitStore:
         self._clock = clock
         self._buckets: dict[str, tuple[bucket.Buckets, Limits]] = {}
         self._slots: dict[str, set[str]] = {}
-        self._spent: dict[str, int] = {}  # budget counter -> tokens
+        # budgets: owner -> count name -> tokens; owner -> day -> model -> tokens
+        self._spent: dict[str, OrderedDict[str, int]] = {}
+        self._usage: dict[str, OrderedDict[str, dict[str, int]]] = {}
 
     def admit_now(self, key: str, limits: Limits, cost_tokens: int) -> Decision:
         """``admit`` without the coroutine, for callers (and tests) that are not async."""
@@ -69,18 +79,49 @@ class MemoryLimitStore:
     async def release(self, ticket: Ticket) -> None:
         self.release_now(ticket)
 
-    async def charge_budget(self, counter: str, cost: int, budget: int) -> int | None:
-        spent = self._spent.get(counter, 0)
-        if spent + cost > budget:
-            return spent
-        self._spent[counter] = spent + cost
+    async def charge_budget(
+        self, owner: str, cost: int, counts: Sequence[Counted]
+    ) -> tuple[Counted, int] | None:
+        spent = self._spent.setdefault(owner, OrderedDict())
+        for c in counts:
+            if spent.get(c.name, 0) + cost > c.limit:
+                return c, spent.get(c.name, 0)
+        for c in counts:
+            spent[c.name] = spent.get(c.name, 0) + cost
+            spent.move_to_end(c.name)
+        while len(spent) > _COUNTS_KEPT:  # past periods
+            spent.popitem(last=False)
         return None
 
-    async def refund_budget(self, counter: str, delta: int) -> None:
-        self._spent[counter] = max(0, self._spent.get(counter, 0) - delta)
+    async def settle_budget(
+        self, owner: str, names: Sequence[str], delta: int, used: Used | None
+    ) -> None:
+        spent = self._spent.get(owner)
+        if spent is not None:
+            for name in names:
+                if name in spent:
+                    spent[name] = max(0, spent[name] - delta)
+        if used is None or used.tokens <= 0:
+            return
+        days = self._usage.setdefault(owner, OrderedDict())
+        models = days.setdefault(used.day, {})
+        days.move_to_end(used.day)
+        while len(days) > _DAYS_KEPT:
+            days.popitem(last=False)
+        model = used.model if used.model in models or len(models) < _MODELS_KEPT else "other"
+        models[model] = models.get(model, 0) + used.tokens
 
-    async def budget_spent(self, counter: str) -> int | None:
-        return self._spent.get(counter, 0)
+    async def budget_spent(self, owner: str, names: Sequence[str]) -> list[int] | None:
+        spent = self._spent.get(owner)
+        return [0 if spent is None else spent.get(name, 0) for name in names]
+
+    async def budget_usage(
+        self, owner: str, days: Sequence[str]
+    ) -> dict[str, dict[str, int]] | None:
+        held = self._usage.get(owner)
+        if held is None:
+            return {}
+        return {day: dict(held[day]) for day in days if day in held}
 
     async def open(self) -> None:
         pass  # nothing to connect to

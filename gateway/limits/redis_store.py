@@ -37,8 +37,9 @@ from redis.exceptions import NoScriptError, RedisError
 
 from backends.errors import LimitsUnavailable
 from backends.supervise import Supervisor
+from gateway.limits.budget import Counted
 from gateway.limits.settings import RedisSettings
-from gateway.limits.store import Decision, Limits, Reason, Ticket, Window
+from gateway.limits.store import Decision, Limits, Reason, Ticket, Used, Window
 
 log = structlog.get_logger("gateway.limits")
 
@@ -118,16 +119,41 @@ _OPEN_WAIT_S: Final = 5.0  # for the connections opened at start
 _CONNECT_TIMEOUT_S: Final = 1.0
 
 
-# KEYS: the budget's counter. ARGV: cost, budget, TTL (ms). -1 when taken, else what is spent.
+# KEYS: the owner's counts. ARGV: cost, TTL (ms), then each count's limit. {0, 0} when taken
+# from every count, else {the 1-based index of the first that refused, what it has spent}.
 BUDGET_LUA: Final = """
-local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
 local cost = tonumber(ARGV[1])
-if spent + cost > tonumber(ARGV[2]) then return spent end
-redis.call('INCRBY', KEYS[1], cost)
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-return -1
+for i, key in ipairs(KEYS) do
+  local spent = tonumber(redis.call('GET', key) or '0')
+  if spent + cost > tonumber(ARGV[i + 2]) then return {i, spent} end
+end
+for i, key in ipairs(KEYS) do
+  redis.call('INCRBY', key, cost)
+  redis.call('PEXPIRE', key, ARGV[2])
+end
+return {0, 0}
 """
-_BUDGET_TTL_MS: Final = 90 * 86_400_000  # a budget's count outlives any billing period
+# KEYS: the counts charged, then the usage hash of the day (or nothing). ARGV: delta, then
+# (with a usage hash) the model, its tokens and the hash's TTL (ms).
+BUDGET_SETTLE_LUA: Final = """
+local n = #KEYS
+if #ARGV > 1 then n = n - 1 end
+for i = 1, n do
+  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('DECRBY', KEYS[i], ARGV[1]) end
+end
+if #ARGV > 1 then
+  redis.call('HINCRBY', KEYS[#KEYS], ARGV[2], ARGV[3])
+  redis.call('PEXPIRE', KEYS[#KEYS], ARGV[4])
+end
+return 1
+"""
+_COUNT_TTL_MS: Final = 62 * 86_400_000  # a count outlives its period (a month)
+_USAGE_TTL_MS: Final = 400 * 86_400_000  # usage by day: a year and some
+_MODEL_CHARS: Final = 128  # a model's name as usage keeps it
+
+
+def _text(raw: bytes | str) -> str:
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else raw
 
 
 class _InRetryWindow(ConnectionError):
@@ -145,6 +171,7 @@ class _Script:
 _ADMIT: Final = _Script(ADMIT_LUA)
 _SETTLE: Final = _Script(SETTLE_LUA)
 _BUDGET: Final = _Script(BUDGET_LUA)
+_BUDGET_SETTLE: Final = _Script(BUDGET_SETTLE_LUA)
 
 
 class _Owed:
@@ -291,16 +318,18 @@ class RedisLimitStore:
             )
         return Decision(allowed=True, ticket=ticket, requests=requests, tokens=tokens)
 
-    def budget_key(self, counter: str) -> str:
-        return f"{self._prefix}{{budget:{counter}}}"
+    def budget_key(self, owner: str, name: str) -> str:
+        """One of ``owner``'s counts (``day:...``, ``month:...``, ``usage:<day>``); an owner's
+        keys share a hash slot (one script touches several)."""
+        return f"{self._prefix}{{budget:{owner}}}:{name}"
 
-    async def charge_budget(self, counter: str, cost: int, budget: int) -> int | None:
+    async def charge_budget(
+        self, owner: str, cost: int, counts: Sequence[Counted]
+    ) -> tuple[Counted, int] | None:
+        keys = [self.budget_key(owner, c.name) for c in counts]
+        args = (cost, _COUNT_TTL_MS, *(c.limit for c in counts))
         try:
-            res = int(
-                await self._script(
-                    _BUDGET, [self.budget_key(counter)], (cost, budget, _BUDGET_TTL_MS)
-                )
-            )
+            index, spent = await self._script(_BUDGET, keys, args)
         except _FAILURES as exc:
             self._note_failure(exc)
             if not self.fail_open:
@@ -309,23 +338,51 @@ class RedisLimitStore:
                     retry_after=self._retry_after,
                 ) from exc
             return None
-        return None if res < 0 else res
+        return None if int(index) == 0 else (counts[int(index) - 1], int(spent))
 
-    async def refund_budget(self, counter: str, delta: int) -> None:
-        if self._in_retry_window():
-            return  # lost: the budget keeps the reservation (never under-counts a refund)
+    async def settle_budget(
+        self, owner: str, names: Sequence[str], delta: int, used: Used | None
+    ) -> None:
+        keys = [self.budget_key(owner, n) for n in names]
+        args: list[Any] = [delta]
+        if used is not None and used.tokens > 0:
+            keys.append(self.budget_key(owner, f"usage:{used.day}"))
+            args += [used.model[:_MODEL_CHARS], used.tokens, _USAGE_TTL_MS]
+        if (delta == 0 and len(args) == 1) or not keys:
+            return
         try:
-            await self._bounded(self._client.decrby(self.budget_key(counter), delta))
-        except _FAILURES as exc:
+            await self._script(_BUDGET_SETTLE, keys, args)
+        except _FAILURES as exc:  # lost: the counts keep the reservation (never under-count)
             self._note_failure(exc)
 
-    async def budget_spent(self, counter: str) -> int | None:
+    async def budget_spent(self, owner: str, names: Sequence[str]) -> list[int] | None:
+        if not names:
+            return []
         try:
-            raw = await self._bounded(self._client.get(self.budget_key(counter)))
+            raws = await self._bounded(
+                self._client.mget([self.budget_key(owner, n) for n in names])
+            )
         except _FAILURES as exc:
             self._note_failure(exc)
             return None
-        return int(raw or 0)
+        return [int(raw or 0) for raw in raws]
+
+    async def budget_usage(
+        self, owner: str, days: Sequence[str]
+    ) -> dict[str, dict[str, int]] | None:
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for day in days:
+                    pipe.hgetall(self.budget_key(owner, f"usage:{day}"))
+                held = await self._bounded(pipe.execute())
+        except _FAILURES as exc:
+            self._note_failure(exc)
+            return None
+        return {
+            day: {_text(m): int(t) for m, t in models.items()}
+            for day, models in zip(days, held, strict=True)
+            if models
+        }
 
     async def settle(self, ticket: Ticket, actual_tokens: int) -> None:
         if not ticket.claim_settle():

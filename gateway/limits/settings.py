@@ -7,6 +7,7 @@ reach it as ``GATEWAY_LIMITS__STORE=redis``, ``GATEWAY_LIMITS__REDIS__URL=...`` 
 from __future__ import annotations
 
 import re
+from datetime import datetime
 from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
@@ -32,6 +33,12 @@ class TierSettings(BaseModel):
         description="what predicted_latency minimises for this tier's requests: ttft "
         "(interactive) or e2e (batch); None: the policy's [latency] objective",
     )
+    tokens_per_day: int | None = Field(
+        None, gt=0, description="each key of the tier: tokens a UTC day (its own budget first)"
+    )
+    tokens_per_month: int | None = Field(
+        None, gt=0, description="each key of the tier: tokens a UTC month"
+    )
 
 
 class KeySettings(BaseModel):
@@ -42,6 +49,10 @@ class KeySettings(BaseModel):
     name: str = Field(min_length=1, description="who the key belongs to; logs and limits use it")
     hash: str = Field(description="sha256 of the key, hex, optionally prefixed 'sha256:'")
     tier: str = "default"
+    labels: dict[str, str] = Field(default_factory=dict, description="free-form, e.g. team")
+    expires_at: datetime | None = Field(None, description="refused from then on (ISO 8601)")
+    tokens_per_day: int | None = Field(None, gt=0, description="the key's own daily budget")
+    tokens_per_month: int | None = Field(None, gt=0, description="the key's own monthly budget")
 
     @field_validator("hash")
     @classmethod
@@ -116,7 +127,9 @@ class LimitsSettings(BaseModel):
     )
     tiers: dict[str, TierSettings] = Field(default_factory=lambda: {"default": TierSettings()})
     anonymous_tier: str = Field(
-        "default", description="tier of unauthenticated clients when auth is off"
+        "default",
+        description="tier of unauthenticated clients when auth is off (unused with "
+        "auth on: keys may then all be made at run time, through the admin API)",
     )
     keys: list[KeySettings] = Field(default_factory=list)
     store: Literal["memory", "redis"] = "memory"
@@ -129,7 +142,7 @@ class LimitsSettings(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> LimitsSettings:
-        if self.anonymous_tier not in self.tiers:
+        if not self.auth and self.anonymous_tier not in self.tiers:  # with auth: nobody's
             raise ValueError(f"anonymous_tier {self.anonymous_tier!r} is not in tiers")
         names: set[str] = set()
         hashes: set[str] = set()
@@ -142,6 +155,4 @@ class LimitsSettings(BaseModel):
                 raise ValueError(f"key {k.name!r} has the same hash as another key")
             names.add(k.name)
             hashes.add(k.hash)
-        if self.auth and not self.keys:
-            raise ValueError("auth is enabled but no keys are configured")
         return self

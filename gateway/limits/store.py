@@ -21,10 +21,23 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol
 
+from gateway.limits.budget import Counted
+
 Reason = Literal["requests", "tokens", "too_large", "concurrency"]
+
+
+@dataclass(frozen=True, slots=True)
+class Used:
+    """What one request used, for its owner's usage by day and model."""
+
+    day: str
+    model: str
+    tokens: int
+
 
 _TICKET_PREFIX: Final = os.urandom(6).hex()
 _ticket_counter = itertools.count(1)
@@ -119,18 +132,32 @@ class LimitStore(Protocol):
         """Give back the ticket's concurrency slot (once per ticket)."""
         ...
 
-    async def charge_budget(self, counter: str, cost: int, budget: int) -> int | None:
-        """Take ``cost`` tokens from the budget counted under ``counter`` unless that would
-        spend more than ``budget``: None when taken, else the tokens spent so far. Out of
-        reach: the failure mode's (open: None, unchecked; closed: ``LimitsUnavailable``)."""
+    async def charge_budget(
+        self, owner: str, cost: int, counts: Sequence[Counted]
+    ) -> tuple[Counted, int] | None:
+        """Take ``cost`` tokens from each of ``owner``'s ``counts`` unless that would take one
+        past its limit: None when taken (from all), else the first that refused and what it
+        has spent. Out of reach: the failure mode's (open: None, unchecked; closed:
+        ``LimitsUnavailable``)."""
         ...
 
-    async def refund_budget(self, counter: str, delta: int) -> None:
-        """Give back ``delta`` tokens (negative: take more) once a request's usage is known."""
+    async def settle_budget(
+        self, owner: str, names: Sequence[str], delta: int, used: Used | None
+    ) -> None:
+        """Once a request's usage is known: give back ``delta`` tokens (negative: take more)
+        to each of the counts it was charged to, and add ``used`` to the owner's usage by day
+        and model. Out of reach: lost (the counts keep the reservation)."""
         ...
 
-    async def budget_spent(self, counter: str) -> int | None:
-        """Tokens spent under ``counter``; None when the store cannot say."""
+    async def budget_spent(self, owner: str, names: Sequence[str]) -> list[int] | None:
+        """What ``owner`` spent in each named count; None when the store cannot say."""
+        ...
+
+    async def budget_usage(
+        self, owner: str, days: Sequence[str]
+    ) -> dict[str, dict[str, int]] | None:
+        """``owner``'s tokens by day (of ``days``, those with any) and model; None when the
+        store cannot say."""
         ...
 
     async def open(self) -> None:

@@ -821,9 +821,16 @@ function renderKeys() {
   const keys = new Set();
   for (const k of latest.keys.keys) {
     keys.add(k.name);
+    const rotate = el("button", { type: "button", class: "rotate", dataset: { sig: k.name }, onclick: () => rotateKey(k.name) }, "Rotate");
     const revoke = el("button", { type: "button", class: "revoke", dataset: { sig: k.name }, onclick: () => revokeKey(k.name) }, "Revoke");
-    const budget = k.budget ? `${fmtNumber(k.budget.spent ?? null, 0)} of ${fmtNumber(k.budget.tokens, 0)}` : "–";
-    upsertRow(tbody, k.name, [k.name, k.tier, k.source, k.hash, budget, revoke]);
+    const labels = Object.entries(k.labels ?? {}).map(([n, v]) => `${n}=${v}`).join(" ") || "–";
+    const expires = k.expires_at ? k.expires_at.replace("T", " ").replace("Z", " UTC") : "–";
+    const period = (p) => {
+      const got = k.budget?.periods?.[p];
+      return got ? `${fmtNumber(got.spent ?? null, 0)} of ${fmtNumber(got.limit, 0)}` : "–";
+    };
+    const from = k.budget ? ` (${k.budget.source})` : "";
+    upsertRow(tbody, k.name, [k.name, k.tier, k.source, k.hash, labels, expires, period("day") + (k.budget?.periods?.day ? from : ""), period("month") + (k.budget?.periods?.month ? from : ""), el("span", { dataset: { sig: `actions:${k.name}` } }, rotate, " ", revoke)]);
   }
   prune(tbody, keys);
 }
@@ -836,6 +843,16 @@ async function makeKey(event) {
   const text = known ? `${name} has a key: this replaces it (the old one stops working).` : `A new key for ${name}, shown once.`;
   if (!(await confirmChange(`Make a key for ${name}`, text, [["tier", known?.tier ?? null, tier]]))) return;
   const made = await act(`Made a key for ${name}.`, () => api("POST", "/admin/keys", { name, tier }));
+  if (made) {
+    $("key-secret").textContent = made.key;
+    $("key-made").hidden = false;
+  }
+}
+
+async function rotateKey(name) {
+  const text = `A new key for ${name}, shown once. The old one keeps working for an hour, on every replica, then is refused.`;
+  if (!(await confirmChange(`Rotate ${name}'s key`, text, [["old key works for", null, "3600 s"]]))) return;
+  const made = await act(`Rotated ${name}'s key.`, () => api("POST", `/admin/keys/${encodeURIComponent(name)}/rotate`, { overlap_seconds: 3600 }));
   if (made) {
     $("key-secret").textContent = made.key;
     $("key-made").hidden = false;

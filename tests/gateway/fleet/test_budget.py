@@ -1,6 +1,7 @@
-"""A key's token budget through three replicas (real processes, a real Redis): set once through
-one replica, enforced by all; 50 requests at once spend it and no more than the reservations
-allow; the refusals are OpenAI's ``insufficient_quota``."""
+"""A key's daily token budget through three replicas (real processes, a real Redis): set once
+through one replica, enforced by all; 50 requests at once spend it and no more than the
+reservations allow; the refusals are ``budget_exceeded`` with when the day's count resets; the
+usage by day and model is one count for the fleet."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ async def test_a_budget_hit_by_50_requests_through_3_replicas_is_not_overspent(
         )
         assert status == 200
         status, headers, _ = await fleet.change(
-            fleet[1], "PUT", "/admin/keys/team/budget", {"tokens": BUDGET}
+            fleet[1], "PUT", "/admin/keys/team/budget", {"tokens_per_day": BUDGET}
         )
         assert (status, headers["X-Gateway-Replicas"]) == (200, "3/3")
 
@@ -66,14 +67,15 @@ async def test_a_budget_hit_by_50_requests_through_3_replicas_is_not_overspent(
         refused = [doc for status, doc in answers if status == 429]
         assert admitted + len(refused) == 50
         assert refused, "the budget stopped nobody"
-        assert {d["error"]["type"] for d in refused} == {"insufficient_quota"}  # type: ignore[index]
+        assert {d["error"]["code"] for d in refused} == {"budget_exceeded"}  # type: ignore[index]
+        assert all("resets at" in d["error"]["message"] for d in refused)  # type: ignore[index]
         reserved = reservation({**chat(), "max_tokens": MAX_TOKENS})
         used = PROMPT_TOKENS + MAX_TOKENS
         # Every replica sees one count: what was spent is what the admitted requests used.
         spent = {}
         for r in fleet:
             listed = {k["name"]: k for k in (await fleet.read(r, "/admin/keys"))["keys"]}
-            spent[r.name] = listed["team"]["budget"]["spent"]
+            spent[r.name] = listed["team"]["budget"]["periods"]["day"]["spent"]
         assert set(spent.values()) == {admitted * used}
         # Reserved before it runs: at most the excess of usage over reservation is overspent.
         overspent = admitted * used - BUDGET
@@ -83,14 +85,20 @@ async def test_a_budget_hit_by_50_requests_through_3_replicas_is_not_overspent(
             f"budget {BUDGET}: {admitted} admitted, {len(refused)} refused, spent "
             f"{admitted * used} ({overspent:+d}); reservation {reserved}, usage {used} a request"
         )
-        # Raised with its count kept, the key may go on; a new budget starts from zero.
+        # The usage by day and model, read through any replica, is the fleet's.
+        usage = await fleet.read(fleet[2], "/admin/keys/team/usage?days=2")
+        [today] = usage["days"]
+        assert today["models"] == {"m": admitted * used}
+        # Raised, the key may go on (the day's count kept); its tier's budget (none) once unset.
         status, _, _ = await fleet.change(
-            fleet[2], "PUT", "/admin/keys/team/budget", {"tokens": BUDGET * 2, "keep": True}
+            fleet[2], "PUT", "/admin/keys/team/budget", {"tokens_per_day": BUDGET * 2}
         )
         assert status == 200
         assert (await one(2))[0] == 200
-        status, _, _ = await fleet.change(fleet[2], "PUT", "/admin/keys/team/budget", {"tokens": 1})
+        status, _, _ = await fleet.change(
+            fleet[2], "PUT", "/admin/keys/team/budget", {"tokens_per_day": 1}
+        )
         assert status == 200
         assert (await one(0))[0] == 429  # a budget of one token admits nothing
-        await fleet.change(fleet[0], "PUT", "/admin/keys/team/budget", {"tokens": None})
+        await fleet.change(fleet[0], "PUT", "/admin/keys/team/budget", {"tokens_per_day": None})
         assert (await one(1))[0] == 200

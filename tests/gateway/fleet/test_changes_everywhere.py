@@ -80,6 +80,13 @@ async def test_a_bad_change_is_refused_where_it_is_made_and_logged_nowhere(
             ("POST", "/admin/keys", {"name": "x", "tier": "platinum"}, 400),
             ("POST", "/admin/keys", {"name": "x", "hash": "sha256:nothex"}, 400),
             ("DELETE", "/admin/keys/nobody", None, 404),
+            ("POST", "/admin/keys", {"name": "x", "expires_at": "2000-01-01T00:00:00Z"}, 400),
+            ("POST", "/admin/keys", {"name": "x", "labels": {"bad name": "v"}}, 400),
+            ("POST", "/admin/keys", {"name": "x", "tokens_per_day": 0}, 400),
+            ("POST", "/admin/keys/nobody/rotate", None, 404),
+            ("POST", "/admin/keys/x/rotate", {"overlap_seconds": -1}, 400),
+            ("PUT", "/admin/keys/x/budget", {"tokens": 5}, 400),
+            ("PUT", "/admin/keys/nobody/budget", {"tokens_per_day": 5}, 404),
         ):
             got, _, doc = await fleet.change(r0, method, path, body)
             assert got == status, doc
@@ -116,8 +123,12 @@ async def test_the_workers_of_a_host_are_replicas_of_the_fleet(
 ) -> None:
     async with running_fleet(tmp_path, redis_url, redis_prefix, n=2, workers=(2,)) as fleet:
         host, single = fleet
-        ids = sorted(r["id"] for r in (await fleet.read(single, "/admin/replicas"))["replicas"])
-        assert ids == ["r0/w0", "r0/w1", "r1"]
+        # Each reports itself on its own timer: all three are listed once each has.
+        await poll(
+            lambda: fleet.read(single, "/admin/replicas"),
+            lambda doc: sorted(r["id"] for r in doc["replicas"]) == ["r0/w0", "r0/w1", "r1"],
+            what="three replicas listed",
+        )
         status, headers, _ = await fleet.change(single, "POST", "/admin/backends/b/drain")
         assert (status, headers["X-Gateway-Replicas"]) == (200, "3/3")
         # Requests on separate connections reach both workers: none goes to b.
@@ -182,3 +193,29 @@ async def test_a_key_made_through_one_replica_works_everywhere_and_a_revoked_one
         await r1.start()
         assert await fleet.status_with(r1, own) == 200
         assert await fleet.status_with(r1, key) == 401
+        # Rotated through one replica with an overlap: old and new work everywhere until it
+        # ends; then only the new.
+        status, headers, doc = await fleet.change(
+            r2, "POST", "/admin/keys/team-b/rotate", {"overlap_seconds": 2}
+        )
+        assert (status, headers["X-Gateway-Replicas"]) == (200, "3/3")
+        new = doc["key"]
+        assert "previous_until" in doc
+        for r in fleet:
+            assert await fleet.status_with(r, new) == 200
+            assert await fleet.status_with(r, own) == 200
+        for r in fleet:
+            await poll(lambda r=r: fleet.status_with(r, own), lambda s: s == 401, what="overlap")
+            assert await fleet.status_with(r, new) == 200
+        # Labels and an expiry, as listed by another replica.
+        status, _, doc = await fleet.change(
+            r0,
+            "POST",
+            "/admin/keys",
+            {"name": "team-c", "labels": {"team": "search"}, "expires_at": "2999-01-01T00:00:00Z"},
+        )
+        assert status == 200
+        listed = {k["name"]: k for k in (await fleet.read(r1, "/admin/keys"))["keys"]}
+        assert listed["team-c"]["labels"] == {"team": "search"}
+        assert listed["team-c"]["expires_at"] == "2999-01-01T00:00:00Z"
+        assert await fleet.status_with(r2, doc["key"]) == 200

@@ -13,14 +13,15 @@ from pydantic import ValidationError
 
 from backends.errors import (
     AuthenticationError,
-    BudgetExhausted,
+    BudgetExceeded,
     InvalidRequest,
     NotFound,
     RateLimited,
 )
 from gateway.cli import main as cli_main
 from gateway.config.settings import Settings
-from gateway.limits.keys import Authenticator, Budget, hash_key, presented_key
+from gateway.limits.budget import Budget, count_name, resets_at
+from gateway.limits.keys import Authenticator, hash_key, presented_key
 from gateway.limits.limiter import Limiter
 from gateway.limits.memory import MemoryLimitStore
 from gateway.limits.settings import LimitsSettings
@@ -149,8 +150,7 @@ def test_defaults_are_auth_off_and_unlimited() -> None:
             {"keys": [{"name": "x", "hash": hash_key("k")}, {"name": "x", "hash": hash_key("j")}]},
             "listed twice",
         ),
-        ({"anonymous_tier": "nope"}, "anonymous_tier"),
-        ({"keys": []}, "no keys"),
+        ({"anonymous_tier": "nope", "auth": False}, "anonymous_tier"),
     ],
 )
 def test_bad_limits_configuration_is_refused(over: dict[str, Any], message: str) -> None:
@@ -188,28 +188,125 @@ async def test_limiter_reserves_estimate_and_refunds_on_finish() -> None:
     assert again.headers["x-ratelimit-remaining-tokens"] == "470"
 
 
+# 2026-12-31 23:59:00 UTC: a day and a month end a minute later.
+NEW_YEARS_EVE = 1798761540.0
+
+
 async def test_a_budget_is_charged_before_and_corrected_after_and_refuses_when_spent() -> None:
     store = MemoryLimitStore()
-    limiter = Limiter(limits_settings(tiers={"default": {}, "gold": {}}), store)
-    limiter.auth.set_budget("bob", Budget(1000, "bob:1"))
+    now = [NEW_YEARS_EVE]
+    limiter = Limiter(limits_settings(tiers={"default": {}, "gold": {}}), store, lambda: now[0])
+    limiter.auth.set_budget("bob", Budget(per_day=1000, per_month=1500))
     bob = limiter.authenticate(headers(x_api_key=BOB))  # no rate limits: the budget alone
-    doc = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 486}
-    grant = await limiter.admit(bob, doc)  # 500 reserved
-    assert await store.budget_spent("bob:1") == 500
+    day, month = count_name("day", now[0]), count_name("month", now[0])
+    assert (day, month) == ("day:2026-12-31", "month:2026-12")
+
+    async def spent() -> list[int] | None:
+        return await store.budget_spent("key:bob", [day, month])
+
+    doc = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 486}
+    grant = await limiter.admit(bob, doc)  # 500 reserved from both counts
+    assert await spent() == [500, 500]
     await limiter.finish(grant, Usage(10, 90, 100))  # corrected to what it used
-    assert await store.budget_spent("bob:1") == 100
+    assert await spent() == [100, 100]
     grant = await limiter.admit(bob, doc)
     await limiter.finish(grant, None)  # usage unknown: the reservation stays charged
-    assert await store.budget_spent("bob:1") == 600
-    with pytest.raises(BudgetExhausted) as spent:  # 600 + 500 > 1000
+    assert await spent() == [600, 600]
+    with pytest.raises(BudgetExceeded) as refused:  # 600 + 500 > 1000 a day
         await limiter.admit(bob, doc)
-    assert spent.value.envelope()["error"]["type"] == "insufficient_quota"
-    assert spent.value.status == 429
+    err = refused.value
+    assert (err.status, err.envelope()["error"]["code"]) == (429, "budget_exceeded")
+    assert err.envelope()["error"]["type"] == "insufficient_quota"
+    assert "2027-01-01T00:00:00Z" in err.message  # when it resets
+    assert err.headers["Retry-After"] == "60"
     assert limiter.rejections[("key:bob", "budget")] == 1
-    assert await store.budget_spent("bob:1") == 600  # the refused request took nothing
+    assert await spent() == [600, 600]  # the refused request took nothing
+    # A new day and month: both counts start again from zero.
+    now[0] += 120
+    await limiter.finish(await limiter.admit(bob, doc), Usage(10, 390, 400))
+    assert await store.budget_spent("key:bob", ["day:2027-01-01", "month:2027-01"]) == [400, 400]
+    usage = await limiter.usage("bob", days=3)
+    assert usage["days"] == [
+        {"day": "2027-01-01", "tokens": 400, "models": {"m": 400}},
+        {"day": "2026-12-31", "tokens": 600, "models": {"m": 600}},
+    ]
+    periods = usage["budget"]["periods"]
+    assert periods["day"] == {"limit": 1000, "spent": 400, "resets_at": "2027-01-02T00:00:00Z"}
+    assert periods["month"]["resets_at"] == "2027-02-01T00:00:00Z"
+    # The month's count refuses on its own: 1,500 a month, 400 spent, 1,200 more asked.
+    limiter.auth.set_budget("bob", Budget(per_day=5000, per_month=1500))
+    bob = limiter.authenticate(headers(x_api_key=BOB))
+    with pytest.raises(BudgetExceeded, match="month"):
+        await limiter.admit(bob, {**doc, "max_tokens": 1186})
     limiter.auth.set_budget("bob", None)
     bob = limiter.authenticate(headers(x_api_key=BOB))
+    assert bob.budget is None
     await limiter.finish(await limiter.admit(bob, doc), Usage(1, 1, 2))  # no budget: admitted
+
+
+async def test_a_tiers_budget_is_each_of_its_keys_own_and_a_keys_budget_comes_first() -> None:
+    settings = limits_settings(tiers={"default": {"tokens_per_day": 600}, "gold": {}})
+    limiter = Limiter(settings, MemoryLimitStore(), lambda: NEW_YEARS_EVE)
+    limiter.auth.add("carol", hash_key("sk-carol"), "default")
+    doc = {"messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 486}
+    for key in (BOB, "sk-carol"):  # 500 each from separate counts
+        who = limiter.authenticate(headers(x_api_key=key))
+        assert who.budget == Budget(per_day=600, source="tier")
+        await limiter.finish(await limiter.admit(who, doc), None)
+    with pytest.raises(BudgetExceeded):
+        await limiter.admit(limiter.authenticate(headers(x_api_key=BOB)), doc)
+    limiter.auth.set_budget("bob", Budget(per_day=5000))  # its own, above the tier's
+    bob = limiter.authenticate(headers(x_api_key=BOB))
+    await limiter.finish(await limiter.admit(bob, doc), None)  # the day's 500 still counted
+    view = await limiter.budget_view("bob", limiter.auth.budget("bob"))
+    assert view is not None
+    assert (view["source"], view["periods"]["day"]["spent"]) == ("key", 1000)
+    assert resets_at("month", NEW_YEARS_EVE) == resets_at("day", NEW_YEARS_EVE)
+
+
+def test_a_rotated_key_works_with_its_old_secret_until_the_overlap_ends() -> None:
+    now = [1000.0]
+    auth = Authenticator(limits_settings(), lambda: now[0])
+    auth.add("carol", hash_key("sk-old"), "gold", labels={"team": "search"})
+    doc = auth.rotate("carol", hash_key("sk-new"), overlap_until=1060.0)
+    assert doc["previous_until"] == "1970-01-01T00:17:40Z"
+    assert doc["labels"] == {"team": "search"}
+    for key in ("sk-old", "sk-new"):
+        assert auth.authenticate(headers(x_api_key=key)).id == "key:carol"
+    # Another replica, from a snapshot, honours the same window.
+    other = Authenticator(limits_settings(), lambda: now[0])
+    other.restore(auth.state())
+    assert other.authenticate(headers(x_api_key="sk-old")).id == "key:carol"
+    now[0] = 1060.0
+    for a in (auth, other):
+        with pytest.raises(AuthenticationError, match="Incorrect"):
+            a.authenticate(headers(x_api_key="sk-old"))
+        assert a.authenticate(headers(x_api_key="sk-new")).id == "key:carol"
+    # A configured key rotated: the change is run-time state, and survives a snapshot too.
+    auth.rotate("bob", hash_key("sk-bob-new"), overlap_until=0.0)
+    other.restore(auth.state())
+    assert other.authenticate(headers(x_api_key="sk-bob-new")).id == "key:bob"
+    with pytest.raises(AuthenticationError):
+        other.authenticate(headers(x_api_key=BOB))
+
+
+def test_an_expired_key_is_refused_with_its_own_message() -> None:
+    now = [1000.0]
+    settings = limits_settings(
+        keys=[{"name": "eve", "hash": hash_key("sk-eve"), "expires_at": "1970-01-01T00:20:00Z"}]
+    )
+    auth = Authenticator(settings, lambda: now[0])
+    auth.add("dan", hash_key("sk-dan"), "default", expires_at=1100.0)
+    assert auth.authenticate(headers(x_api_key="sk-dan")).id == "key:dan"
+    now[0] = 1100.0
+    with pytest.raises(AuthenticationError) as expired:
+        auth.authenticate(headers(x_api_key="sk-dan"))
+    assert expired.value.code == "expired_api_key"
+    assert "expired at 1970-01-01T00:18:20Z" in expired.value.message
+    assert auth.authenticate(headers(x_api_key="sk-eve")).id == "key:eve"  # until 1,200
+    now[0] = 1200.0
+    with pytest.raises(AuthenticationError, match="expired"):
+        auth.authenticate(headers(x_api_key="sk-eve"))
 
 
 def keys_cli(argv: list[str]) -> int:
@@ -241,3 +338,17 @@ def test_the_documented_example_configuration_is_valid() -> None:
     assert s.store == "redis"
     assert s.keys[0].tier == "gold"
     assert s.admission.max_in_flight == 64
+
+
+def test_with_auth_on_the_anonymous_tier_need_not_exist_nor_a_key_in_the_file() -> None:
+    """Keys may all be made at run time; anonymous callers are refused anyway."""
+    settings = LimitsSettings.model_validate(
+        {"auth": True, "tiers": {"gold": {"requests_per_minute": 5}}}
+    )
+    auth = Authenticator(settings)
+    with pytest.raises(AuthenticationError):
+        auth.authenticate(headers())
+    auth.add("team", hash_key("sk-team"), "gold")
+    assert auth.authenticate(headers(x_api_key="sk-team")).tier == "gold"
+    with pytest.raises(ValidationError, match="anonymous_tier"):
+        LimitsSettings.model_validate({"auth": False, "tiers": {"gold": {}}})

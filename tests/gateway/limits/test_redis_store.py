@@ -15,9 +15,10 @@ from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from backends.errors import LimitsUnavailable
+from gateway.limits.budget import Counted
 from gateway.limits.redis_store import _ADMIT, _SETTLE, RedisLimitStore
 from gateway.limits.settings import RedisSettings
-from gateway.limits.store import Limits, finish
+from gateway.limits.store import Limits, Used, finish
 from tests.redis_server import RedisServer
 
 StoreFactory = Callable[..., RedisLimitStore]
@@ -242,20 +243,32 @@ async def test_a_budget_is_one_count_for_every_client_and_follows_the_failure_mo
         for mode in ("closed", "open")
     ]
     closed, opened = stores
-    # 20 charges of 100 at once from two clients on a budget of 1,000: exactly 10 taken.
+    day, month = Counted("day", "day:2026-12-05", 1000), Counted("month", "month:2026-12", 5000)
+    names = [day.name, month.name]
+    # 20 charges of 100 at once from two clients on 1,000 a day: exactly 10 taken, from both.
     results = await asyncio.gather(
-        *(stores[i % 2].charge_budget("team:1", 100, 1000) for i in range(20))
+        *(stores[i % 2].charge_budget("key:team", 100, [day, month]) for i in range(20))
     )
     assert sum(1 for r in results if r is None) == 10
-    assert await closed.budget_spent("team:1") == 1000
-    await opened.refund_budget("team:1", 300)  # three used nothing after all
-    assert await closed.charge_budget("team:1", 300, 1000) is None
-    assert await closed.charge_budget("team:1", 1, 1000) == 1000  # refused: what is spent
+    assert {r for r in results if r is not None} == {(day, 1000)}  # the day's count refused
+    assert await closed.budget_spent("key:team", names) == [1000, 1000]
+    # Three used nothing after all; one used 50 of model "m".
+    await opened.settle_budget("key:team", names, 300, None)
+    await opened.settle_budget("key:team", names, 50, Used("2026-12-05", "m", 50))
+    assert await closed.budget_spent("key:team", names) == [650, 650]
+    assert await closed.budget_usage("key:team", ["2026-12-05", "2026-12-04"]) == {
+        "2026-12-05": {"m": 50}
+    }
+    assert await closed.charge_budget("key:team", 350, [day, month]) is None
+    assert await closed.charge_budget("key:team", 1, [day, month]) == (day, 1000)
+    assert await closed.budget_spent("key:other", names) == [0, 0]  # another owner: apart
     own_redis.stop()
     with pytest.raises(LimitsUnavailable):
-        await closed.charge_budget("team:1", 1, 1000)
-    assert await opened.charge_budget("team:1", 1, 1000) is None  # unchecked: fail-open
-    assert await opened.budget_spent("team:1") is None
+        await closed.charge_budget("key:team", 1, [day])
+    assert await opened.charge_budget("key:team", 1, [day]) is None  # unchecked: fail-open
+    assert await opened.budget_spent("key:team", names) is None
+    assert await opened.budget_usage("key:team", ["2026-12-05"]) is None
+    await opened.settle_budget("key:team", names, 1, None)  # lost, and said nowhere: no raise
 
 
 async def test_open_connects_the_whole_pool_and_loads_the_scripts(

@@ -122,6 +122,9 @@ async def test_token_budget_cannot_be_overspent_by_concurrent_requests() -> None
     assert statuses[429] == 15
 
 
+_DRAINS: set[asyncio.Task[bytes]] = set()
+
+
 async def start_gateway_process(config: Path) -> tuple[asyncio.subprocess.Process, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GATEWAY_")}
     proc = await asyncio.create_subprocess_exec(
@@ -135,6 +138,11 @@ async def start_gateway_process(config: Path) -> tuple[asyncio.subprocess.Proces
         assert line, "gateway exited before listening"
         m = re.search(r'"address": "(http://127\.0\.0\.1:\d+)"', line)
         if m:
+            # Read on to the end: a full pipe would block the gateway's next log line (and
+            # with it its event loop, SIGTERM included).
+            drain = asyncio.create_task(proc.stderr.read())
+            _DRAINS.add(drain)
+            drain.add_done_callback(_DRAINS.discard)
             return proc, m.group(1)
 
 

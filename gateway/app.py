@@ -28,11 +28,13 @@ from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_s
 from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
+from gateway.fleet.figures import read as read_figures
 from gateway.fleet.files import FileLog, FileRegistry
 from gateway.fleet.log import ChangeLog, LogKeys, RedisLog
-from gateway.fleet.member import Member, MemberSettings, replica_id
+from gateway.fleet.member import Description, Member, MemberSettings, replica_id
 from gateway.fleet.registry import RedisRegistry, Registry
 from gateway.keys import (
+    ADAPTERS,
     ADMISSION,
     FLEET,
     GATEWAY,
@@ -266,15 +268,23 @@ async def _responses_ctx(app: web.Application) -> AsyncIterator[None]:
     await homes.close()
 
 
-def _describe_replica(app: web.Application) -> tuple[str, dict[str, int], dict[str, str]]:
-    """What this replica tells the fleet's registry of itself: where it listens, and its
-    in-flight count and view of health per backend."""
-    s, pool = app[SETTINGS], app[POOL]
+def _describe_replica(app: web.Application) -> Description:
+    """What this replica tells the fleet's registry of itself: where it listens, its in-flight
+    count and view of health per backend, and its figures since it started, read from the
+    metrics and the limiter's counts as they stand (once per report, nothing per request)."""
+    s, pool, metrics = app[SETTINGS], app[POOL], app[METRICS]
     backends = pool.all()
-    return (
-        f"{s.host}:{s.port}",
-        {b.id: b.in_flight for b in backends},
-        {b.id: b.health.state.value for b in backends},
+    limiter = app.get(LIMITER)
+    families = [
+        *metrics.requests.collect(),
+        *metrics.ttft.collect(),
+        *metrics.pool_requests.collect(),
+    ]
+    return Description(
+        address=f"{s.host}:{s.port}",
+        in_flight={b.id: b.in_flight for b in backends},
+        health={b.id: b.health.state.value for b in backends},
+        figures=read_figures(families, limiter.rejections if limiter is not None else {}),
     )
 
 
@@ -484,6 +494,7 @@ def create_app(
         app.on_cleanup.append(lambda _: _shutdown_tracing(provider))
     app.cleanup_ctx.append(_backends_ctx(resolver, transport))
     app[FLEET] = None
+    app[ADAPTERS] = {}
     app.cleanup_ctx.append(_fleet_ctx)  # last: it applies changes to all of the above
     _add_routes(app)
     return app

@@ -65,5 +65,7 @@ RESPONSE_HOMES: Final = web.AppKey[ResponseHomes]("response_homes")
 
 # this replica's membership of its fleet (``gateway.fleet.member``); None: it acts alone
 FLEET: Final = web.AppKey["Member | None"]("fleet")
+# LoRA adapters loaded at run time: name -> its path, base model and backends (the fleet's log)
+ADAPTERS: Final = web.AppKey[dict[str, dict[str, object]]]("adapters")
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

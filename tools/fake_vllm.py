@@ -114,7 +114,21 @@ class FakeBackend:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_post("/tokenize", self._tokenize)
+        app.router.add_post("/v1/load_lora_adapter", self._lora)
+        app.router.add_post("/v1/unload_lora_adapter", self._lora)
         return app
+
+    async def _lora(self, request: web.Request) -> web.Response:
+        """vLLM's runtime LoRA routes, as far as ``/v1/models`` shows them."""
+        name = str((await request.json())["lora_name"])
+        if request.path.endswith("/load_lora_adapter"):
+            if name not in self.models:
+                self.models.append(name)
+            return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+        if name not in self.models:
+            return web.json_response({"error": {"message": f"no adapter {name}"}}, status=404)
+        self.models.remove(name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         doc = await request.json()

@@ -4,15 +4,15 @@ It polls the admin API (``/admin/backends`` and ``/admin/metrics``) once a secon
 per backend: health, circuit, in-flight, queue, KV usage, score, requests per second and time
 to first token (p50, p99) over the last interval, and the TTFT and inter-token latency the
 gateway predicts for it as loaded now (its learned speed); in a fleet, below them, every replica
-(``/admin/replicas``) with the last change it applied. The arithmetic is pure (``Frame``); only
-``run`` does I/O.
+(``/admin/replicas``) with the last change it applied and the requests it served, and the
+fleet's figures summed over the replicas. The arithmetic is pure (``Frame``); only ``run`` does
+I/O.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -24,6 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
+
+from gateway.fleet.figures import quantile
 
 DESCRIPTION: Final = (
     "Live view of a running gateway: per backend health, circuit, in-flight requests, queue "
@@ -65,20 +68,7 @@ def parse_metrics(text: str, at: float) -> MetricsSample:
 
 def bucket_quantile(buckets: Iterable[tuple[float, float]], q: float) -> float | None:
     """Prometheus-style quantile from cumulative buckets (linear within a bucket)."""
-    bs = list(buckets)
-    if not bs or bs[-1][1] <= 0:
-        return None
-    rank = q * bs[-1][1]
-    prev_le, prev_count = 0.0, 0.0
-    for le, count in bs:
-        if count >= rank:
-            if math.isinf(le):
-                return prev_le
-            span = count - prev_count
-            frac = 0.0 if span <= 0 else (rank - prev_count) / span
-            return prev_le + (le - prev_le) * frac
-        prev_le, prev_count = le, count
-    return prev_le
+    return quantile(buckets, q)
 
 
 def _delta_buckets(
@@ -169,8 +159,44 @@ def render(rows: list[Row], policy: str) -> Table:
     return table
 
 
-def render_replicas(doc: Mapping[str, Any]) -> Table | None:
-    """The fleet's replicas (``GET /admin/replicas``); None when the gateway acts alone."""
+def _ms(seconds: float | None) -> str:
+    return _fmt(None if seconds is None else seconds * 1e3, "{:.0f} ms")
+
+
+def _shares(counts: Mapping[str, int], most: int = 6) -> str:
+    """``a 60 (75%) · b 20 (25%)``, the largest first."""
+    whole = sum(counts.values())
+    ranked = sorted(counts.items(), key=lambda e: (-e[1], e[0]))[:most]
+    return " · ".join(f"{k} {n} ({n / whole:.0%})" if whole else f"{k} {n}" for k, n in ranked)
+
+
+def fleet_lines(summary: Mapping[str, Any]) -> list[str]:
+    """Below the replicas: the backends whose health they see differently, and the fleet's
+    figures (``summary.figures``, summed over the replicas), a line each."""
+    lines = [
+        f"health seen differently: {backend} ({', '.join(f'{r} {v}' for r, v in seen.items())})"
+        for backend, seen in (summary.get("disagree") or {}).items()
+    ]
+    figures = summary.get("figures")
+    if figures is None:  # a replica of before the figures answered
+        return lines
+    lines.append(
+        f"fleet: {figures['requests']} requests · {figures['errors']} errors (5xx) · TTFT p50 "
+        f"{_ms(figures.get('ttft_p50_s'))} p99 {_ms(figures.get('ttft_p99_s'))}"
+    )
+    if figures["decisions"]:
+        lines.append(f"routed: {_shares(figures['decisions'])}")
+    for alias, pools in sorted(figures["canary"].items()):
+        lines.append(f"canary {alias}: {_shares(pools)}")
+    if figures["rejections"]:
+        ranked = sorted(figures["rejections"].items(), key=lambda e: (-e[1], e[0]))
+        lines.append("rejected: " + " · ".join(f"{k} {n}" for k, n in ranked[:8]))
+    return lines
+
+
+def render_replicas(doc: Mapping[str, Any]) -> RenderableType | None:
+    """The fleet's replicas (``GET /admin/replicas``) and, below them, its figures summed over
+    them; None when the gateway acts alone."""
     if doc.get("fleet") is None:
         return None
     summary = doc["summary"]
@@ -180,20 +206,23 @@ def render_replicas(doc: Mapping[str, Any]) -> Table | None:
         f"behind: {lag}",
         expand=False,
     )
-    for col in ("replica", "version", "address", "up", "in-flight", "applied"):
+    for col in ("replica", "version", "address", "up", "in-flight", "requests", "applied"):
         table.add_column(col, justify="left" if col in ("replica", "address") else "right")
     for r in doc["replicas"]:
         name = r["id"] + (" *" if r["id"] == doc.get("self") else "")
         behind = r["id"] in summary["lagging"]
+        requests = (r.get("figures") or {}).get("requests")
         table.add_row(
             name,
             r["version"],
             r["address"],
             f"{r['uptime_s']:.0f} s",
             str(sum(r["in_flight"].values())),
+            "-" if requests is None else str(requests),
             f"[yellow]{r['applied']}[/]" if behind else str(r["applied"]),
         )
-    return table
+    lines = fleet_lines(summary)
+    return Group(table, Text("\n".join(lines))) if lines else table
 
 
 class TopClient:

@@ -34,9 +34,9 @@ from gateway.admin.reload import (
 from gateway.admin.views import backend_view
 from gateway.fleet.changes import Change, Position, Snapshot
 from gateway.fleet.follower import Outcome
-from gateway.keys import LIMITER, POOL
+from gateway.keys import ADAPTERS, LIMITER, POOL
 from gateway.limits.budget import FIELDS, Budget, iso
-from gateway.limits.keys import Authenticator, check_labels, hash_key
+from gateway.limits.keys import Authenticator, check_labels, check_limits, hash_key
 from gateway.request.rollout import ROLLOUT
 
 log = structlog.get_logger("gateway.admin.api")
@@ -49,6 +49,9 @@ Doc = Any  # a JSON document
 
 @dataclass(frozen=True, slots=True)
 class Action:
+    """``routed``: False for a change only the gateway itself appends (a record of what was
+    done once for the fleet, such as a LoRA adapter loaded on the backends)."""
+
     method: str
     pattern: str  # aiohttp's form: /admin/backends/{backend_id}/drain
     check: Callable[[web.Application, Params, Doc], Doc]  # what it would set; raises if bad
@@ -59,6 +62,7 @@ class Action:
     # its place, and what to add to the answer there (a key made by the gateway: its secret
     # goes to the caller once, only its hash to the log)
     prepare: Callable[[web.Application, Params, Doc], tuple[Doc, dict[str, Any]]] | None = None
+    routed: bool = True
 
     def matcher(self) -> re.Pattern[str]:
         return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", self.pattern) + "$")
@@ -164,7 +168,7 @@ def _expires_at(value: Any) -> float | None:
     return at
 
 
-_KEY_FIELDS: Final = {"name", "tier", "hash", "labels", "expires_at", *FIELDS.values()}
+_KEY_FIELDS: Final = {"name", "tier", "hash", "labels", "limits", "expires_at", *FIELDS.values()}
 
 
 def _key_prepare(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
@@ -173,7 +177,8 @@ def _key_prepare(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
         raise InvalidRequest(
             'The body must be a JSON object: {"name": ..., "tier": ..., "hash": "sha256:...", '
-            '"labels": {...}, "expires_at": "2027-01-01T00:00:00Z", "tokens_per_day": N, '
+            '"labels": {...}, "limits": {"requests_per_minute": N, ...}, '
+            '"expires_at": "2027-01-01T00:00:00Z", "tokens_per_day": N, '
             '"tokens_per_month": N}; without a hash the gateway makes the key and answers it once.'
         )
     unknown = sorted(set(body) - _KEY_FIELDS)
@@ -184,6 +189,7 @@ def _key_prepare(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc
         "name": body["name"],
         "tier": str(body.get("tier", "default")),
         "labels": check_labels(body.get("labels") or {}),
+        "limits": check_limits(body.get("limits") or {}),
         "expires_at": _expires_at(body.get("expires_at")),
         "budget": None if budget is None else budget.to_json(),
     }
@@ -200,6 +206,7 @@ def _key_check(app: web.Application, _params: Params, body: Doc) -> Doc:
         "tier": body["tier"],
         "hash": digest.hex()[:12],
         "labels": body.get("labels"),
+        "limits": body.get("limits"),
         "expires_at": body.get("expires_at"),
         "budget": body.get("budget"),
     }
@@ -214,6 +221,7 @@ def _key_apply(app: web.Application, _params: Params, body: Doc) -> Doc:
         labels=body.get("labels") or {},
         expires_at=body.get("expires_at"),
         budget=None if not budget else Budget.from_json(budget),
+        limits=check_limits(body.get("limits") or {}),
     )
 
 
@@ -294,6 +302,50 @@ def _budget_before(app: web.Application, params: Params) -> Doc:
     return None if b is None else {"source": b.source, **b.to_json()}
 
 
+ADAPTERS_PATH: Final = "/admin/lora/applied"
+
+
+def _adapters_check(_app: web.Application, _params: Params, body: Doc) -> Doc:
+    ok = (
+        isinstance(body, dict)
+        and body.get("op") in ("load", "unload")
+        and isinstance(body.get("lora_name"), str)
+        and isinstance(body.get("backends"), list)
+    )
+    if not ok:
+        raise InvalidRequest('{"op": "load"|"unload", "lora_name": ..., "backends": [...]}')
+    return body
+
+
+def _adapters_apply(app: web.Application, params: Params, body: Doc) -> Doc:
+    """A LoRA adapter loaded on (or taken off) backends, once, by the replica that was asked:
+    here, the backends' models say so at once (not at the next poll of ``/v1/models``), and
+    the fleet's record of adapters (a snapshot's) follows."""
+    _adapters_check(app, params, body)
+    pool, name = app[POOL], str(body["lora_name"])
+    held = app[ADAPTERS].get(name)
+    backends = set(map(str, held["backends"])) if held else set()  # type: ignore[call-overload]
+    for backend_id in map(str, body["backends"]):
+        b = pool.get(backend_id)
+        if body["op"] == "load":
+            backends.add(backend_id)
+            if b is not None:
+                pool.record_models(backend_id, b.models | {name})
+        else:
+            backends.discard(backend_id)
+            if b is not None:
+                pool.record_models(backend_id, b.models - {name})
+    if backends:
+        app[ADAPTERS][name] = {
+            "lora_path": body.get("lora_path", held.get("lora_path") if held else None),
+            "model": body.get("model", held.get("model") if held else None),
+            "backends": sorted(backends),
+        }
+    else:
+        app[ADAPTERS].pop(name, None)
+    return {"lora_name": name, "adapter": app[ADAPTERS].get(name)}
+
+
 ACTIONS: Final = (
     _drain(True),
     _drain(False),
@@ -350,6 +402,15 @@ ACTIONS: Final = (
         json_body=True,
     ),
     Action(
+        "POST",
+        ADAPTERS_PATH,
+        _adapters_check,
+        _adapters_apply,
+        lambda app, _p: None,
+        json_body=True,
+        routed=False,
+    ),
+    Action(
         "DELETE",
         "/admin/keys/{name}",
         _revoke_check,
@@ -394,6 +455,7 @@ def state(app: web.Application) -> dict[str, Any]:
         "policy": describe_policy(app),
         "rollout": app[ROLLOUT].state(),
         "keys": _auth(app).state(),
+        "adapters": {name: dict(held) for name, held in app[ADAPTERS].items()},
     }
 
 
@@ -408,6 +470,12 @@ def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
         change_policy(app, {k: v for k, v in policy.items() if v is not None})
     app[ROLLOUT].restore(doc.get("rollout", {}))
     _auth(app).restore(doc.get("keys", {}))
+    # The record only: the backends' models come from their own /v1/models, as at start.
+    adapters = doc.get("adapters", {})
+    held: dict[str, dict[str, object]] = {}
+    if isinstance(adapters, dict):
+        held = {str(k): dict(v) for k, v in adapters.items() if isinstance(v, dict)}
+    app[ADAPTERS] = held
 
 
 class ActionApplier:

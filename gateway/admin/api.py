@@ -191,7 +191,8 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_get("/admin/aliases", list_aliases)
     app.router.add_get("/admin/aliases/{alias}", get_alias)
     for action in ACTIONS:
-        app.router.add_route(action.method, action.pattern, change_handler(action))
+        if action.routed:
+            app.router.add_route(action.method, action.pattern, change_handler(action))
     app.router.add_get("/admin/replicas", list_replicas)
     app.router.add_get("/admin/changes", list_changes)
     app.router.add_get("/admin/keys", list_keys)

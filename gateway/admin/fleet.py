@@ -1,14 +1,14 @@
 """The admin API's side of the fleet: each change made once for every replica, the replicas,
 the audit trail.
 
-With a fleet (``gateway.fleet``), a change the admin API accepts is checked here against this
-replica's state (a bad one is refused at once and changes nothing), appended to the fleet's
-log, and applied by every replica's follower, this one's included; the answer is what applying
-it answered here, with ``X-Gateway-Replicas: applied/alive`` (how many replicas had applied it
-within ``fleet.wait``) and ``X-Gateway-Change`` (its position in the log). A change not applied
-here within the wait is answered 202 with its position: it is in the log and will be applied.
-Without a fleet, the change is applied here (and, with ``serve --workers``, sent on to the
-other workers by ``gateway.admin.fanout``).
+With a fleet (``gateway.fleet``: replicas sharing a Redis, or the workers of one host), a
+change the admin API accepts is checked here against this replica's state (a bad one is
+refused at once and changes nothing), appended to the fleet's log, and applied by every
+replica's follower, this one's included; the answer is what applying it answered here, with
+``X-Gateway-Replicas: applied/alive`` (how many replicas had applied it within ``fleet.wait``)
+and ``X-Gateway-Change`` (its position in the log). A change not applied here within the wait
+is answered 202 with its position: it is in the log and will be applied.
+Without a fleet (one process, ``fleet.log`` off), the change is applied here.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from backends.errors import FleetLogUnavailable, InvalidRequest
-from gateway.admin.actions import Action, parse_body
+from gateway.admin.actions import Action, find, parse_body
 from gateway.fleet.changes import Change
 from gateway.fleet.member import Member
 from gateway.fleet.registry import summary
@@ -34,8 +34,6 @@ log = structlog.get_logger("gateway.admin.api")
 CALLER_HEADER: Final = "X-Admin-Caller"  # who asks, for the audit trail (never a credential)
 _CALLER: Final = re.compile(r"[^A-Za-z0-9_.@:/ -]")
 _MAX_LISTED: Final = 500
-# a change's body as logged, when it differs from the request's (``Action.prepare``)
-CHANGE_BODY: Final = web.RequestKey("change_body", bytes)
 
 
 def _caller(request: web.Request) -> str:
@@ -53,7 +51,6 @@ def change_handler(action: Action) -> Handler:
         if action.prepare is not None:
             body, extra = action.prepare(gateway, params, body)
             raw = json.dumps(body).encode()
-            request[CHANGE_BODY] = raw  # what the workers' fan-out sends on, without a secret
         member = gateway[FLEET]
         if member is None:  # this replica alone: a refusal raises, as any admin error
             return web.json_response({**action.apply(gateway, params, body), **extra})
@@ -96,6 +93,39 @@ def change_handler(action: Action) -> Handler:
         )
 
     return handler
+
+
+async def record_done(request: web.Request, path: str, body: dict[str, Any]) -> dict[str, str]:
+    """A change this replica made once for the fleet (on the backends: a LoRA adapter loaded)
+    recorded in the fleet's log, so every replica applies its effect at once, in the log's
+    order; the headers for the answer. Without a fleet, applied here. Redis out of reach: the
+    backends already changed, so it is applied here, said in the log and in the answer, and the
+    other replicas learn it from the backends' ``/v1/models`` at their next poll."""
+    gateway = request.app[GATEWAY]
+    found = find("POST", path)
+    assert found is not None, path
+    action, params = found
+    member = gateway[FLEET]
+    if member is None:
+        action.apply(gateway, params, body)
+        return {}
+    change = Change(
+        method="POST",
+        path=path,
+        body=json.dumps(body).encode(),
+        replica=member.id,
+        caller=_caller(request),
+        at=time.time(),
+        old=action.before(gateway, params),
+        new=action.check(gateway, params, body),
+    )
+    try:
+        done = await member.submit(change)
+    except FleetLogUnavailable as exc:
+        action.apply(gateway, params, body)
+        log.warning("fleet_record_failed", path=path, error=exc.message)
+        return {"X-Gateway-Replicas": "unrecorded"}
+    return {"X-Gateway-Replicas": done.spread.header(), "X-Gateway-Change": str(done.position)}
 
 
 def _member(request: web.Request) -> Member | None:

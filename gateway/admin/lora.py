@@ -8,6 +8,11 @@ and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=1``): on the ones named, or on all of the
 ``replicas: k``, on k of them, packed (``place``: those that hold it already first, then the
 least loaded), so an adapter used by few takes few backends' adapter slots.
 ``POST /admin/lora/unload`` takes it off (every backend listing it, or the ones named).
+
+A load or unload runs once, from the replica that was asked (the backends hold adapters, not
+the replicas); what it did is then recorded in the fleet's change log (``record_done``), so
+every replica routes to the adapter at once rather than at its next poll of the backends'
+models, and the audit trail and the fleet's snapshot say which adapters are loaded where.
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from backends.errors import InvalidRequest, NotFound, UpstreamError
 from backends.state import BackendState
+from gateway.admin.actions import ADAPTERS_PATH
+from gateway.admin.fleet import record_done
 from gateway.keys import GATEWAY, POOL, UPSTREAM
 
 log = structlog.get_logger("gateway.admin.lora")
@@ -128,14 +135,24 @@ async def load_adapter(request: web.Request) -> web.Response:
     for backend, (ok, said) in zip(todo, answers, strict=True):
         if ok:
             loaded.append(backend)
-            pool.record_models(backend, serving[backend].models | {body.lora_name})
         else:
             failed[backend] = said
     log.info(
         "lora_loaded", lora=body.lora_name, model=body.model, loaded=loaded, failed=list(failed)
     )
+    headers: dict[str, str] = {}
+    if loaded:  # every replica routes to it at once (the fleet's log)
+        record = {
+            "op": "load",
+            "lora_name": body.lora_name,
+            "lora_path": body.lora_path,
+            "model": body.model,
+            "backends": loaded,
+        }
+        headers = await record_done(request, ADAPTERS_PATH, record)
     result = {"lora_name": body.lora_name, "loaded": loaded, "already": already, "failed": failed}
-    return web.json_response(result, status=502 if failed and not (loaded or already) else 200)
+    status = 502 if failed and not (loaded or already) else 200
+    return web.json_response(result, status=status, headers=headers)
 
 
 async def unload_adapter(request: web.Request) -> web.Response:
@@ -154,9 +171,13 @@ async def unload_adapter(request: web.Request) -> web.Response:
     for backend, (ok, said) in zip(targets, answers, strict=True):
         if ok:
             unloaded.append(backend)
-            pool.record_models(backend, holding[backend].models - {body.lora_name})
         else:
             failed[backend] = said
     log.info("lora_unloaded", lora=body.lora_name, unloaded=unloaded, failed=list(failed))
+    headers: dict[str, str] = {}
+    if unloaded:
+        record = {"op": "unload", "lora_name": body.lora_name, "backends": unloaded}
+        headers = await record_done(request, ADAPTERS_PATH, record)
     result = {"lora_name": body.lora_name, "unloaded": unloaded, "failed": failed}
-    return web.json_response(result, status=502 if failed and not unloaded else 200)
+    status = 502 if failed and not unloaded else 200
+    return web.json_response(result, status=status, headers=headers)

@@ -247,6 +247,13 @@ class AdminSettings(BaseModel):
     port: int = Field(8081, ge=0, le=65535)
     token: SecretStr | None = Field(None, description="bearer token; no token, no admin API")
 
+    @field_validator("token")
+    @classmethod
+    def _not_empty(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().strip():
+            raise ValueError("admin.token is empty: unset it (no admin API) or give a secret")
+        return v
+
 
 class FleetSettings(BaseModel):
     """Replicas that share a Redis act as one gateway: every admin change goes through one

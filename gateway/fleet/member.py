@@ -20,7 +20,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 import structlog
@@ -28,6 +28,7 @@ from redis.exceptions import RedisError
 
 from backends.errors import FleetLogUnavailable
 from gateway.fleet.changes import Change, Position
+from gateway.fleet.figures import Figures
 from gateway.fleet.follower import Applier, Follower, Outcome
 from gateway.fleet.log import ChangeLog
 from gateway.fleet.registry import Registry, Report
@@ -57,6 +58,16 @@ class Submitted:
 
 
 @dataclass(frozen=True, slots=True)
+class Description:
+    """What a replica says of itself now, in its report."""
+
+    address: str  # where its model endpoints listen (host:port)
+    in_flight: dict[str, int]  # per backend id
+    health: dict[str, str]  # per backend id: its view
+    figures: Figures = field(default_factory=Figures)  # what it served since it started
+
+
+@dataclass(frozen=True, slots=True)
 class MemberSettings:
     fleet: str
     replica: str
@@ -83,10 +94,10 @@ class Member:
         registry: Registry,
         applier: Applier,
         settings: MemberSettings,
-        describe: Callable[[], tuple[str, dict[str, int], dict[str, str]]],
+        describe: Callable[[], Description],
     ) -> None:
         """``changes`` and ``registry``: the fleet's, on Redis or in files (owned by the
-        caller); ``describe``: this replica's address, in-flight and health per backend, now."""
+        caller); ``describe``: this replica now (called once per report, never per request)."""
         self.settings = settings
         self.id = settings.replica
         self.changes = changes
@@ -174,16 +185,17 @@ class Member:
         return None if applied is None else str(applied)
 
     def report(self) -> Report:
-        address, in_flight, health = self._describe()
+        now = self._describe()
         return Report(
             id=self.id,
             version=self.settings.version,
-            address=address,
+            address=now.address,
             applied=self._applied(),
             started_at=self._started_at,
             reported_at=time.time(),
-            in_flight=in_flight,
-            health=health,
+            in_flight=now.in_flight,
+            health=now.health,
+            figures=now.figures,
         )
 
     async def _report_loop(self) -> None:

@@ -8,7 +8,9 @@ a TTL (``SET ... PX``), so Redis itself forgets a replica that died: no clock of
 The ids are also kept in a set, ``<prefix><fleet>:replicas``, for listing; an id whose report has
 expired is taken out of the set by the next listing.
 
-What the reports say together (``lagging``, ``disagreements``) is pure and below the I/O.
+A report carries the replica's figures since it started (``gateway.fleet.figures``): what the
+reports say together (``lagging``, ``disagreements``, the sums in ``summary``) is pure and below
+the I/O.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from redis.asyncio import Redis
 
 from backends.errors import InvalidRequest
 from gateway.fleet.changes import Position
+from gateway.fleet.figures import Figures, total
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +39,13 @@ class Report:
     reported_at: float  # Unix time, its own clock
     in_flight: dict[str, int] = field(default_factory=dict)  # per backend id
     health: dict[str, str] = field(default_factory=dict)  # per backend id: its view
+    figures: Figures = field(default_factory=Figures)  # since it started
+
+    def _doc(self) -> dict[str, Any]:
+        return {**asdict(self), "figures": self.figures.doc()}
 
     def encode(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+        return json.dumps(self._doc(), separators=(",", ":"), sort_keys=True)
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Report:
@@ -53,6 +60,7 @@ class Report:
                 reported_at=float(doc["reported_at"]),
                 in_flight={str(k): int(v) for k, v in doc.get("in_flight", {}).items()},
                 health={str(k): str(v) for k, v in doc.get("health", {}).items()},
+                figures=Figures.parse(doc.get("figures")),  # none from an older replica
             )
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise InvalidRequest(f"an unreadable replica report: {exc}") from None
@@ -63,7 +71,11 @@ class Report:
 
     def view(self, now: float) -> dict[str, Any]:
         """``GET /admin/replicas``' view of it."""
-        return {**asdict(self), "uptime_s": round(max(0.0, now - self.started_at), 1)}
+        return {
+            **self._doc(),
+            "figures": self.figures.view(),
+            "uptime_s": round(max(0.0, now - self.started_at), 1),
+        }
 
 
 def lagging(reports: Sequence[Report], head: Position | None) -> list[str]:
@@ -158,11 +170,13 @@ class RedisRegistry:
 
 
 def summary(reports: Sequence[Report], head: Position | None) -> Mapping[str, Any]:
-    """What the console and ``top`` show of the fleet: who lags, who disagrees, the sums."""
+    """What the console and ``top`` show of the fleet: who lags, who disagrees, the sums (in
+    flight now; the figures of the replicas alive, each since it started)."""
     return {
         "replicas": len(reports),
         "head": None if head is None else str(head),
         "lagging": lagging(reports, head),
         "disagree": disagreements(reports),
         "in_flight": in_flight(reports),
+        "figures": total(r.figures for r in reports).view(),
     }

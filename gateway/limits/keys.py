@@ -83,6 +83,7 @@ class KeyRecord:
     budget: Budget | None = None
     previous: bytes | None = None
     previous_until: float | None = None
+    limits: Mapping[str, int] = field(default_factory=dict)  # over its tier's (LIMIT_FIELDS)
 
     def to_json(self) -> dict[str, Any]:
         """Its run-time state (a snapshot's): the full hashes, never a key."""
@@ -95,6 +96,7 @@ class KeyRecord:
             "budget": None if self.budget is None else self.budget.to_json(),
             "previous": None if self.previous is None else self.previous.hex(),
             "previous_until": self.previous_until,
+            "limits": dict(self.limits),
         }
 
     @classmethod
@@ -111,11 +113,25 @@ class KeyRecord:
             budget=None if not budget else Budget.from_json(budget),
             previous=None if previous is None else bytes.fromhex(str(previous)),
             previous_until=_float_or_none(doc.get("previous_until")),
+            limits={str(k): int(v) for k, v in (doc.get("limits") or {}).items()},
         )
 
 
 def _float_or_none(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+LIMIT_FIELDS: Final = ("requests_per_minute", "tokens_per_minute", "max_concurrent")
+
+
+def check_limits(limits: Any) -> dict[str, int]:
+    """A key's own limits, over its tier's: any of ``LIMIT_FIELDS``, positive whole numbers."""
+    if not isinstance(limits, dict) or set(limits) - set(LIMIT_FIELDS):
+        raise InvalidRequest(f"limits: an object of any of {', '.join(LIMIT_FIELDS)}.")
+    for k, v in limits.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise InvalidRequest(f"limits.{k}: a positive whole number.")
+    return dict(limits)
 
 
 def check_labels(labels: Any) -> dict[str, str]:
@@ -166,7 +182,7 @@ class Authenticator:
         principal = Principal(
             id=f"key:{record.name}",
             tier=record.tier,
-            limits=_limits(tier),
+            limits=replace(_limits(tier), **record.limits),
             max_priority=tier.max_priority,
             authenticated=True,
             objective=tier.objective,
@@ -217,10 +233,13 @@ class Authenticator:
         labels: Mapping[str, str] | None = None,
         expires_at: float | None = None,
         budget: Budget | None = None,
+        limits: Mapping[str, int] | None = None,
     ) -> dict[str, Any]:
-        """Add the key ``name`` (or replace it whole, its previous secret refused at once)."""
+        """Add the key ``name`` (or replace it whole, its previous secret refused at once);
+        ``limits``: its own, over its tier's (``LIMIT_FIELDS``)."""
         digest = self.check_add(name, hash_hex, tier)
-        self._put(KeyRecord(name, digest, tier, "runtime", dict(labels or {}), expires_at, budget))
+        record = KeyRecord(name, digest, tier, "runtime", dict(labels or {}), expires_at, budget)
+        self._put(replace(record, limits=dict(limits or {})))
         return self.describe(name)
 
     def check_rotate(self, name: str, hash_hex: str) -> bytes:
@@ -265,6 +284,7 @@ class Authenticator:
             "hash": r.digest.hex()[:12],
             "labels": dict(r.labels),
             "expires_at": None if r.expires_at is None else iso(r.expires_at),
+            "limits": dict(r.limits),
         }
         if r.previous is not None and r.previous_until is not None:
             doc["previous_until"] = iso(r.previous_until)

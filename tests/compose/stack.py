@@ -23,6 +23,7 @@ ROOT: Final = Path(__file__).resolve().parents[2]
 OVERRIDE: Final = Path(__file__).with_name("compose.test.yaml")
 MODEL: Final = "qwen2.5-7b-instruct"  # what compose.yaml's simulators serve by default
 KEY: Final = "sk-compose-ci"  # compose.test.yaml's key, limited to 10 requests a minute
+ADMIN_TOKEN: Final = "compose-ci-admin-token"  # passed through by compose, as from a shell
 
 
 def local_images() -> dict[str, str]:
@@ -45,7 +46,9 @@ class Stack:
         self.env |= images | {
             "PUBLISH_ADDRESS": "127.0.0.1",
             "GATEWAY_PUBLISH_PORT": "",  # empty: a free port each, so replicas can scale
+            "ADMIN_PUBLISH_PORT": "",
             "PROMETHEUS_PUBLISH_PORT": "",
+            "GATEWAY_ADMIN__TOKEN": ADMIN_TOKEN,
         }
         self.scale = {"sim": 3, "gateway": 1}
 

@@ -3,8 +3,8 @@ three simulators, Redis, Prometheus and the gateway started, then scaled, broken
 as an operator would, through the ports compose publishes on 127.0.0.1.
 
 The tests share one running project and build on each other's state (scale five, then two,
-then a kill, then two gateways, then a stop), so they run in this order; the module's fixture
-removes everything at the end, also when a test failed.
+then a kill, then two gateways, an admin change and a Redis restart, then a stop), so they run
+in this order; the module's fixture removes everything at the end, also when a test failed.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import openai
 import pytest
 
 from tests.compose.stack import (
+    ADMIN_TOKEN,
     KEY,
     MODEL,
     Stack,
@@ -211,6 +212,48 @@ async def test_two_gateway_replicas_share_one_key_limit_through_redis(stack: Sta
         for url, b in zip(replicas, before, strict=True)
     ]
     assert answered == [15, 15], answered  # each replica answered its half (200 or 429)
+
+
+def test_an_admin_change_reaches_both_replicas_and_outlives_a_redis_restart(
+    stack: Stack,
+) -> None:
+    """A drain through one replica's admin port is applied by the other (one fleet, one change
+    log in Redis); after `docker compose restart redis` the log still lists it (the
+    append-only file on the redis-data volume)."""
+    stack.up(gateway=2)  # as the test before left it; also when run alone (-k)
+    admins = [stack.url("gateway", 8081, index=i) for i in (1, 2)]
+    auth = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+    def draining(admin: str) -> dict[str, bool]:
+        doc = httpx.get(admin + "/admin/backends", headers=auth, timeout=5).json()
+        return {b["id"]: b["draining"] for b in doc["backends"]}
+
+    def logged(admin: str) -> list[tuple[str, str]]:
+        r = httpx.get(admin + "/admin/changes", headers=auth, timeout=5)
+        if r.status_code != 200:
+            return []
+        return [(c["position"], c["path"]) for c in r.json()["changes"]]
+
+    eventually(
+        lambda: set(draining(admins[0])) == set(draining(admins[1])) != set(),
+        within=60,
+        what="both replicas' admin APIs, with the same backends",
+    )
+    backend = sorted(draining(admins[0]))[0]
+    for admin, verb, state in ((admins[0], "drain", True), (admins[1], "undrain", False)):
+        r = httpx.post(f"{admin}/admin/backends/{backend}/{verb}", headers=auth, timeout=10)
+        assert r.status_code == 200, r.text
+        other = admins[1] if admin == admins[0] else admins[0]
+        eventually(
+            lambda other=other, state=state: draining(other).get(backend) is state,
+            within=10,
+            what=f"the {verb} applied by the other replica",
+        )
+    before = logged(admins[0])
+    paths = [path for _, path in before[:2]]
+    assert paths == [f"/admin/backends/{backend}/undrain", f"/admin/backends/{backend}/drain"]
+    stack.compose("restart", "redis", timeout=60)
+    eventually(lambda: logged(admins[1])[:2] == before[:2], within=30, what="the log after")
 
 
 async def test_sigterm_lets_streams_in_flight_finish_within_the_grace_period(

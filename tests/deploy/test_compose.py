@@ -22,14 +22,19 @@ from tests.deploy.manifests import (
     compose_schema,
     compose_vllm_args,
     flags,
+    interpolate,
 )
 
 GATEWAY_PORT = Settings.model_fields["port"].default  # 8080
+ADMIN_PORT = 8081  # compose.yaml's GATEWAY_ADMIN__PORT
 VLLM_PORT = 8000  # vLLM's default --port
 
 
 def gateway_env() -> dict[str, str]:
-    return {k: str(v) for k, v in compose()["services"]["gateway"]["environment"].items()}
+    """The gateway's environment as compose sets it with no variables in the shell or .env:
+    a name without a value (passed through from there) is left unset."""
+    env = compose()["services"]["gateway"]["environment"]
+    return {k: str(v) for k, v in env.items() if v is not None}
 
 
 def healthcheck_url(service: dict[str, Any]) -> str:
@@ -113,6 +118,46 @@ def test_gateway_waits_for_redis_and_finds_the_servers_itself() -> None:
     deps = compose()["services"]["gateway"]["depends_on"]
     assert deps == {"redis": {"condition": "service_healthy"}}
     assert gateway_env()["GATEWAY_LIMITS__REDIS__URL"].startswith("redis://redis:6379")
+
+
+def test_redis_keeps_its_data_on_a_named_volume() -> None:
+    """The fleet's change log, run-time keys and budgets live in Redis: an append-only file
+    fsync'd every second, in a volume that outlives the container."""
+    redis = compose()["services"]["redis"]
+    assert redis["command"][0] == "redis-server"
+    args = flags(redis["command"][1:])
+    assert args["--appendonly"] == "yes"
+    assert args["--appendfsync"] == "everysec"
+    # Named, since Debian's redis-server (the test images) starts in / and the official
+    # image's in /data.
+    assert args["--dir"] == "/data"
+    assert "redis-data:/data" in redis["volumes"]
+    assert "redis-data" in compose()["volumes"]
+
+
+def test_admin_api_on_every_replica_only_with_a_token_from_the_shell(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every gateway replica serves the admin API on the project's network (at gateway:8081,
+    whichever replica answers), published on loopback only; and only with a token, which
+    compose passes through from the shell or .env: none there, none in the container."""
+    gateway = compose()["services"]["gateway"]
+    assert "GATEWAY_ADMIN__TOKEN" in gateway["environment"]
+    assert gateway["environment"]["GATEWAY_ADMIN__TOKEN"] is None  # passed through, no default
+    for key, value in gateway_env().items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("GATEWAY_ADMIN__TOKEN", raising=False)
+    settings = Settings()
+    assert settings.admin.host == "0.0.0.0"
+    assert settings.admin.port == ADMIN_PORT != settings.port
+    assert settings.admin.token is None  # no token, no admin API
+    assert str(ADMIN_PORT) in gateway["expose"]
+    # Opening the gateway to other hosts (PUBLISH_ADDRESS) leaves the admin port on loopback;
+    # ADMIN_PUBLISH_PORT= (empty) gives each replica a free port, as GATEWAY_PUBLISH_PORT=.
+    opened = interpolate(compose_raw(), {"PUBLISH_ADDRESS": "0.0.0.0", "ADMIN_PUBLISH_PORT": ""})
+    ports = opened["services"]["gateway"]["ports"]
+    assert f"0.0.0.0:8080:{GATEWAY_PORT}" in ports
+    assert f"127.0.0.1::{ADMIN_PORT}" in ports
 
 
 def test_vllm_runs_with_production_engine_arguments() -> None:

@@ -33,6 +33,7 @@ from tests.helpers import FakeBackend, fronting
 
 GATEWAY_PORT = Settings.model_fields["port"].default  # 8080
 VLLM_PORT = 8000
+REDIS_DATA = "/data"  # the official image's working directory, where it keeps its files
 # NVIDIA dcgm-exporter's GPU utilisation gauge (percent), in its default counter set.
 DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
 
@@ -119,6 +120,62 @@ def test_gateway_env_is_valid_gateway_settings(monkeypatch: pytest.MonkeyPatch) 
     redis_host = settings.limits.redis.url.get_secret_value().split("//", 1)[1].split(":")[0]
     [redis_port] = k8s_object("Service", redis_host)["spec"]["ports"]
     assert redis_port["port"] == 6379
+
+
+def test_redis_keeps_its_data_on_a_persistent_volume() -> None:
+    """The fleet's change log, run-time keys and budgets live in Redis: an append-only file
+    fsync'd every second, on a claim that outlives the pod."""
+    deploy = k8s_object("Deployment", "redis")
+    ctr = container(deploy, "redis")
+    args = flags(ctr["args"])
+    assert args["--appendonly"] == "yes"
+    assert args["--appendfsync"] == "everysec"
+    assert args["--dir"] == REDIS_DATA
+    [mount] = [m for m in ctr["volumeMounts"] if m["mountPath"] == REDIS_DATA]
+    pod = deploy["spec"]["template"]["spec"]
+    [volume] = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    claim = k8s_object("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert claim["spec"]["resources"]["requests"]["storage"]
+    # Never two Redis on one volume: the old pod goes before the new one comes.
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == 0
+    # The non-root redis user can write the volume.
+    assert pod["securityContext"]["fsGroup"] == pod["securityContext"]["runAsGroup"]
+
+
+def test_admin_service_reaches_the_admin_port_of_any_gateway_pod(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A cluster-internal Service on every replica's admin port; the token only from a Secret,
+    and no admin API at all without it."""
+    deploy = k8s_object("Deployment", "gateway")
+    ctr = container(deploy, "gateway")
+    env = k8s_object("ConfigMap", "gateway-env")["data"]
+    assert "GATEWAY_ADMIN__TOKEN" not in env
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("GATEWAY_ADMIN__TOKEN", raising=False)
+    settings = Settings()
+    assert settings.admin.host == "0.0.0.0"  # reachable from the Service, not loopback only
+    assert settings.admin.port != settings.port
+    assert settings.admin.token is None  # no Secret, no admin API
+    service = k8s_object("Service", "gateway-admin")
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
+    labels = deploy["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    [port] = service["spec"]["ports"]
+    assert port["port"] == named_port(ctr, port["targetPort"]) == settings.admin.port
+    [token] = [e for e in ctr["env"] if e["name"] == "GATEWAY_ADMIN__TOKEN"]
+    ref = token["valueFrom"]["secretKeyRef"]
+    assert ref["name"] == "gateway-admin"
+    assert ref["optional"] is True  # the pods start without it, with the admin API off
+    # Nothing else exposes the admin port: no other Service targets it, no Ingress exists.
+    for obj in k8s_docs():
+        assert obj.kind != "Ingress", obj
+        if obj.kind == "Service" and obj.name != "gateway-admin":
+            for p in obj.doc["spec"]["ports"]:
+                assert p["targetPort"] not in ("admin", settings.admin.port), obj
 
 
 def test_gateway_discovers_the_headless_vllm_service() -> None:

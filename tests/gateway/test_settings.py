@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from gateway.config.settings import load_settings
+from gateway.config.settings import Settings, load_settings
 
 
 @pytest.fixture(autouse=True)
@@ -76,3 +76,9 @@ def test_bad_config_is_refused(tmp_path: Path, text: str) -> None:
 def test_missing_config_file_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         load_settings(tmp_path / "nope.toml")
+
+
+def test_an_empty_admin_token_is_refused_not_taken_for_one() -> None:
+    with pytest.raises(ValidationError, match=r"admin\.token is empty"):
+        Settings.model_validate({"admin": {"token": " "}})
+    assert Settings.model_validate({"admin": {}}).admin.token is None

@@ -107,6 +107,8 @@ async def workers(
         "GATEWAY_SCRAPE__INTERVAL": "0.1",
         "GATEWAY_HEALTH__INTERVAL": "0.1",
         "GATEWAY_SHUTDOWN_GRACE": "10",
+        # An admin answer waits for every worker, however slow the host.
+        "GATEWAY_FLEET__WAIT": "15",
     }
     proc = await asyncio.create_subprocess_exec(
         sys.executable,

@@ -88,3 +88,58 @@ def test_top_shows_the_fleets_replicas_and_who_lags() -> None:
     assert "r0 *" in text  # the replica top asks
     assert "12-0" in text
     assert render_replicas({"fleet": None, "replicas": []}) is None  # a gateway alone
+
+
+def figures(requests: int, **kw: object) -> dict[str, object]:
+    doc: dict[str, object] = {
+        "requests": requests,
+        "errors": 0,
+        "ttft": [],
+        "rejections": {},
+        "canary": {},
+        "decisions": {},
+        "ttft_p50_s": None,
+        "ttft_p99_s": None,
+    }
+    return doc | kw
+
+
+def test_top_shows_each_replicas_requests_and_the_fleets_figures_summed() -> None:
+    report = {"version": "0.2.0", "address": "10.0.0.1:8080", "uptime_s": 9.0, "applied": "3-0"}
+    doc = {
+        "fleet": "prod",
+        "self": "r1",
+        "summary": {
+            "replicas": 2,
+            "head": "3-0",
+            "lagging": [],
+            "disagree": {"gpu-b": {"r0": "up", "r1": "down"}},
+            "figures": figures(
+                1234,
+                errors=7,
+                ttft_p50_s=0.042,
+                ttft_p99_s=0.3,
+                decisions={"gpu-a": 600, "gpu-b": 200},
+                canary={"chat": {"stable": 90, "canary": 10}},
+                rejections={"web-app": 3, "(other)": 12},
+            ),
+        },
+        "replicas": [
+            {**report, "id": "r0", "in_flight": {}, "figures": figures(1000)},
+            {**report, "id": "r1", "in_flight": {"gpu-a": 1}, "figures": figures(234)},
+            {**report, "id": "r2-old", "in_flight": {}},  # a replica of before the figures
+        ],
+    }
+    table = render_replicas(doc)
+    assert table is not None
+    out = io.StringIO()
+    Console(file=out, width=160).print(table)
+    text = out.getvalue()
+    assert "health seen differently: gpu-b (r0 up, r1 down)" in text
+    assert "fleet: 1234 requests · 7 errors (5xx) · TTFT p50 42 ms p99 300 ms" in text
+    assert "routed: gpu-a 600 (75%) · gpu-b 200 (25%)" in text
+    assert "canary chat: stable 90 (90%) · canary 10 (10%)" in text
+    assert "rejected: (other) 12 · web-app 3" in text
+    for rid, requests in (("r0", "1000"), ("r1 *", "234"), ("r2-old", "-")):
+        (line,) = [ln for ln in text.splitlines() if f" {rid} " in ln]
+        assert f" {requests} " in line

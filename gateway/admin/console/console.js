@@ -785,11 +785,49 @@ function renderDecisions(last) {
 
 // ---- the fleet: replicas, the audit trail, API keys ------------------------------------------
 
+function fleetFigureRows(f) {
+  // [key, figure, total, share] in the order shown: the fleet's figures summed over the
+  // replicas (each since it started), then routing decisions, the canary split, rejections.
+  const share = (n, whole) => (whole > 0 ? fmtPct(n / whole) : "–");
+  const byName = (obj) => Object.entries(obj ?? {}).sort((a, b) => a[0].localeCompare(b[0]));
+  const rows = [
+    ["requests", "requests", fmtNumber(f.requests, 0), ""],
+    ["errors", "errors (5xx)", fmtNumber(f.errors, 0), share(f.errors, f.requests)],
+    ["ttft-p50", "TTFT p50", fmtSeconds(f.ttft_p50_s), ""],
+    ["ttft-p99", "TTFT p99", fmtSeconds(f.ttft_p99_s), ""],
+  ];
+  const routed = sumValues(f.decisions);
+  for (const [backend, n] of byName(f.decisions)) {
+    rows.push([`routed:${backend}`, `routed → ${backend}`, fmtNumber(n, 0), share(n, routed)]);
+  }
+  for (const [alias, pools] of byName(f.canary)) {
+    const total = sumValues(pools);
+    for (const [pool, n] of byName(pools)) {
+      rows.push([`canary:${alias}:${pool}`, `canary ${alias} → ${pool}`, fmtNumber(n, 0), share(n, total)]);
+    }
+  }
+  const rejected = sumValues(f.rejections);
+  const byCount = Object.entries(f.rejections ?? {}).sort((a, b) => b[1] - a[1] || a[0].localeCompare(b[0]));
+  for (const [key, n] of byCount) {
+    rows.push([`rejected:${key}`, `rejected: ${key}`, fmtNumber(n, 0), share(n, rejected)]);
+  }
+  return rows;
+}
+
+function renderFleetFigures(figures) {
+  const tbody = $("fleet-figures").tBodies[0];
+  const rows = figures ? fleetFigureRows(figures) : [];
+  for (const [key, ...cells] of rows) upsertRow(tbody, key, cells);
+  prune(tbody, new Set(rows.map(([key]) => key)));
+  for (const [key] of rows) tbody.append([...tbody.rows].find((r) => r.dataset.key === key));
+}
+
 function renderFleet() {
   const { replicas, changes } = latest;
   const tbody = $("replicas").tBodies[0];
   const keys = new Set();
   const summary = $("fleet-summary");
+  const lagging = new Set(replicas.summary?.lagging ?? []);
   if (replicas.fleet === null) {
     summary.textContent = "This gateway acts alone (no fleet: see docs/fleet.md).";
   } else {
@@ -801,9 +839,12 @@ function renderFleet() {
   for (const r of replicas.replicas) {
     keys.add(r.id);
     const self = r.id === replicas.self ? " (this one)" : "";
-    upsertRow(tbody, r.id, [r.id + self, r.version, r.address, fmtSeconds(r.uptime_s), sumValues(r.in_flight), r.applied ?? "–"]);
+    const applied = { text: r.applied ?? "–", cls: lagging.has(r.id) ? "warn" : "" };
+    const requests = fmtNumber(r.figures?.requests ?? null, 0); // none from an older replica
+    upsertRow(tbody, r.id, [r.id + self, r.version, r.address, fmtSeconds(r.uptime_s), sumValues(r.in_flight), requests, applied]);
   }
   prune(tbody, keys);
+  renderFleetFigures(replicas.fleet === null ? null : replicas.summary.figures);
   const trail = $("changes").tBodies[0];
   const seen = new Set();
   for (const c of changes.changes) {

@@ -57,6 +57,8 @@ def config(
         else 'store = "memory"'
     )
     where = ['log = "redis"'] if redis_url is not None else ['log = "files"', f'dir = "{files}"']
+    if "wait" in fleet:
+        where.append(f"wait = {json.dumps(fleet['wait'])}")
     lines = [
         'policy = "least_load"',
         "shutdown_grace = 5",
@@ -77,7 +79,10 @@ def config(
                 *where,
                 "report_interval = 0.5",
                 "report_ttl = 3.0",
-                *(f"{k} = {json.dumps(v)}" for k, v in fleet.items()),
+                # An answer waits for every replica, however slow the host: how soon they
+                # apply a change is the benchmark's (loadtest/bench/fleet_changes.py).
+                *([] if "wait" in fleet else ["wait = 15.0"]),
+                *(f"{k} = {json.dumps(v)}" for k, v in fleet.items() if k != "wait"),
             ]
         )
         + " }",

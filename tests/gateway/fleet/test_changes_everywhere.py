@@ -219,3 +219,32 @@ async def test_a_key_made_through_one_replica_works_everywhere_and_a_revoked_one
         assert listed["team-c"]["labels"] == {"team": "search"}
         assert listed["team-c"]["expires_at"] == "2999-01-01T00:00:00Z"
         assert await fleet.status_with(r2, doc["key"]) == 200
+
+
+async def test_a_lora_adapter_loaded_through_one_replica_is_routed_by_all_at_once(
+    tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """Loaded once on the backends, recorded in the log: the other replicas route to it
+    before their next read of the backends' models (10 s away here)."""
+    async with running_fleet(tmp_path, redis_url, redis_prefix) as fleet:
+        r0, r1, r2 = fleet
+        load = {"lora_name": "sql", "lora_path": "/adapters/sql", "model": "m"}
+        status, headers, doc = await fleet.change(r0, "POST", "/admin/lora/load", load)
+        assert (status, headers["X-Gateway-Replicas"]) == (200, "3/3"), doc
+        assert sorted(doc["loaded"]) == ["a", "b", "c"]
+        assert all("sql" in f.models for f in fleet.fakes.values())  # loaded once each
+        for r in (r1, r2):
+            assert sum((await fleet.send(r, 3, "sql")).values()) == 3
+        [record] = (await fleet.read(r2, "/admin/changes"))["changes"]
+        assert (record["path"], record["replica"]) == ("/admin/lora/applied", "r0")
+        assert record["new"]["backends"] == ["a", "b", "c"]
+        status, headers, doc = await fleet.change(
+            r1, "POST", "/admin/lora/unload", {"lora_name": "sql", "backends": ["a", "b"]}
+        )
+        assert (status, headers["X-Gateway-Replicas"]) == (200, "3/3"), doc
+        assert await fleet.send(r2, 3, "sql") == {"a": 0, "b": 0, "c": 3}
+        # Not routed on the admin API: only the gateway records what it did.
+        async with fleet.session.post(
+            r0.admin + "/admin/lora/applied", json={}, headers=AUTH
+        ) as resp:
+            assert resp.status in (404, 405)

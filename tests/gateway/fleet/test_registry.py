@@ -1,10 +1,11 @@
 """The registry of replicas on a real Redis (and in files, for the workers of one host):
 reports, listing, a replica dropping out when its report expires (Redis's clock, not ours; in
-files, an injected one) or when it leaves; what the reports say together."""
+files, an injected one) or when it leaves; what the reports say together, their figures summed."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from redis.asyncio import Redis
 
 from backends.errors import InvalidRequest
 from gateway.fleet.changes import Position
+from gateway.fleet.figures import Figures
 from gateway.fleet.files import FileRegistry
 from gateway.fleet.registry import RedisRegistry, Report, disagreements, lagging, summary
 
@@ -34,6 +36,72 @@ def test_a_report_survives_its_encoding_and_an_unreadable_one_is_refused() -> No
     assert r.view(now=190.0)["uptime_s"] == 90.0
     with pytest.raises(InvalidRequest):
         Report.decode('{"id": "r1"}')
+
+
+INF = float("inf")
+
+
+def test_a_report_carries_its_figures_and_one_without_them_has_none() -> None:
+    figures = Figures(
+        requests=7,
+        errors=1,
+        ttft=((0.1, 3), (1.0, 6), (INF, 6)),
+        rejections={"web": 2},
+        canary={"chat": {"stable": 5, "canary": 1}},
+        decisions={"b0": 6},
+    )
+    r = report("r1", figures=figures)
+    assert Report.decode(r.encode()) == r
+    assert '"ttft":[[0.1,3],[1.0,6],[null,6]]' in r.encode()  # JSON has no infinity
+    assert r.view(now=190.0)["figures"]["ttft"][-1] == [None, 6]
+    # A replica of a version from before the figures: its report still reads, with none.
+    older = json.loads(r.encode())
+    del older["figures"]
+    assert Report.decode(json.dumps(older)).figures == Figures()
+    with pytest.raises(InvalidRequest):
+        Report.decode(r.encode().replace('"requests":7', '"requests":"many"'))
+
+
+def test_the_fleets_figures_are_the_replicas_summed() -> None:
+    rs = [
+        report(
+            "r0",
+            figures=Figures(
+                requests=10,
+                errors=1,
+                ttft=((0.1, 4), (0.5, 8), (INF, 8)),
+                rejections={"web": 3, "batch": 1},
+                canary={"chat": {"stable": 6, "canary": 2}},
+                decisions={"a": 5, "b": 5},
+            ),
+        ),
+        report(
+            "r1",
+            figures=Figures(
+                requests=20,
+                ttft=((0.1, 0), (0.5, 10), (INF, 12)),
+                rejections={"web": 2},
+                canary={"chat": {"stable": 9, "canary": 1}},
+                decisions={"a": 12, "c": 8},
+            ),
+        ),
+        report("r2", figures=Figures(requests=5, errors=2, ttft=((0.1, 0), (0.5, 0), (INF, 0)))),
+    ]
+    s = summary(rs, Position(5, 0))
+    f = s["figures"]
+    assert (f["requests"], f["errors"]) == (35, 3)
+    assert f["ttft"] == [[0.1, 4], [0.5, 18], [None, 20]]
+    assert f["rejections"] == {"batch": 1, "web": 5}
+    assert f["canary"] == {"chat": {"canary": 3, "stable": 15}}
+    assert f["decisions"] == {"a": 17, "b": 5, "c": 8}
+    # The quantiles are the summed buckets', not an average of the replicas': of 20 first
+    # tokens 4 came within 0.1 s and 18 within 0.5 s; p50 is the 10th, p99 past the 18th.
+    assert f["ttft_p50_s"] == pytest.approx(0.1 + 0.4 * (10 - 4) / (18 - 4), abs=1e-4)
+    assert f["ttft_p99_s"] == 0.5  # in the +Inf bucket: its lower bound
+    # Each replica's own figures are in its view, with its own quantiles.
+    view = rs[0].view(now=200.0)["figures"]
+    assert (view["requests"], view["ttft_p50_s"]) == (10, pytest.approx(0.1))
+    assert summary([], None)["figures"]["ttft_p50_s"] is None  # nothing yet
 
 
 def test_replicas_behind_the_log_lag_and_views_that_differ_are_flagged() -> None:

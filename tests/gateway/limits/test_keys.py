@@ -352,3 +352,14 @@ def test_with_auth_on_the_anonymous_tier_need_not_exist_nor_a_key_in_the_file() 
     assert auth.authenticate(headers(x_api_key="sk-team")).tier == "gold"
     with pytest.raises(ValidationError, match="anonymous_tier"):
         LimitsSettings.model_validate({"auth": False, "tiers": {"gold": {}}})
+
+
+def test_a_keys_own_limits_replace_its_tiers_and_survive_a_snapshot() -> None:
+    auth = Authenticator(limits_settings())  # gold: 1,000 tokens a minute, 1 at once
+    auth.add("carol", hash_key("sk-carol"), "gold", limits={"max_concurrent": 4})
+    carol = auth.authenticate(headers(x_api_key="sk-carol"))
+    assert (carol.limits.max_concurrent, carol.limits.tokens_per_minute) == (4, 1000)
+    assert auth.describe("carol")["limits"] == {"max_concurrent": 4}
+    other = Authenticator(limits_settings())
+    other.restore(auth.state())
+    assert other.authenticate(headers(x_api_key="sk-carol")).limits == carol.limits

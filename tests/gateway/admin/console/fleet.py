@@ -4,7 +4,8 @@ The shipped production configuration (``deploy/gateway.production.toml``: keys i
 Redis-shared limits, the admission queue, prefix affinity, a stable pool and a canary behind
 the ``chat`` alias) with only its addresses changed through the environment, in front of three
 ``llm-gateway sim`` processes; and ``Traffic``, clients streaming through it with the file's
-example keys while a test looks at the page.
+example keys while a test looks at the page. ``another_replica`` starts one more gateway of
+the same fleet (the same file, Redis and simulators) beside it.
 """
 
 from __future__ import annotations
@@ -134,6 +135,26 @@ def running_fleet(log_dir: Path, redis_url: str, redis_prefix: str) -> Iterator[
         stack.callback(gateway.stop)
         _wait(wait_ok(gateway, "/ready"))
         yield Fleet(gateway.url, f"http://127.0.0.1:{admin_port}", token, gateway, sims, env)
+
+
+@contextmanager
+def another_replica(fleet: Fleet, name: str) -> Iterator[Fleet]:
+    """One more replica of ``fleet``'s gateway, on ports of its own, its fleet id ``name``."""
+    port, admin_port = free_port(), free_port()
+    env = {
+        **fleet.env,
+        "GATEWAY_PORT": str(port),
+        "GATEWAY_ADMIN__PORT": str(admin_port),
+        "GATEWAY_FLEET__REPLICA": name,
+    }
+    url = f"http://127.0.0.1:{port}"
+    log_dir = fleet.gateway.log_path.parent
+    replica = start_gateway_with_config(CONFIG, url, log_dir, env=env, name=name)
+    try:
+        _wait(wait_ok(replica, "/ready"))
+        yield Fleet(url, f"http://127.0.0.1:{admin_port}", fleet.token, replica, fleet.sims, env)
+    finally:
+        replica.stop()
 
 
 @dataclass

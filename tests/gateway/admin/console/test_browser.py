@@ -18,7 +18,15 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, Playwright, Request, expect, sync_playwright
 
-from tests.gateway.admin.console.fleet import KEYS, MODEL, Fleet, Traffic, chat, running_fleet
+from tests.gateway.admin.console.fleet import (
+    KEYS,
+    MODEL,
+    Fleet,
+    Traffic,
+    another_replica,
+    chat,
+    running_fleet,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -284,11 +292,52 @@ def test_the_fleet_panel_lists_replicas_and_changes_and_manages_keys(
     newest = page.locator("#changes tbody tr").first
     expect(newest).to_contain_text("POST /admin/keys")
     expect(page.locator("#changes")).not_to_contain_text(secret)
-    # Revoked on the page: refused at once.
+    # Rotated on the page: a new secret shown once; the old one still works (an hour's overlap).
+    row.locator("button.rotate").click()
+    apply_in_dialog(page, [("old key works for", "none", "3600 s")])
+    expect(page.locator("#banner")).to_have_text("Rotated team-x's key.")
+    expect(page.locator("#key-secret")).not_to_have_text(secret)
+    rotated = page.locator("#key-secret").text_content() or ""
+    assert rotated.startswith("sk-gw-")
+    with httpx.Client(timeout=30) as client:
+        assert chat(client, fleet.url, rotated, MODEL) == 200
+        assert chat(client, fleet.url, secret, MODEL) == 200
+    # Revoked on the page: refused at once, both secrets.
     row.locator("button.revoke").click()
     apply_in_dialog(page, [])
     expect(page.locator("#banner")).to_have_text("Revoked team-x.")
     expect(row).to_have_count(0)
     with httpx.Client(timeout=30) as client:
         assert chat(client, fleet.url, secret, MODEL) == 401
+        assert chat(client, fleet.url, rotated, MODEL) == 401
     expect(page.locator("#changes tbody tr").first).to_contain_text("DELETE /admin/keys/team-x")
+    # The fleet's figures, summed over its replicas: with one, its own; every figure there.
+    figures = page.locator("#fleet-figures")
+    for key in ("requests", "errors", "ttft-p50", "ttft-p99", "routed:gpu-a", "canary:chat:stable"):
+        expect(figures.locator(f'tr[data-key="{key}"]')).to_be_visible(timeout=15_000)
+    # The default-tier key over its concurrency limit, by key.
+    expect(figures.locator('tr[data-key="rejected:key:internal-tools"]')).to_be_visible(
+        timeout=15_000
+    )
+    expect(figures.locator('tr[data-key="ttft-p99"] td').nth(1)).not_to_have_text("\N{EN DASH}")
+    # A second replica joins; requests through it are its own and the fleet's too.
+    with another_replica(fleet, "console-second") as second:
+        with httpx.Client(timeout=30) as client:
+            for _ in range(5):
+                assert chat(client, second.url, KEYS["nightly-batch"], MODEL) == 200
+        expect(replicas).to_have_count(2, timeout=20_000)
+        page.wait_for_function(FLEET_TOTAL_IS_THE_SUM, arg=["console-second", 5], timeout=20_000)
+        first = page.locator("#replicas tbody tr").filter(has_text="(this one)").locator("td")
+        assert int(first.nth(5).inner_text()) > 0  # the traffic through the first
+
+
+# True once the replicas table lists two, ``second`` having served ``sent`` requests, and the
+# fleet's requests (the figures table) are the replicas' summed: read in one go, as rendered.
+FLEET_TOTAL_IS_THE_SUM = """([second, sent]) => {
+  const rows = [...document.querySelectorAll("#replicas tbody tr")];
+  const own = Object.fromEntries(rows.map((r) => [r.dataset.key, Number(r.cells[5].textContent)]));
+  const fleet = document.querySelector('#fleet-figures tr[data-key="requests"]');
+  const total = fleet ? Number(fleet.cells[1].textContent) : NaN;
+  const summed = Object.values(own).reduce((a, b) => a + b, 0);
+  return rows.length === 2 && own[second] === sent && total === summed && total > sent;
+}"""

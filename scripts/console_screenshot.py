@@ -1,8 +1,9 @@
 """A screenshot of the operator's console under load, for the README (docs/img/console.png).
 
-Starts the gateway with the shipped production configuration in front of three simulators
-(``tests/gateway/admin/console/fleet.py``), streams through it, drains one backend half-way and
-shifts the canary, then photographs the page in headless Chromium.
+Starts two replicas of the gateway (one fleet, on the local Redis) with the shipped production
+configuration in front of three simulators (``tests/gateway/admin/console/fleet.py``), streams
+through both, makes a key with a budget, drains one backend half-way and shifts the canary
+through the second replica, then photographs the first one's page in headless Chromium.
 
     .venv/bin/python scripts/console_screenshot.py [--seconds 90] [--out docs/img/console.png]
 """
@@ -23,7 +24,11 @@ from playwright.sync_api import expect, sync_playwright
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.gateway.admin.console.fleet import Traffic, running_fleet  # noqa: E402
+from tests.gateway.admin.console.fleet import (  # noqa: E402
+    Traffic,
+    another_replica,
+    running_fleet,
+)
 
 
 def main() -> int:
@@ -40,9 +45,11 @@ def main() -> int:
     with (
         tempfile.TemporaryDirectory() as logs,
         running_fleet(Path(logs), args.redis, prefix) as fleet,
+        another_replica(fleet, "replica-b") as second,
         sync_playwright() as pw,
     ):
-        traffic = Traffic(fleet.url).start(streams=6, over_limit=6)
+        traffic = Traffic(fleet.url).start(streams=4, over_limit=6)
+        more = Traffic(second.url).start(streams=3, over_limit=0)
         # A key made at run time, with a budget: the keys table and the audit trail show them.
         fleet.admin(
             "POST",
@@ -64,14 +71,15 @@ def main() -> int:
         drained = shifted = False
         while (elapsed := time.monotonic() - start) < args.seconds:
             if not drained and elapsed > args.seconds / 2:
-                fleet.admin("POST", "/admin/backends/gpu-b/drain")
+                second.admin("POST", "/admin/backends/gpu-b/drain")
                 drained = True
             if not shifted and elapsed > args.seconds * 0.7:
-                fleet.admin("PUT", "/admin/aliases/chat", json={"stable": 70, "canary": 30})
+                second.admin("PUT", "/admin/aliases/chat", json={"stable": 70, "canary": 30})
                 shifted = True
             time.sleep(1)  # sleep-ok: letting traffic run for the picture
         page.screenshot(path=str(args.out), full_page=True)
         traffic.stop()
+        more.stop()
         browser.close()
     client = redis.Redis.from_url(args.redis)
     stale = list(client.scan_iter(match=prefix + "*"))

@@ -75,6 +75,15 @@ def _token_middleware(token: str, public: Collection[str] = ()) -> Middleware:
         except GatewayError as err:
             error = err
             response = web.json_response(err.envelope(), status=err.status, headers=err.headers)
+        except web.HTTPException as exc:  # no such route or method: said in our shape too
+            if exc.status not in (404, 405):
+                raise
+            kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+            response = web.json_response(
+                error_envelope(f"{exc.reason} ({request.method} {request.path})", kind),
+                status=exc.status,
+                headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
+            )
         if request.method not in ("GET", "HEAD"):  # a change (or an attempt at one)
             (log.warning if error else log.info)(
                 "admin_action",

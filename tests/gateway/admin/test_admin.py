@@ -75,6 +75,14 @@ async def test_invalid_policy_change_is_a_400_and_changes_nothing() -> None:
         assert gw.app[ROUTER].policy is before
         async with s.put(gw.admin_url + "/admin/policy", json={"policy": "random"}) as r:
             assert r.status == 401  # and never without the token
+        # No such call, or not with that method: an error in the same shape, not plain text.
+        async with s.post(gw.admin_url + "/admin/lora/applied", json={}, headers=AUTH) as r:
+            assert r.status == 404
+            assert (await r.json())["error"]["type"] == "not_found_error"
+        async with s.delete(gw.admin_url + "/admin/policy", headers=AUTH) as r:
+            assert r.status == 405
+            assert "PUT" in r.headers["Allow"]
+            assert "DELETE /admin/policy" in (await r.json())["error"]["message"]
 
 
 async def test_reload_applies_live_settings_and_refuses_a_bad_config() -> None:

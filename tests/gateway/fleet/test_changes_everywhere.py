@@ -244,7 +244,5 @@ async def test_a_lora_adapter_loaded_through_one_replica_is_routed_by_all_at_onc
         assert (status, headers["X-Gateway-Replicas"]) == (200, "3/3"), doc
         assert await fleet.send(r2, 3, "sql") == {"a": 0, "b": 0, "c": 3}
         # Not routed on the admin API: only the gateway records what it did.
-        async with fleet.session.post(
-            r0.admin + "/admin/lora/applied", json={}, headers=AUTH
-        ) as resp:
-            assert resp.status in (404, 405)
+        status, _, doc = await fleet.change(r0, "POST", "/admin/lora/applied", {})
+        assert (status, doc["error"]["type"]) == (404, "not_found_error")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import pytest
 from rich.console import Console
@@ -79,15 +80,20 @@ def test_top_shows_the_fleets_replicas_and_who_lags() -> None:
             {**report, "id": "r1", "in_flight": {"a": 4}, "applied": "12-0"},
         ],
     }
-    table = render_replicas(doc)
-    assert table is not None
-    out = io.StringIO()
-    Console(file=out, width=160).print(table)
-    text = out.getvalue()
+    text = rendered(doc)
     assert "fleet prod: 2 replicas, log at 17-0, behind: r1" in text
     assert "r0 *" in text  # the replica top asks
     assert "12-0" in text
     assert render_replicas({"fleet": None, "replicas": []}) is None  # a gateway alone
+
+
+def rendered(doc: dict[str, Any]) -> str:
+    """``render_replicas``' table as a terminal 160 columns wide shows it."""
+    table = render_replicas(doc)
+    assert table is not None
+    out = io.StringIO()
+    Console(file=out, width=160).print(table)
+    return out.getvalue()
 
 
 def figures(requests: int, **kw: object) -> dict[str, object]:
@@ -130,11 +136,7 @@ def test_top_shows_each_replicas_requests_and_the_fleets_figures_summed() -> Non
             {**report, "id": "r2-old", "in_flight": {}},  # a replica of before the figures
         ],
     }
-    table = render_replicas(doc)
-    assert table is not None
-    out = io.StringIO()
-    Console(file=out, width=160).print(table)
-    text = out.getvalue()
+    text = rendered(doc)
     assert "health seen differently: gpu-b (r0 up, r1 down)" in text
     assert "fleet: 1234 requests · 7 errors (5xx) · TTFT p50 42 ms p99 300 ms" in text
     assert "routed: gpu-a 600 (75%) · gpu-b 200 (25%)" in text

@@ -290,6 +290,10 @@ class Authenticator:
             doc["previous_until"] = iso(r.previous_until)
         return doc
 
+    def principal_ids(self) -> list[str]:
+        """Every principal a request can be counted under now: anonymous, then each key."""
+        return [ANONYMOUS, *(f"key:{name}" for name in sorted(self._keys))]
+
     def listing(self) -> list[dict[str, Any]]:
         return [self.describe(name) for name in sorted(self._keys)]
 

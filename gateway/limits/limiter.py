@@ -56,7 +56,8 @@ class Limiter:
         self.clock = clock
         self.auth = Authenticator(settings, clock)
         self.rejections: Counter[tuple[str, str]] = Counter()  # (principal id, reason)
-        self.degraded_admissions = 0  # admitted unchecked: the shared store was down
+        # Admitted unchecked (the shared store was down, failure_mode open), by principal id.
+        self.degraded_admissions: Counter[str] = Counter()
 
     def authenticate(self, headers: Mapping[str, str]) -> Principal:
         return self.auth.authenticate(headers)
@@ -83,7 +84,7 @@ class Limiter:
             self.rejections[(principal.id, decision.reason or "unknown")] += 1
             raise rate_limited(decision, key_name=principal.id, requested_tokens=cost)
         if decision.degraded:
-            self.degraded_admissions += 1
+            self.degraded_admissions[principal.id] += 1
         assert decision.ticket is not None
         grant = Grant(principal, decision.ticket, decision, cost)
         if principal.budget is not None:

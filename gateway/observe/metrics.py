@@ -196,12 +196,17 @@ class LimitsCollector(Collector):
                 "reached and its failure mode (open: no limits; closed: 503) applies.",
                 value=1.0 if limiter.store.available else 0.0,
             )
-            yield CounterMetricFamily(
+            degraded = CounterMetricFamily(
                 "llm_gateway_limits_degraded_admissions",
-                "Requests admitted without their limits checked: the shared store could not "
-                "be reached and failure_mode is open.",
-                value=limiter.degraded_admissions,
+                "Requests admitted without their limits checked, by API key name: the shared "
+                "store could not be reached and failure_mode is open.",
+                labels=["key"],
             )
+            counted = limiter.degraded_admissions
+            # Every principal's series from the start (at 0): a rate over it has data.
+            for key in dict.fromkeys([*limiter.auth.principal_ids(), *counted]):
+                degraded.add_metric([key], counted[key])
+            yield degraded
         queue = self._admission
         yield GaugeMetricFamily(
             ADMISSION_QUEUE_METRIC,

@@ -11,16 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
 import aiohttp
 
+from loadtest.soak import prom
 from loadtest.soak.client import limits_probe
 from loadtest.soak.config import ALIAS
 from loadtest.soak.faults import FaultWindow, PlannedFault
 from loadtest.soak.fleet import REPLICAS, Fleet
 from loadtest.soak.invariants import AdminChange, LimitsProbe
+from loadtest.soak.mix import PROBED_KEY
 from loadtest.soak.outcomes import Observation
 
 RECOVERY_S: Final = 20.0  # a restarted or reverted backend must be up on both replicas by then
@@ -201,14 +203,29 @@ class Chaos:
             return FaultWindow("limits_probe", None, start, start, False, "Redis was down")
         self.probing = True
         try:
+            before = await self._degraded(f"key:{PROBED_KEY}")
             probe, seen = await limits_probe(
                 self.load, self.fleet.urls, at=start, rpm=self.rpm, clock=self.clock
             )
+            after = await self._degraded(f"key:{PROBED_KEY}")
         finally:
             self.probing = False
+        if before is not None and after is not None:
+            probe = replace(probe, degraded=int(after - before))
         self.probes.append(probe)
         self.probe_observations += seen
         return FaultWindow("limits_probe", None, start, self.clock())
+
+    async def _degraded(self, key: str) -> float | None:
+        """``key``'s admissions let through unchecked, summed over the replicas (None: a
+        replica did not answer its scrape)."""
+        pages = await asyncio.gather(
+            *(self.fleet.gateway_metrics(self.ops, r) for r in range(REPLICAS))
+        )
+        if any(p is None for p in pages):
+            return None
+        name = "llm_gateway_limits_degraded_admissions_total"
+        return sum(prom.total(prom.samples(p), name, key=key) for p in pages if p is not None)
 
 
 def _floats(weights: Any) -> dict[str, float]:

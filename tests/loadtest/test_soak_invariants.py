@@ -188,7 +188,8 @@ def polls(status: int = 200, **at: int) -> list[ProbeSample]:
         for r in (0, 1):
             for path in ("/ready", "/metrics"):
                 s = at.get(f"r{r}_{path.strip('/')}_{i}", status)
-                out.append(ProbeSample(i * 0.5, r, path, s, 0.01))
+                error = "TimeoutError: " if s == 0 else None
+                out.append(ProbeSample(i * 0.5, r, path, s, 0.01, error))
     return out
 
 
@@ -202,6 +203,25 @@ def test_metrics_and_ready_up_throughout() -> None:
     assert not check_availability(polls(r0_ready_3=503), [], BACKENDS, 2).passed
     sparse = [p for p in polls() if not (p.replica == 1 and 2.0 < p.t < 9.0)]
     assert not check_availability(sparse, [], BACKENDS, 2).passed
+
+
+def test_one_poll_past_its_timeout_is_slowness_two_in_a_row_are_down() -> None:
+    v = check_availability(polls(r1_metrics_4=0), [], BACKENDS, 2)
+    assert v.passed, v.why
+    assert v.figures["isolated_timeouts"] == 1
+    assert not check_availability(polls(r1_metrics_4=0, r1_metrics_5=0), [], BACKENDS, 2).passed
+    assert not check_availability(polls(r0_ready_19=0, r0_ready_18=0), [], BACKENDS, 2).passed
+    # Misses on different paths or replicas are not a run; a refused connection never passes.
+    assert check_availability(
+        polls(r1_metrics_4=0, r1_ready_5=0, r0_metrics_5=0), [], BACKENDS, 2
+    ).passed
+    refused = [
+        p
+        if not (p.replica == 0 and p.path == "/ready" and p.t == 2.0)
+        else ProbeSample(p.t, 0, "/ready", 0, 0.01, "ClientConnectorError: refused")
+        for p in polls()
+    ]
+    assert not check_availability(refused, [], BACKENDS, 2).passed
 
 
 def probe(admitted: int, elapsed: float = 2.0, **kw: Any) -> LimitsProbe:
@@ -236,6 +256,17 @@ def test_limits_allow_for_when_the_gateway_decided_not_only_when_the_client_sent
     assert not check_limits([probe(64, elapsed=2.04, window_min=1.94, window_max=2.2)]).passed
     assert not check_limits([probe(59, elapsed=2.04, window_min=1.94, window_max=2.2)]).passed
     assert not check_limits([probe(120, elapsed=2.04, window_min=1.94, window_max=2.2)]).passed
+
+
+def test_limits_leave_out_admissions_the_store_never_saw() -> None:
+    # The store missed its timeout for 7 of the burst (fail open): they spent no token, so the
+    # bucket's own 62 are within bounds; 7 unchecked do not excuse a bucket that let 69 through.
+    assert check_limits([probe(69, degraded=7)]).passed
+    assert not check_limits([probe(69, degraded=5)]).passed  # 64 checked: one too many
+    assert not check_limits([probe(69)]).passed
+    verdict = check_limits([probe(69, degraded=7)])
+    assert "7 admitted unchecked" in verdict.why
+    assert not check_limits([probe(59, degraded=7)]).passed  # too few is never excused
 
 
 def samples(growth_mb: float = 0.0, series_growth: int = 0) -> list[MemorySample]:

@@ -175,15 +175,19 @@ async def test_two_gateway_processes_share_one_keys_limits_through_redis(
     assert len(fake.seen) == statuses[200]
 
 
-async def store_figures(s: aiohttp.ClientSession, url: str) -> tuple[float, float]:
-    """``llm_gateway_limits_store_up`` and ``..._degraded_admissions_total`` from /metrics."""
+async def store_figures(
+    s: aiohttp.ClientSession, url: str, key: str = "key:alice"
+) -> tuple[float, float]:
+    """``llm_gateway_limits_store_up`` and ``key``'s ``..._degraded_admissions_total`` from
+    /metrics (every principal's series is there, from 0)."""
     async with s.get(url + "/metrics") as r:
         text = await r.text()
     up = re.search(r"^llm_gateway_limits_store_up (\S+)$", text, re.M)
-    degraded = re.search(r"^llm_gateway_limits_degraded_admissions_total (\S+)$", text, re.M)
+    name = "llm_gateway_limits_degraded_admissions_total"
+    degraded = dict(re.findall(rf'^{name}\{{key="([^"]*)"\}} (\S+)$', text, re.M))
     assert up is not None, text
-    assert degraded is not None, text
-    return float(up.group(1)), float(degraded.group(1))
+    assert "anonymous" in degraded, text
+    return float(up.group(1)), float(degraded[key])
 
 
 @pytest.mark.parametrize("mode", ["closed", "open"])

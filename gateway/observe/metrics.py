@@ -256,9 +256,9 @@ class GatewayMetrics:
         r = self.registry
         self.requests = Counter(
             "llm_gateway_requests",
-            "Requests by model, backend (the last one tried), status and endpoint (chat, "
-            "completions, responses, embeddings, pooling, classify, score, rerank, tokenize, "
-            "detokenize).",
+            "Requests by model, backend (the last one tried), status and endpoint (the "
+            "names of gateway/request/endpoints.py: chat, completions, messages, responses, "
+            "embeddings, tokenize, ...).",
             ["model", "backend", "status", "endpoint"],
             registry=r,
         )
@@ -311,6 +311,10 @@ class GatewayMetrics:
             ["reason", "outcome"],
             registry=r,
         )
+        # Every break's common outcomes from 0: a rate over them has data before the first.
+        for reason in ("unreachable", "timeout", "stalled", "protocol", "engine_error"):
+            for outcome in ("continued", "complete", "broken", "failed"):
+                self.continuations.labels(reason, outcome)
         self.stalls = Counter(
             "llm_gateway_backend_stalls",
             "Backends taken out of rotation because none of their streams moved.",

@@ -130,6 +130,11 @@ class Member:
                     self.follower.reachable = False
                     break
                 await asyncio.sleep(self.follower.retry)  # sleep-ok: retry while Redis is down
+        if self.follower.reachable:
+            # In the registry before serving: a change made once this replica answers counts
+            # it among those that must apply it (the report loop's first turn may come later).
+            with contextlib.suppress(*_FAILURES):
+                await self.registry.report(self.report())
         self._tasks = [
             asyncio.create_task(self.follower.run(), name="fleet-follower"),
             asyncio.create_task(self._report_loop(), name="fleet-reports"),

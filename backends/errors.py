@@ -1,4 +1,5 @@
-"""The gateway's one exception tree; one middleware maps it to OpenAI's error envelope.
+"""The gateway's one exception tree; one middleware maps it to OpenAI's error envelope (or
+Anthropic's, on ``/v1/messages``: ``GatewayError.shaped``).
 
 It lives in the lowest layer that raises any of it (``backends``: the pool and the upstream
 client), so every layer above imports it and no arrow points back up. Every error the gateway
@@ -74,6 +75,13 @@ class GatewayError(Exception):
 
     def envelope(self) -> dict[str, Any]:
         return error_envelope(self.message, self.type, param=self.param, code=self.code)
+
+    def shaped(self, dialect: str) -> dict[str, Any]:
+        """The error body in the shape of the API the client called (``"openai"`` or
+        ``"anthropic"``, ``gateway.request.endpoints.Dialect``)."""
+        if dialect == "anthropic":
+            return anthropic_envelope(self.status, self.message)
+        return self.envelope()
 
 
 class InvalidRequest(GatewayError):
@@ -286,9 +294,56 @@ class BackendRefused(UpstreamError):
         kind = "rate_limit_exceeded" if self.status == 429 else "service_unavailable"
         return error_envelope(self.message, kind, code=self.status)
 
+    def shaped(self, dialect: str) -> dict[str, Any]:
+        if dialect != "anthropic":
+            return self.envelope()
+        return as_anthropic(self.status, self.body, self.message)
+
 
 def error_envelope(
     message: str, type_: str, *, param: str | None = None, code: str | int | None = None
 ) -> dict[str, Any]:
     """OpenAI's error shape: ``{"error": {"message", "type", "param", "code"}}``."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# Anthropic's error types by status (its API's documented pairs; 503 is its "overloaded").
+_ANTHROPIC_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    402: "billing_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_envelope(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: ``{"type": "error", "error": {"type", "message"}}``."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def as_anthropic(status: int, body: bytes, fallback: str = "") -> dict[str, Any]:
+    """A backend's error answer in Anthropic's shape: as it came if it is in that shape
+    already (vLLM's Messages routes), else its OpenAI envelope's message (vLLM checks a body
+    before the route runs, and answers that in OpenAI's shape), else ``fallback``."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        doc = None
+    if isinstance(doc, dict) and doc.get("type") == "error" and isinstance(doc.get("error"), dict):
+        return doc
+    inner = doc.get("error") if isinstance(doc, dict) else None
+    message = inner.get("message") if isinstance(inner, dict) else None
+    if not isinstance(message, str) and isinstance(doc, dict):
+        detail = doc.get("detail")  # FastAPI's own answers
+        message = detail if isinstance(detail, str) else None
+    if not isinstance(message, str):
+        message = fallback or body[:500].decode(errors="replace")
+    return anthropic_envelope(status, message)

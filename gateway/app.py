@@ -38,6 +38,7 @@ from gateway.keys import (
     ADMISSION,
     FLEET,
     GATEWAY,
+    GENERATIONS,
     HEDGES,
     KV_FEEDS,
     KV_INDEX,
@@ -69,8 +70,10 @@ from gateway.observe.latency_metrics import LatencyCollector
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import provider_from_settings, tracer_from
 from gateway.request import info, proxy, stored
+from gateway.request.aborts import ABORT_PATH, abort_requests
 from gateway.request.disagg import role_policies
 from gateway.request.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
+from gateway.request.generate import Generations
 from gateway.request.hedge import HedgeBudget
 from gateway.request.middleware import request_context
 from gateway.request.relay import splice_problem
@@ -505,6 +508,8 @@ def _add_routes(app: web.Application) -> None:
         for path in endpoint.paths:
             app.router.add_post(path, proxy.route_endpoint(endpoint))
     app.router.add_post("/v1/responses", proxy.route_endpoint(RESPONSES))
+    app[GENERATIONS] = Generations()  # the token-in generations the abort route finds
+    app.router.add_post(ABORT_PATH, abort_requests)
     app.router.add_get("/v1/responses/{response_id}", stored.get_response)
     app.router.add_post("/v1/responses/{response_id}/cancel", stored.cancel_response)
     app.router.add_get("/v1/models", info.list_models)

@@ -16,6 +16,7 @@ from gateway.config.settings import Settings
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
 from gateway.observe.metrics import GatewayMetrics
+from gateway.request.generate import Generations
 from gateway.request.hedge import HedgeBudget
 from gateway.request.responses import ResponseHomes
 from gateway.request.retry import RetryPolicy
@@ -62,6 +63,7 @@ KV_FEEDS: Final = web.AppKey["KvFeeds | None"]("kv_feeds")  # None: events not f
 TOKENIZERS: Final = web.AppKey["Tokenizers | None"]("tokenizers")  # None: none configured
 # the Responses API: which backend holds each stored response (``gateway.request.responses``)
 RESPONSE_HOMES: Final = web.AppKey[ResponseHomes]("response_homes")
+GENERATIONS: Final = web.AppKey[Generations]("generations")  # /inference/v1/generate in flight
 
 # this replica's membership of its fleet (``gateway.fleet.member``); None: it acts alone
 FLEET: Final = web.AppKey["Member | None"]("fleet")

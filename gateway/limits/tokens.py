@@ -167,13 +167,17 @@ def _usage_of(doc: Any) -> Usage | None:
     u = doc.get("usage")
     if not isinstance(u, dict):
         return None
-    # Chat, completions and pooling say prompt/completion; the Responses API input/output.
+    # Chat, completions and pooling say prompt/completion; Responses and Messages input/output.
     prompt = u.get("prompt_tokens", u.get("input_tokens"))
     completion = u.get("completion_tokens", u.get("output_tokens"))
     if prompt is None and completion is None:  # not in tokens (a transcription's seconds)
         return None
     prompt = prompt if isinstance(prompt, int) else 0
     completion = completion if isinstance(completion, int) else 0
+    if "prompt_tokens" not in u:  # Anthropic's input_tokens leaves out the cached part
+        for cached in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+            n = u.get(cached)
+            prompt += n if isinstance(n, int) else 0
     total = u.get("total_tokens")
     return Usage(prompt, completion, total if isinstance(total, int) else prompt + completion)
 

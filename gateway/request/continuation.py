@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Final, TypeGuard
+from typing import Any, Final, Generic, Protocol, TypeGuard, TypeVar
 
 from gateway.request.sse import SSEParser
 
@@ -35,6 +35,7 @@ _MAX_EVENT: Final = 1 << 20  # an unfinished event longer than this is not held 
 # it: the engine ended that request on purpose (an operator's abort, a pause).
 _ERROR: Final = b'"error'
 _ERROR_EVENT: Final = b'data: {"error"'
+_NAMED_ERROR_EVENT: Final = b"event: error"  # a Messages stream's (Anthropic's shape)
 _FAILED_FINISH: Final = frozenset({"error"})
 _STRUCTURED: Final = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
@@ -66,13 +67,14 @@ def refusal(doc: dict[str, Any], chat: bool) -> str | None:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]
     if isinstance(prompt, str) or (
-        isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt)
+        isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt)
     ):
         return None
     return "prompt"  # a batch of prompts, or something vLLM will refuse anyway
 
 
-def _is_int(v: Any) -> TypeGuard[int]:
+def is_int(v: Any) -> TypeGuard[int]:
+    """An int in JSON's sense (not a bool)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -132,13 +134,13 @@ class Progress:
         """Take one event's JSON object."""
         if self.id is None and isinstance(doc.get("id"), str):
             self.id = doc["id"]
-        if self.created is None and _is_int(doc.get("created")):
+        if self.created is None and is_int(doc.get("created")):
             self.created = doc["created"]
         if self.chat and isinstance(doc.get("prompt_token_ids"), list):
             self.prompt_token_ids = doc["prompt_token_ids"]
         usage = doc.get("usage")
         if isinstance(usage, dict):
-            if _is_int(usage.get("prompt_tokens")):
+            if is_int(usage.get("prompt_tokens")):
                 self.prompt_tokens = usage["prompt_tokens"]
             if not doc.get("choices"):
                 self.usage_seen = True
@@ -183,12 +185,22 @@ class Progress:
 
     def _ids(self, ids: Any, output: bool) -> None:
         if isinstance(ids, list):
-            self.token_ids.extend(i for i in ids if _is_int(i))
+            self.token_ids.extend(i for i in ids if is_int(i))
         elif output:
             self._ids_missing = True  # the ids are not exact
 
 
-class Keep:
+class StreamProgress(Protocol):
+    """What a stream's client has received, fed whole events (``Progress``; a Messages
+    stream's, ``gateway.request.messages_resume.MessagesProgress``)."""
+
+    def feed(self, data: bytes) -> None: ...
+
+
+P = TypeVar("P", bound=StreamProgress)
+
+
+class Keep(Generic[P]):
     """What the relay keeps of a stream so that it can be continued if it breaks.
 
     ``take(read)`` returns the bytes to send now: the read, less an unfinished last event
@@ -199,8 +211,8 @@ class Keep:
 
     __slots__ = ("_compact", "_held", "_progress", "_reads", "_size", "cut")
 
-    def __init__(self, chat: bool, compact_bytes: int) -> None:
-        self._progress = Progress(chat=chat)
+    def __init__(self, progress: P, compact_bytes: int) -> None:
+        self._progress = progress
         self._reads: list[bytes] = []
         self._size = 0
         self._compact = compact_bytes
@@ -217,7 +229,8 @@ class Keep:
             if end < len(data) and len(data) - end <= _MAX_EVENT:
                 data, self._held = data[:end], data[end:]
         # The usual read is one event, and an error event's first bytes say what it is.
-        if data.startswith(_ERROR_EVENT) if events == 1 else _ERROR in data:
+        one = events == 1
+        if data.startswith((_ERROR_EVENT, _NAMED_ERROR_EVENT)) if one else _ERROR in data:
             data = self._until_failure(data)
         if data:
             self._reads.append(data)
@@ -226,7 +239,7 @@ class Keep:
                 self._parse()
         return data
 
-    def progress(self) -> Progress:
+    def progress(self) -> P:
         """What the client has received (what is held back never reached it)."""
         self._parse()
         return self._progress
@@ -296,12 +309,12 @@ def budget_left(doc: dict[str, Any], chat: bool, generated: int) -> dict[str, in
     keys = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     for key in keys:
         v = doc.get(key)
-        if _is_int(v):
+        if is_int(v):
             out[key] = max(1, v - generated)
     if not chat and "max_tokens" not in doc:
         out["max_tokens"] = max(1, 16 - generated)  # vLLM's completions default
     v = doc.get("min_tokens")
-    if _is_int(v):
+    if is_int(v):
         out["min_tokens"] = max(0, v - generated)
     return out
 
@@ -430,7 +443,7 @@ class Stitch:
     def _usage(self, usage: dict[str, Any]) -> dict[str, Any]:
         prompt = usage.get("prompt_tokens")
         completion = usage.get("completion_tokens")
-        if not _is_int(prompt) or not _is_int(completion):
+        if not is_int(prompt) or not is_int(completion):
             return usage
         if self._prompt_tokens is None:  # the continuation's prompt less the answer sent
             self._prompt_tokens = max(0, prompt - self.generated)

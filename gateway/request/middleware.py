@@ -1,4 +1,5 @@
-"""The one server middleware: request id in, errors out in OpenAI's envelope."""
+"""The one server middleware: request id in, errors out in OpenAI's envelope (Anthropic's on
+``/v1/messages``)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
-from backends.errors import GatewayError, ShuttingDown, error_envelope
+from backends.errors import GatewayError, ShuttingDown, anthropic_envelope, error_envelope
 from gateway.keys import LIFECYCLE, REQUEST_ID_KEY
+from gateway.request.endpoints import Dialect, dialect_of
 from gateway.request.headers import REQUEST_ID, valid_request_id
 
 log = structlog.get_logger("backends.errors")
@@ -23,8 +25,8 @@ _HTTP_ERROR_TYPES = {
 }
 
 
-def error_response(err: GatewayError) -> web.Response:
-    return web.json_response(err.envelope(), status=err.status, headers=err.headers)
+def error_response(err: GatewayError, dialect: Dialect = "openai") -> web.Response:
+    return web.json_response(err.shaped(dialect), status=err.status, headers=err.headers)
 
 
 @web.middleware
@@ -42,26 +44,26 @@ async def _answer(request: web.Request, handler: Handler, request_id: str) -> we
             raise ShuttingDown("The gateway is shutting down; retry on another replica.")
         resp = await handler(request)
     except GatewayError as err:
-        resp = error_response(err)
+        resp = error_response(err, dialect_of(request.path))
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
         message = exc.text if exc.text and exc.text != exc.reason else exc.reason
+        if exc.status in (404, 405):
+            message = f"{message} ({request.method} {request.path})"
         resp = web.json_response(
-            error_envelope(
-                f"{message} ({request.method} {request.path})"
-                if exc.status in (404, 405)
-                else message,
-                _HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error"),
+            anthropic_envelope(exc.status, message)
+            if dialect_of(request.path) == "anthropic"
+            else error_envelope(
+                message, _HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error")
             ),
             status=exc.status,
             headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
         )
     except Exception:
         log.exception("unhandled_error", path=request.path)
-        resp = web.json_response(
-            error_envelope("The gateway failed to handle this request.", "internal_error"),
-            status=500,
+        resp = error_response(
+            GatewayError("The gateway failed to handle this request."), dialect_of(request.path)
         )
     if not resp.prepared:
         resp.headers[REQUEST_ID] = request_id

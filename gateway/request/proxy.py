@@ -35,10 +35,12 @@ from backends.errors import (
     BackendRefused,
     GatewayError,
     UpstreamTimeout,
+    as_anthropic,
 )
 from backends.upstream.client import Upstream
 from gateway.keys import (
     ADMISSION,
+    GENERATIONS,
     LIMITER,
     METRICS,
     RELAY_FAST,
@@ -64,11 +66,27 @@ from gateway.limits.tokens import (
 from gateway.observe.tracing import annotate, parent_context
 from gateway.request.attempt import Call, Try, attempts, cancel_reason, open_upstream
 from gateway.request.body import read_body, request_model
-from gateway.request.continuation import Keep, refusal
+from gateway.request.continuation import Keep, Progress, refusal
 from gateway.request.disagg import decode_body, prefill_attempt, prefill_body
-from gateway.request.endpoints import CHAT, COMPLETIONS, RESPONSES, Endpoint, is_route_missing
+from gateway.request.endpoints import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    MESSAGES,
+    RESPONSES,
+    Endpoint,
+    is_route_missing,
+)
 from gateway.request.form import Upload
-from gateway.request.headers import downstream_headers, upstream_headers
+from gateway.request.generate import abort_ids, generate_refusal, generate_view, token_ids
+from gateway.request.headers import (
+    REQUEST_ID,
+    downstream_headers,
+    upstream_headers,
+    valid_request_id,
+)
+from gateway.request.messages import chat_view
+from gateway.request.messages_resume import MessagesProgress, messages_refusal
 from gateway.request.record import RequestRecord, finish
 from gateway.request.relay import (
     EVENT_STREAM,
@@ -89,7 +107,13 @@ from gateway.request.stored import home_of
 
 _BUSY: Final = frozenset({429, 503})  # answers that tell the client when to come back
 _NO_USAGE_PLAN: Final = UsagePlan(inject=False, strip=False)
-_TOKEN_STREAMS: Final = (CHAT, COMPLETIONS, RESPONSES)  # "stream": true streams tokens
+_TOKEN_STREAMS: Final = (
+    CHAT,
+    COMPLETIONS,
+    RESPONSES,
+    MESSAGES,
+    GENERATE,
+)  # "stream": true streams tokens
 
 
 async def forward(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
@@ -121,7 +145,7 @@ async def forward(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
         record.pool = routed.choice.pool.name if routed.choice is not None else None
         slo_header = settings.latency.slo_header
         slo = parse_slo(request.headers.get(slo_header)) if slo_header else None
-        grant = await limiter.admit(principal, doc, generates=endpoint.generates)
+        grant = await limiter.admit(principal, routed.view, generates=endpoint.generates)
         if slo is not None:
             await meet_slo(app, routed.route.serve, slo, _priority(app, request, principal))
         ticket = await _wait_for_capacity(app, principal.id, principal.max_priority, request)
@@ -139,7 +163,7 @@ async def forward(request: web.Request, endpoint: Endpoint) -> web.StreamRespons
             call = _call(
                 request, endpoint, routed, record=record, grant=grant, response_id=response_id
             )
-            return await _traced(call, routed.route, routed.doc)
+            return await _findable(call, routed, principal.id)
         finally:
             if ticket is not None:
                 ticket.release()
@@ -176,6 +200,7 @@ class _Routed:
     doc: dict[str, Any]  # the body as the backend gets it (renamed for a pool if opted in)
     raw: bytes | Upload
     route: Route
+    view: dict[str, Any]  # the body as the engine reads it (a Messages body: as a chat)
 
 
 async def _routed(
@@ -205,20 +230,25 @@ async def _routed(
                 raw = raw.replaced("model", model)
             else:
                 raw = json.dumps(doc, separators=(",", ":")).encode()
+    view = _view(endpoint, doc)
     tokens = None
     # precise_prefix: the prompt's blocks as the engine keys them. A salted request's blocks
     # are hashed with its salt: no other request's blocks are its prefix.
     tokenizers = app[TOKENIZERS]
-    if (
+    if endpoint is GENERATE:
+        tokens = token_ids(doc) if router.wants_tokens and "cache_salt" not in doc else None
+    elif (
         router.wants_tokens
         and tokenizers is not None
-        and endpoint in (CHAT, COMPLETIONS)
+        and endpoint in (CHAT, COMPLETIONS, MESSAGES)
         and "cache_salt" not in doc
     ):
-        tokens = await tokenizers.tokens(model, "chat" if endpoint is CHAT else "completions", doc)
+        tokens = await tokenizers.tokens(
+            model, "completions" if endpoint is COMPLETIONS else "chat", view
+        )
     route = router.route(
         model,
-        doc,
+        view,
         request.headers,
         choice=choice,
         tokens=tokens,
@@ -226,7 +256,25 @@ async def _routed(
         endpoint=endpoint.name,
         pin=pin,
     )
-    return _Routed(choice, doc, raw, route)
+    return _Routed(choice, doc, raw, route, view)
+
+
+def _view(endpoint: Endpoint, doc: dict[str, Any]) -> dict[str, Any]:
+    """The body as the rest of the gateway reads one (a chat's or a completion's fields)."""
+    if endpoint.dialect == "anthropic":
+        return chat_view(doc)
+    if endpoint is GENERATE:
+        return generate_view(doc)
+    return doc
+
+
+def _resumable(endpoint: Endpoint, doc: dict[str, Any]) -> bool:
+    """Whether a stream of this request may be continued on another backend if it breaks."""
+    if endpoint is MESSAGES:
+        return messages_refusal(doc) is None
+    if endpoint is GENERATE:
+        return generate_refusal(doc) is None
+    return endpoint in (CHAT, COMPLETIONS) and refusal(doc, endpoint is CHAT) is None
 
 
 def _call(
@@ -246,16 +294,12 @@ def _call(
         plan = usage_plan(doc)
         if plan.inject:
             body = with_include_usage(doc, body)
-    resumable = (
-        endpoint in (CHAT, COMPLETIONS)
-        and request.app[SETTINGS].continuation.enabled
-        and refusal(doc, endpoint is CHAT) is None
-    )
+    resumable = request.app[SETTINGS].continuation.enabled and _resumable(endpoint, doc)
     return Call(
         request,
         request.path,
         body,
-        upstream_headers(request.headers, record.request_id),
+        upstream_headers(request.headers, _upstream_id(request, endpoint, doc, record)),
         record,
         strip_usage=plan.strip,
         extra_headers=grant.headers,
@@ -265,6 +309,31 @@ def _call(
         response_id=response_id,
         streamed=endpoint in _TOKEN_STREAMS and doc.get("stream") is True,
     )
+
+
+async def _findable(call: Call, routed: _Routed, owner: str) -> web.StreamResponse:
+    """Serve ``call``; a token-in generation where its abort route can find it meanwhile (by
+    the id it goes upstream with)."""
+    if call.endpoint is not GENERATE:
+        return await _traced(call, routed.route, routed.doc)
+    generations = call.request.app[GENERATIONS]
+    aborts = abort_ids(call.headers[REQUEST_ID])
+    generations.started(aborts, owner, call.record)
+    try:
+        return await _traced(call, routed.route, routed.doc)
+    finally:
+        generations.ended(aborts)
+
+
+def _upstream_id(
+    request: web.Request, endpoint: Endpoint, doc: dict[str, Any], record: RequestRecord
+) -> str:
+    """The X-Request-Id the backend gets: the request's, but for a token-in generation
+    without the header, the body's ``request_id``: vLLM names the generation after the
+    header, else the body's id, and the one the client chose is the one it aborts by."""
+    if endpoint is GENERATE and REQUEST_ID not in request.headers:
+        return valid_request_id(doc.get("request_id")) or record.request_id
+    return record.request_id
 
 
 def _classify(app: web.Application, record: RequestRecord, exc: BaseException) -> None:
@@ -371,7 +440,7 @@ async def _answer(t: Try) -> web.StreamResponse:
     try:
         status = upstream.status
         read: bytes | None = None
-        if status == 404:  # no such model or response, or no such route: the body tells
+        if status in (403, 404):  # no such model or response, or no such route: the body tells
             read = await client.read_body(upstream)
             complete = True
             if is_route_missing(status, read):  # the other kind of vLLM server
@@ -381,6 +450,11 @@ async def _answer(t: Try) -> web.StreamResponse:
             complete = True
             retry_after = upstream.headers.get("Retry-After")
             raise BackendRefused(t.lease.backend.id, status, body, retry_after=retry_after)
+        if status >= 400 and call.endpoint.dialect == "anthropic":  # its clients parse that
+            if read is None:
+                read = await client.read_body(upstream)
+                complete = True
+            read = json.dumps(as_anthropic(status, read), separators=(",", ":")).encode()
         call.record.status = status
         if call.response_id is not None and status == 200:  # follow-ups must come back here
             await call.request.app[RESPONSE_HOMES].remember(call.response_id, t.lease.backend.id)
@@ -426,10 +500,14 @@ async def _relay(
     result = RelayResult(
         ending=Ending.UPSTREAM_ERROR,
         on_first=t.expected.pending.done if t.expected is not None else None,
+        dialect=call.endpoint.dialect,
     )
     keep = None
     if call.resumable is not None:
-        keep = Keep(call.chat, app[SETTINGS].continuation.compact_bytes)
+        progress: Progress | MessagesProgress = (
+            MessagesProgress() if call.endpoint is MESSAGES else Progress(chat=call.chat)
+        )
+        keep = Keep(progress, app[SETTINGS].continuation.compact_bytes)
     try:
         resp = await relay_stream(
             call.request,

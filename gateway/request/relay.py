@@ -20,7 +20,7 @@ import enum
 import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
@@ -34,6 +34,8 @@ from backends.upstream.client import CLIENT_ERRORS, Outrun, Transport, Upstream,
 from backends.upstream.idle import IdleWatch
 from gateway.limits.tokens import UsageFilter
 from gateway.request.continuation import Keep, Progress, Stitch
+from gateway.request.endpoints import Dialect
+from gateway.request.messages_resume import MessagesProgress, MessagesStitch, end_of_message
 from gateway.request.sse import FirstTokenWatch
 
 EVENT_STREAM: Final = "text/event-stream"  # the content type of a stream to relay
@@ -52,6 +54,7 @@ class RelayResult:
     error: UpstreamError | None = None
     events: int = 0  # SSE "data:" events relayed
     on_first: Callable[[], None] | None = None  # called once, at the first token
+    dialect: Dialect = "openai"  # the error event's shape
 
 
 class StreamBroken(Exception):
@@ -63,7 +66,11 @@ class StreamBroken(Exception):
     """
 
     def __init__(
-        self, response: web.StreamResponse, error: UpstreamError, backend: str, progress: Progress
+        self,
+        response: web.StreamResponse,
+        error: UpstreamError,
+        backend: str,
+        progress: Progress | MessagesProgress,
     ) -> None:
         super().__init__(error.message)
         self.response = response
@@ -77,10 +84,13 @@ def outrun(backend: BackendSpec) -> UpstreamError:
     return translate(Outrun(), backend)
 
 
-def stream_error_event(err: UpstreamError) -> bytes:
-    """How a failure after the stream began reaches the client: as vLLM reports one."""
-    body = json.dumps(err.envelope(), separators=(",", ":"))
-    return b"data: " + body.encode() + b"\n\ndata: [DONE]\n\n"
+def stream_error_event(err: UpstreamError, dialect: Dialect = "openai") -> bytes:
+    """How a failure after the stream began reaches the client: as vLLM reports one (an
+    ``error`` event, as Anthropic's API sends it, in a Messages stream)."""
+    body = json.dumps(err.shaped(dialect), separators=(",", ":")).encode()
+    if dialect == "anthropic":
+        return b"event: error\ndata: " + body + b"\n\n"
+    return b"data: " + body + b"\n\ndata: [DONE]\n\n"
 
 
 # An alias's answer: the served model name's JSON field, and the alias's
@@ -139,7 +149,7 @@ class Chunks:
         now: Callable[[], float],
         rename: Rename | None,
         *,
-        keep: Keep | None = None,
+        keep: Keep[Any] | None = None,
     ) -> None:
         self._watch = watch
         self._result = result
@@ -309,7 +319,7 @@ async def relay_stream(
     result: RelayResult,
     rename: Rename | None = None,
     fast: bool = True,
-    keep: Keep | None = None,
+    keep: Keep[Any] | None = None,
 ) -> web.StreamResponse:
     """Relay an event stream chunk by chunk, until either side ends it.
 
@@ -368,21 +378,26 @@ async def relay_stream(
 async def _close(resp: web.StreamResponse, chunks: Chunks, result: RelayResult) -> None:
     if result.ending is Ending.UPSTREAM_ERROR:
         assert result.error is not None
-        await resp.write(chunks.rest() + stream_error_event(result.error))
+        await resp.write(chunks.rest() + stream_error_event(result.error, result.dialect))
     if result.ending is not Ending.CLIENT_DISCONNECT:
         await resp.write_eof(chunks.rest())
 
 
 async def end_stream(
-    resp: web.StreamResponse, error: UpstreamError | None, *, done: bool = False
+    resp: web.StreamResponse,
+    error: UpstreamError | None,
+    *,
+    done: bool = False,
+    dialect: Dialect = "openai",
 ) -> None:
     """End a broken stream that was not continued: vLLM's error event, then [DONE]; or,
-    with no ``error``, only the [DONE] it lacked (``done``: not even that)."""
+    with no ``error``, only the [DONE] it lacked (``done``: not even that; a Messages
+    stream's ``message_stop``)."""
     try:
         if error is not None:
-            await resp.write(stream_error_event(error))
+            await resp.write(stream_error_event(error, dialect))
         elif not done:
-            await resp.write(b"data: [DONE]\n\n")
+            await resp.write(b"data: [DONE]\n\n" if dialect == "openai" else end_of_message())
         await resp.write_eof()
     except ConnectionResetError:  # the client went away meanwhile
         pass
@@ -391,7 +406,7 @@ async def end_stream(
 async def relay_resumed(
     resp: web.StreamResponse,
     upstream: Upstream,
-    stitch: Stitch,
+    stitch: Stitch | MessagesStitch,
     chunks: Chunks,
 ) -> UpstreamError | None:
     """Relay a continuation into the client's open stream ``resp``, through ``stitch``.

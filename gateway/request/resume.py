@@ -16,6 +16,7 @@ import json
 import time
 from dataclasses import replace
 from functools import partial
+from typing import Any
 
 import structlog
 from aiohttp import web
@@ -34,6 +35,14 @@ from gateway.keys import METRICS, RETRY, SETTINGS, UPSTREAM
 from gateway.limits.tokens import UsageFilter
 from gateway.request.attempt import Call, Try, attempts, cancel_reason, error_kind, open_upstream
 from gateway.request.continuation import Progress, Stitch, can_resume, resume_body
+from gateway.request.endpoints import GENERATE, MESSAGES
+from gateway.request.generate import generate_resume_body
+from gateway.request.messages_resume import (
+    CHAT_PATH,
+    MessagesProgress,
+    MessagesStitch,
+    messages_resume_body,
+)
 from gateway.request.relay import (
     EVENT_STREAM,
     Chunks,
@@ -67,10 +76,14 @@ async def resume(
         reason = _break_reason(broken.error)
         if progress.done or progress.finished is not None:  # only the stream's end was lost
             metrics.continuations.labels(reason, "complete").inc()
-            await end_stream(resp, None, done=progress.done)
+            await end_stream(resp, None, done=progress.done, dialect=call.endpoint.dialect)
             record.ending = Ending.COMPLETE.value
             return resp
-        why = can_resume(call.resumable, call.chat, progress)
+        why = (
+            progress.blocker
+            if isinstance(progress, MessagesProgress)
+            else can_resume(call.resumable, call.chat, progress)
+        )
         if why is None and record.continuations >= settings.max_continuations:
             why = "limit"
         if why is not None:
@@ -78,7 +91,7 @@ async def resume(
             log.warning(
                 "stream_not_continued", backend=broken.backend, error=broken.error.message, why=why
             )
-            await end_stream(resp, broken.error)
+            await end_stream(resp, broken.error, dialect=call.endpoint.dialect)
             return resp
         record.continuations += 1
         log.info(
@@ -89,9 +102,11 @@ async def resume(
             continuation=record.continuations,
         )
         attempt = partial(_resume_attempt, resp=resp, progress=progress)
+        # A Messages stream goes on as the chat vLLM renders it (``messages_resume``).
+        asks = replace(call, path=CHAT_PATH) if call.endpoint is MESSAGES else call
         try:
             done = await attempts(
-                call, step, span, attempt, retry=retry, since=time.monotonic(), exclude=failed_on
+                asks, step, span, attempt, retry=retry, since=time.monotonic(), exclude=failed_on
             )
         except StreamBroken as again:
             metrics.continuations.labels(reason, "broken").inc()
@@ -103,7 +118,7 @@ async def resume(
             log.warning(
                 "stream_not_continued", backend=broken.backend, error=exc.message, why="failed"
             )
-            await end_stream(resp, broken.error)
+            await end_stream(resp, broken.error, dialect=call.endpoint.dialect)
             record.ending = Ending.UPSTREAM_ERROR.value
             return resp
         metrics.continuations.labels(reason, "continued").inc()
@@ -120,7 +135,7 @@ def _break_reason(error: UpstreamError) -> str:
     return kind if kind in ("timeout", "protocol") else "unreachable"
 
 
-async def _sent_tokens(t: Try, progress: Progress) -> int:
+async def _sent_tokens(t: Try, progress: Progress | MessagesProgress) -> int:
     """How many tokens the client has received: the stream's own token ids when it carries
     them, else the continuing backend's count of the text (its ``/tokenize``), else the
     events (one token each, a lower bound with speculative decoding or a stream interval)."""
@@ -151,8 +166,21 @@ async def _sent_tokens(t: Try, progress: Progress) -> int:
     return progress.events
 
 
+def _continuation(
+    call: Call, progress: Progress | MessagesProgress, sent: int
+) -> tuple[dict[str, Any], Stitch | MessagesStitch]:
+    """The request for the rest of the answer, ``sent`` tokens of it sent, and what rewrites
+    its events into the client's stream."""
+    assert call.resumable is not None
+    if isinstance(progress, MessagesProgress):
+        return messages_resume_body(call.resumable, progress, sent), MessagesStitch(progress, sent)
+    if call.endpoint is GENERATE:
+        return generate_resume_body(call.resumable, progress, sent), Stitch(progress, sent)
+    return resume_body(call.resumable, call.chat, progress, sent), Stitch(progress, sent)
+
+
 async def _resume_attempt(
-    t: Try, *, resp: web.StreamResponse, progress: Progress
+    t: Try, *, resp: web.StreamResponse, progress: Progress | MessagesProgress
 ) -> web.StreamResponse:
     """One backend's try at the rest of a broken stream, into the client's open ``resp``."""
     call = t.call
@@ -160,7 +188,7 @@ async def _resume_attempt(
     client = app[UPSTREAM]
     assert call.resumable is not None
     sent = await _sent_tokens(t, progress)
-    body = resume_body(call.resumable, call.chat, progress, sent)
+    body, stitch = _continuation(call, progress, sent)
     upstream = await open_upstream(t, json.dumps(body, separators=(",", ":")).encode())
     complete = False
     try:
@@ -175,7 +203,6 @@ async def _resume_attempt(
                 f"backend {backend} answered the continuation with {upstream.status}: "
                 f"{answer[:200].decode(errors='replace')}"
             )
-        stitch = Stitch(progress, sent)
         usage = UsageFilter(strip=call.strip_usage)
         result = RelayResult(ending=Ending.COMPLETE)
         rename = call.choice.rename if call.choice is not None else None

@@ -68,9 +68,10 @@ class SSEParser:
 
 
 def carries_token(payload: bytes) -> bool:
-    """True if an OpenAI stream chunk carries generated output (text, content or tool call).
+    """True if a stream's event carries generated output (text, content or tool call).
 
-    The chat stream's first chunk (``{"role": "assistant", "content": ""}``) does not count.
+    The chat stream's first chunk (``{"role": "assistant", "content": ""}``) does not count,
+    nor do a Messages stream's ``message_start`` and ``content_block_start``.
     """
     if payload == b"[DONE]":
         return False
@@ -82,11 +83,11 @@ def carries_token(payload: bytes) -> bool:
         return False
     choices = doc.get("choices")
     if not isinstance(choices, list):
-        return False
+        return _carries_event_token(doc)
     for choice in choices:
         if not isinstance(choice, dict):
             continue
-        if choice.get("text"):
+        if choice.get("text") or choice.get("token_ids"):  # token ids: /inference/v1/generate
             return True
         delta = choice.get("delta")
         if isinstance(delta, dict) and (
@@ -94,6 +95,18 @@ def carries_token(payload: bytes) -> bool:
         ):
             return True
     return False
+
+
+def _carries_event_token(doc: dict[str, Any]) -> bool:
+    """The same for the named-event streams: Anthropic's Messages (a content block's delta:
+    text, a tool's input, thinking) and OpenAI's Responses (an output text delta)."""
+    kind = doc.get("type")
+    if kind == "content_block_delta":
+        delta = doc.get("delta")
+        return isinstance(delta, dict) and bool(
+            delta.get("text") or delta.get("partial_json") or delta.get("thinking")
+        )
+    return kind == "response.output_text.delta" and bool(doc.get("delta"))
 
 
 def is_error_event(payload: bytes) -> bool:

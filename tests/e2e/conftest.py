@@ -9,8 +9,8 @@ a machine that cannot run these tests must not pass them by skipping.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from collections.abc import AsyncIterator, Iterator, Sequence
+from typing import Any, Final
 
 import httpx
 import openai
@@ -52,6 +52,26 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
 
 
 STARTED = pytest.StashKey[str]()
+SCALE_OUT: Final = "vllm1"  # the one server with the token-in and render routes
+
+
+# Tool calls (Anthropic's tool_use through /v1/messages): vLLM needs a parser for them, even
+# for a named tool: the pythonic one, which needs no special token the tiny model lacks.
+# No whitespace in a call's JSON: a random model would pad it to max_tokens.
+TOOLS: Final = (
+    "--enable-auto-tool-choice",
+    "--tool-call-parser",
+    "pythonic",
+    "--structured-outputs-config",
+    '{"backend": "xgrammar", "disable_any_whitespace": true}',
+)
+
+
+def engine_args(name: str) -> Sequence[str]:
+    """Tool calls on both servers; vLLM's scale-out routes (``/inference/v1/generate``, the
+    render routes) on one only: the other answers them 403, and the gateway must pass it
+    over for them."""
+    return [*TOOLS, *(["--enable-scale-out"] if name == SCALE_OUT else [])]
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -70,7 +90,7 @@ def vllm_servers(
         pytest.fail(f"end-to-end tests need real vLLM: {exc}", pytrace=False)
     started = time.monotonic()
     log_dir = tmp_path_factory.mktemp("vllm")
-    with running_vllm_servers(N_SERVERS, log_dir) as servers:
+    with running_vllm_servers(N_SERVERS, log_dir, extra=engine_args) as servers:
         pytestconfig.stash[STARTED] = (
             f"e2e: {len(servers)} vLLM servers healthy {time.monotonic() - started:.1f}s after "
             f"the fixture began (model build and venv check included); logs in {log_dir}"

@@ -123,6 +123,7 @@ class VllmServer:
     log_path: Path
     proc: subprocess.Popen[bytes]
     cpu: str = "0"
+    extra: tuple[str, ...] = ()  # its engine arguments beyond the common ones, kept on restart
     started_at: float = field(default_factory=time.monotonic)
     ready_after: float | None = None
 
@@ -215,7 +216,9 @@ def launch(
             # generated: 13-30 s stalls, a client's disconnect seen at the end of the answer.
             process_group=0,
         )
-    return VllmServer(name=name, port=port, log_path=log_path, proc=proc, cpu=cpu)
+    return VllmServer(
+        name=name, port=port, log_path=log_path, proc=proc, cpu=cpu, extra=tuple(extra)
+    )
 
 
 def wait_healthy(
@@ -306,6 +309,7 @@ def restart(servers: list[VllmServer], server: VllmServer) -> VllmServer:
             old.name,
             old.log_path.parent,
             cpu=old.cpu,
+            extra=old.extra,
             log_name=f"{old.name}-{n}",
         )
 

@@ -21,6 +21,7 @@ import httpx
 import pytest
 
 from gateway.keys import KV_FEEDS, KV_INDEX, POOL, ROUTER, TOKENIZERS
+from gateway.request.messages import chat_view
 from policies import PrecisePrefix
 from tests.e2e.servers import (
     MODEL_DIR,
@@ -218,3 +219,37 @@ async def test_chat_prompts_are_keyed_as_vllm_keys_them(
         assert r.status_code == 200, r.text
         assert sum(hits(s) for s in servers) - before == predicted
         assert policy.decisions["prefix"] >= 1
+
+
+async def test_messages_prompts_are_keyed_as_vllm_keys_them(
+    kv_vllm_servers: list[VllmServer],
+) -> None:
+    """A Messages body, read as the chat vLLM renders it, gives the blocks vLLM caches for it:
+    what the gateway predicts for a second request sharing the system prompt is what vLLM
+    then counts as hits."""
+    servers = kv_vllm_servers
+    rng = random.Random(29)
+    async with following(servers) as gw, httpx.AsyncClient() as client:
+        body = {
+            "model": SERVED_MODEL,
+            "max_tokens": 1,
+            "system": [{"type": "text", "text": text(rng, 100)}],
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+        }
+        r = await client.post(f"{gw.url}/v1/messages", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        await quiet(gw)
+        again = {**body, "messages": [{"role": "user", "content": "yo"}]}
+        tok = gw.app[TOKENIZERS].get(SERVED_MODEL)
+        assert tok is not None
+        tokens = tok.prompt_tokens("chat", chat_view(again))
+        assert tokens is not None
+        policy = policy_of(gw)
+        predicted = max(policy.predicted(tokens, b.id) for b in gw.app[POOL].all())
+        assert predicted >= 128
+        decided = policy.decisions["prefix"]
+        before = sum(hits(s) for s in servers)
+        r = await client.post(f"{gw.url}/v1/messages", json=again, timeout=120)
+        assert r.status_code == 200, r.text
+        assert sum(hits(s) for s in servers) - before == predicted
+        assert policy.decisions["prefix"] == decided + 1  # routed on it

@@ -45,7 +45,7 @@ def test_what_may_be_continued_is_decided_from_the_request(
 
 
 def test_keep_holds_back_an_unfinished_event_until_its_end_arrives() -> None:
-    keep = Keep(chat=False, compact_bytes=1 << 20)
+    keep = Keep(Progress(chat=False), compact_bytes=1 << 20)
     whole = text_chunk(" a") + text_chunk(" b")
     first, second = whole[:30], whole[30:]
     sent = keep.take(first)
@@ -56,7 +56,7 @@ def test_keep_holds_back_an_unfinished_event_until_its_end_arrives() -> None:
 
 
 def test_keep_stops_at_the_engines_error_event_and_sends_what_came_before() -> None:
-    keep = Keep(chat=False, compact_bytes=1 << 20)
+    keep = Keep(Progress(chat=False), compact_bytes=1 << 20)
     error = ev({"error": {"message": "EngineCore died", "type": "InternalServerError"}})
     sent = keep.take(text_chunk(" a") + error + b"data: [DONE]\n\n")
     assert sent == text_chunk(" a")
@@ -66,7 +66,7 @@ def test_keep_stops_at_the_engines_error_event_and_sends_what_came_before() -> N
 
 
 def test_a_quoted_word_error_in_the_text_is_no_failure() -> None:
-    keep = Keep(chat=False, compact_bytes=1 << 20)
+    keep = Keep(Progress(chat=False), compact_bytes=1 << 20)
     chunk = text_chunk(' "error" and "abort"')
     assert keep.take(chunk) == chunk
     assert keep.cut is None
@@ -74,17 +74,17 @@ def test_a_quoted_word_error_in_the_text_is_no_failure() -> None:
 
 def test_an_error_finish_is_a_failure_an_abort_or_length_finish_is_passed_on() -> None:
     for reason in ("length", "abort"):
-        keep = Keep(chat=False, compact_bytes=1 << 20)
+        keep = Keep(Progress(chat=False), compact_bytes=1 << 20)
         chunk = text_chunk(" a", finish_reason=reason)
         assert keep.take(chunk) == chunk
         assert keep.cut is None
-    keep = Keep(chat=False, compact_bytes=1 << 20)
+    keep = Keep(Progress(chat=False), compact_bytes=1 << 20)
     assert keep.take(text_chunk("", finish_reason="error")) == b""
     assert keep.cut is not None
 
 
 def test_keep_parses_as_it_goes_past_its_compaction_bound_and_loses_nothing() -> None:
-    keep = Keep(chat=False, compact_bytes=4096)
+    keep = Keep(Progress(chat=False), compact_bytes=4096)
     for i in range(500):
         keep.take(text_chunk(f" w{i}"))
     progress = keep.progress()

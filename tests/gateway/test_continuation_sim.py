@@ -1,11 +1,12 @@
 """Streams that survive a dying backend, on the simulator under load.
 
-Three simulators behind the gateway (its default policy), 48 streams at once, completions and
-chats, some asking for usage; one simulator fails while every stream is mid-way: killed, its
-connections reset, stalled, or failing with vLLM's error event. No client may notice: each gets
-a 200, no error event, one ``[DONE]``, exactly ``max_tokens`` tokens (the simulator's text is
-random words, one per token, so counts are what can be checked) and, where asked, usage
-covering the whole answer. Nothing is left in flight afterwards, in the gateway or a simulator.
+Three simulators behind the gateway (its default policy), 48 streams at once, completions,
+chats and Anthropic Messages, some asking for usage; one simulator fails while every stream is
+mid-way: killed, its connections reset, stalled, or failing with vLLM's error event. No client
+may notice: each gets a 200, no error event, one ``[DONE]`` (or one ``message_stop``), exactly
+``max_tokens`` tokens (the simulator's text is random words, one per token, so counts are what
+can be checked) and, where asked, usage covering the whole answer. Nothing is left in flight
+afterwards, in the gateway or a simulator.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ import aiohttp
 
 from backends.health import Health
 from gateway.keys import METRICS, POOL
+from gateway.request.messages import chat_view
+from tests.anthropic_stream import read_stream
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
 from tools.sim import FAST, Faults, RunningSim, SimConfig, running_sim
 from tools.sim.tokens import render_chat, tokenize
 
 MODEL = FAST.model_name
-PACED = FAST.replace(step_base_ms=20.0)  # about 50 tokens a second for each stream
+# About 50 tokens a second for each stream; natural answers (a Messages stream has no
+# ignore_eos) longer than any asked for here.
+PACED = FAST.replace(step_base_ms=20.0, output_len_min=200)
 MAX_TOKENS = 60  # streams of about 1.2 s
 STREAMS = 48
 MIDWAY = 10  # events every stream has received when the fault hits
@@ -33,13 +38,19 @@ VICTIM = "sim0"
 
 
 def request(i: int) -> tuple[str, dict[str, Any]]:
-    """The ``i``-th request: completions and chats in turn, half of each asking for usage."""
+    """The ``i``-th request: completions and chats in turn, half of each asking for usage;
+    every third one an Anthropic Messages stream (which vLLM runs without ``ignore_eos``:
+    the simulator's natural answers are longer than these)."""
     doc: dict[str, Any] = {
         "model": MODEL,
         "max_tokens": MAX_TOKENS + i % 5,
-        "ignore_eos": True,
         "stream": True,
     }
+    if i % 3 == 2:
+        doc["system"] = "You tell stories."
+        doc["messages"] = [{"role": "user", "content": f"tell me story number {i}"}]
+        return "/v1/messages", doc
+    doc["ignore_eos"] = True
     if i % 4 < 2:
         doc["stream_options"] = {"include_usage": True}
     if i % 2:
@@ -51,6 +62,8 @@ def request(i: int) -> tuple[str, dict[str, Any]]:
 
 def prompt_tokens(doc: dict[str, Any]) -> int:
     """The prompt's length in the simulator's tokens, as the client's usage must say."""
+    if "system" in doc:
+        return len(tokenize(render_chat(chat_view(doc)["messages"])))
     if "messages" in doc:
         return len(tokenize(render_chat(doc["messages"])))
     return len(tokenize(doc["prompt"]))
@@ -85,6 +98,16 @@ class Load:
         for i, ((path, doc), raw) in enumerate(zip(self.requests, self.received, strict=True)):
             what = f"request {i} ({path}, max_tokens {doc['max_tokens']})"
             assert self.statuses[i] == 200, (what, bytes(raw[:300]))
+            if path == "/v1/messages":
+                stream = read_stream(bytes(raw))  # valid under Anthropic's format, or raises
+                assert stream.error is None, (what, stream.error)
+                assert len(stream.text.split()) == doc["max_tokens"], (what, "every token, once")
+                assert stream.stop_reason == "max_tokens", what
+                assert stream.usage == {
+                    "input_tokens": prompt_tokens(doc),
+                    "output_tokens": doc["max_tokens"],
+                }, what
+                continue
             evs = events(bytes(raw))
             assert evs.count("[DONE]") == 1, what
             assert evs[-1] == "[DONE]", what

@@ -4,6 +4,7 @@ name), counted by endpoint, with OpenAI-shaped errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -11,6 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.keys import POOL
 from gateway.limits.tokens import reservation
+from gateway.request.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
 from tests.helpers import gateway_for
 from tools.sim import RunningSim, SimConfig
 
@@ -142,3 +144,13 @@ def test_endpoints_that_generate_nothing_reserve_no_completion_budget() -> None:
     assert reservation(rerank, generates=False) == 30
     responses = {"input": [{"role": "user", "content": "z" * 80}], "max_output_tokens": 7}
     assert reservation(responses) == 20 + 7
+
+
+def test_the_readmes_endpoint_table_names_every_route_the_gateway_serves() -> None:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme.split("## Endpoints", 1)[1].split("\n## ", 1)[0]
+    routed = [p for e in (*JSON_ENDPOINTS, *FORM_ENDPOINTS, RESPONSES) for p in e.paths]
+    derendered = [p for p in routed if p.endswith("/derender")]  # written as /v1/*/derender
+    missing = [p for p in routed if f"`{p}`" not in table and p not in derendered]
+    assert missing == []
+    assert "`/v1/*/derender`" in table

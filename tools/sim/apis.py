@@ -1,29 +1,36 @@
-"""vLLM's endpoints beyond completions, on the simulator: the Responses API, pooling (with
-``--runner pooling``), speech to text (with ``--audio``, ``tools.sim.audio``), LoRA adapters
-(with ``--enable-lora``) and ``/detokenize``."""
+"""vLLM's endpoints beyond completions, on the simulator: the Responses API, Anthropic's
+Messages API (``messages_api.py``), the scale-out endpoints (render, token-in-token-out
+generate and abort, with ``--enable-scale-out``: ``scale_out.py``), pooling (with ``--runner
+pooling``), speech to text (with ``--audio``, ``tools.sim.audio``), LoRA adapters (with
+``--enable-lora``) and ``/detokenize``."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
 from aiohttp import web
 
-from tools.sim import audio, pooling, responses_api
+from tools.sim import audio, messages_api, pooling, responses_api, scale_out, serving
 from tools.sim.config import SimConfig
 from tools.sim.http import (
     SSE_HEADERS,
     STATE,
     Handler,
+    check_model,
     error_response,
     json_body,
     json_response,
     model_body,
+    validated_json,
 )
-from tools.sim.protocol import ApiError, GenerateParams, parse_generate
+from tools.sim.protocol import ApiError, GenerateParams, error_envelope, parse_generate
 from tools.sim.protocol import plan_output as plan
 from tools.sim.state import SimState
 from tools.sim.tokens import OutputText, detokenize
+from tools.sim.validation import BodyError
 
 
 def add_routes(app: web.Application, config: SimConfig) -> None:
@@ -32,15 +39,33 @@ def add_routes(app: web.Application, config: SimConfig) -> None:
         app.router.add_post("/v1/responses", responses_create)
         app.router.add_get("/v1/responses/{response_id}", responses_get)
         app.router.add_post("/v1/responses/{response_id}/cancel", responses_cancel)
+        app.router.add_post("/v1/messages", messages_create)
+        app.router.add_post("/v1/messages/count_tokens", messages_count_tokens)
     else:  # vLLM registers these for an embedding model, and not the generation routes
         for path, answer in _POOLING_ROUTES.items():
             app.router.add_post(path, _pooling(answer))
+    _add_scale_out(app, config)
     if config.audio:
         audio.add_routes(app)
     if config.enable_lora:
         app.router.add_post("/v1/load_lora_adapter", load_lora)
         app.router.add_post("/v1/unload_lora_adapter", unload_lora)
     app.router.add_post("/detokenize", detokenize_ids)
+
+
+def _add_scale_out(app: web.Application, config: SimConfig) -> None:
+    """vLLM's scale-out routes: all 403 unless enabled; then render, and (generating
+    servers) generate and abort. /v1/responses/render and derender are not simulated."""
+    if not config.enable_scale_out:
+        for path in scale_out.ROUTES:
+            app.router.add_post(path, scale_out_disabled)
+        return
+    app.router.add_post("/v1/chat/completions/render", render_chat)
+    app.router.add_post("/v1/completions/render", render_completion)
+    app.router.add_post("/v1/messages/render", render_messages)
+    if config.runner == "generate":
+        app.router.add_post("/inference/v1/generate", generate_tokens)
+        app.router.add_post("/inference/v1/abort_requests", abort_requests)
 
 
 def _responses_plan(
@@ -133,6 +158,210 @@ async def responses_cancel(request: web.Request) -> web.Response:
     except ApiError as exc:
         return json_response(exc.envelope(), status=exc.status)
     return error_response(400, "Cannot cancel a synchronous response.")
+
+
+# -- Anthropic's Messages API (messages_api.py)
+
+
+def _anthropic(exc: ApiError) -> web.Response:
+    """An error on a Messages route: vLLM's validation 400 as it is (it precedes the
+    route), any other in Anthropic's shape."""
+    if isinstance(exc, BodyError):
+        return json_response(exc.envelope(), status=exc.status)
+    return json_response(messages_api.anthropic_error(exc), status=exc.status)
+
+
+async def _messages_request(
+    request: web.Request, *, count_tokens: bool = False
+) -> tuple[messages_api.MessagesRequest, GenerateParams]:
+    """A Messages body, checked as vLLM checks it, and the chat request it runs as."""
+    state = request.app[STATE]
+    req = messages_api.parse_messages(await validated_json(request), count_tokens=count_tokens)
+    check_model(req.model, state)
+    return req, parse_generate(req.chat_body(), chat=True)
+
+
+async def messages_create(request: web.Request) -> web.StreamResponse:
+    """``POST /v1/messages``: a chat completion on the engine, answered as a message."""
+    state = request.app[STATE]
+    config = state.config
+    try:
+        req, params = await _messages_request(request)
+        tool = req.tool
+        planned = messages_api.plan_tool(params, config, tool) if tool else plan(params, config)
+        refused = await serving.admit(state)
+        if refused is not None:
+            raise refused
+    except ApiError as exc:
+        return _anthropic(exc)
+    base_id, headers = serving.request_ids(request, config)
+    fmt = messages_api.MessageFormat(
+        "chatcmpl-" + base_id,
+        req.model,
+        len(params.prompt_ids),
+        planned[2],
+        tool,
+        details=config.enable_prompt_tokens_details,
+    )
+    with serving.running(state, params, planned) as handle:
+        if params.stream:
+            return await serving.stream(request, state, handle, fmt, headers)
+        end = await serving.whole(handle)
+        kv = None
+        if serving.remote_decode(config, params):
+            kv = serving.handoff(request, state, handle, fmt.id, len(params.prompt_ids))
+        try:
+            return json_response(fmt.full(end, kv), headers=headers)
+        except ApiError as exc:
+            return _anthropic(exc)
+
+
+async def messages_count_tokens(request: web.Request) -> web.Response:
+    """``POST /v1/messages/count_tokens``: the rendered prompt's length, nothing generated."""
+    try:
+        _, params = await _messages_request(request, count_tokens=True)
+    except ApiError as exc:
+        return _anthropic(exc)
+    return json_response(messages_api.count_tokens_response(len(params.prompt_ids)))
+
+
+# -- scale-out (scale_out.py)
+
+
+async def scale_out_disabled(request: web.Request) -> web.Response:
+    return json_response(scale_out.FORBIDDEN, status=403)
+
+
+async def _render_openai(request: web.Request, *, chat: bool) -> dict[str, Any]:
+    """A chat or completion body rendered as vLLM's GenerateRequest."""
+    state = request.app[STATE]
+    body = await json_body(request)
+    params = parse_generate(body, chat=chat)
+    check_model(params.model, state)
+    base_id, _ = serving.request_ids(request, state.config)
+    sampling = scale_out.sampling_params(
+        max_tokens=scale_out.render_max_tokens(params, state.config),
+        stream=params.stream,
+        temperature=scale_out.number(body, "temperature"),
+        top_p=scale_out.number(body, "top_p"),
+        top_k=scale_out.number(body, "top_k"),
+        seed=params.seed,
+        stop=params.stop,
+        ignore_eos=params.ignore_eos,
+    )
+    return scale_out.render_doc(
+        ("chatcmpl-" if chat else "cmpl-") + base_id,
+        params.prompt_ids,
+        sampling,
+        model=params.model,
+        stream=params.stream,
+        stream_options=scale_out.stream_options(body.get("stream_options")),
+        cache_salt=body.get("cache_salt"),
+    )
+
+
+async def render_chat(request: web.Request) -> web.Response:
+    try:
+        return json_response(await _render_openai(request, chat=True))
+    except ApiError as exc:
+        return json_response(exc.envelope(), status=exc.status)
+
+
+async def render_completion(request: web.Request) -> web.Response:
+    try:
+        return json_response([await _render_openai(request, chat=False)])
+    except ApiError as exc:
+        return json_response(exc.envelope(), status=exc.status)
+
+
+async def render_messages(request: web.Request) -> web.Response:
+    """A Messages body rendered as vLLM's GenerateRequest (errors in vLLM's envelope: the
+    render route does not translate them)."""
+    state = request.app[STATE]
+    try:
+        req, params = await _messages_request(request)
+        base_id, _ = serving.request_ids(request, state.config)
+        sampling = scale_out.sampling_params(
+            max_tokens=scale_out.render_max_tokens(params, state.config),
+            stream=req.stream,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=req.stop,
+        )
+    except ApiError as exc:
+        return json_response(exc.envelope(), status=exc.status)
+    options = {"include_usage": True, "continuous_usage_stats": True}  # vLLM's for Messages
+    doc = scale_out.render_doc(
+        "chatcmpl-" + base_id,
+        params.prompt_ids,
+        sampling,
+        model=req.model,
+        stream=req.stream,
+        stream_options=options,
+        cache_salt=req.cache_salt,
+    )
+    return json_response(doc)
+
+
+async def generate_tokens(request: web.Request) -> web.StreamResponse:
+    """``POST /inference/v1/generate``: token ids in, token ids out, on the engine."""
+    state = request.app[STATE]
+    config = state.config
+    try:
+        req = scale_out.parse_tokens_request(await validated_json(request))
+        params = req.params
+        check_model(params.model, state)
+        planned = plan(params, config)
+        refused = await serving.admit(state)
+        if refused is not None:
+            raise refused
+    except ApiError as exc:
+        return json_response(exc.envelope(), status=exc.status)
+    base_id, headers = serving.request_ids(request, config, req.request_id)
+    answer = scale_out.TokensAnswer(
+        "generate-tokens-" + base_id, req, planned[2], details=config.enable_prompt_tokens_details
+    )
+    with serving.running(state, params, planned) as handle:
+        same_id = state.generate_requests.setdefault(answer.id, [])
+        same_id.append(handle)
+        try:
+            if params.stream:
+                return await serving.stream(request, state, handle, answer, headers)
+            end = await serving.whole(handle)
+            kv = None
+            if serving.remote_decode(config, params):
+                kv = serving.handoff(request, state, handle, answer.id, len(params.prompt_ids))
+            model = params.model or config.model_name
+            return json_response(answer.full(end, int(time.time()), model, kv), headers=headers)
+        finally:
+            same_id.remove(handle)
+            if not same_id:
+                del state.generate_requests[answer.id]
+
+
+async def abort_requests(request: web.Request) -> web.Response:
+    """``POST /inference/v1/abort_requests`` ``{"request_ids": [...]}``: abort those generate
+    requests (their answers end with ``finish_reason: abort``); 200, empty."""
+    state = request.app[STATE]
+
+    def bad(status: int, message: str, kind: str) -> web.Response:
+        return json_response(error_envelope(status, message, kind=kind), status=status)
+
+    try:
+        body = json.loads(await request.read())
+    except ValueError as exc:
+        return bad(400, f"JSON decode error: {exc}", "Bad Request")
+    if not isinstance(body, dict):  # vLLM fails on body.get
+        name = type(body).__name__
+        return bad(500, f"'{name}' object has no attribute 'get'", "InternalServerError")
+    ids = body.get("request_ids")
+    if ids is None:
+        return bad(400, "Missing 'request_ids' in request body", "Bad Request")
+    for rid in ids if isinstance(ids, list) else [ids]:
+        for handle in list(state.generate_requests.get(str(rid), ())):
+            state.driver.abort(handle)
+    return web.Response(status=200)
 
 
 def _lora_name(doc: Any) -> str:

@@ -37,6 +37,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--enable-request-id-headers", action="store_true", help="echo X-Request-Id back"
     )
+    net.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage reports prefix-cache hits (prompt_tokens_details, cache_read_input_tokens)",
+    )
+    net.add_argument(
+        "--enable-scale-out",
+        action="store_true",
+        help="serve /v1/{chat/completions,completions,messages}/render, /inference/v1/generate "
+        "and /inference/v1/abort_requests (else 403, as vLLM)",
+    )
 
     eng = parser.add_argument_group("engine (vLLM engine arguments)")
     eng.add_argument(
@@ -216,6 +227,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         enable_server_load_tracking=args.enable_server_load_tracking,
         enable_request_id_headers=args.enable_request_id_headers,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_scale_out=args.enable_scale_out,
         step_base_ms=args.sim_step_base_ms,
         prefill_us_per_token=args.sim_prefill_us_per_token,
         decode_us_per_seq=args.sim_decode_us_per_seq,

@@ -62,6 +62,11 @@ class SimConfig:
     # -- HTTP behaviour switches that vLLM has too
     enable_server_load_tracking: bool = False
     enable_request_id_headers: bool = False
+    # usage reports prefix-cache hits (prompt_tokens_details; the Messages API's cache_*)
+    enable_prompt_tokens_details: bool = False
+    # scale-out endpoints: /v1/*/render, /inference/v1/generate, /inference/v1/abort_requests
+    # (403 without, as vLLM's)
+    enable_scale_out: bool = False
 
     # -- step cost model (simulated time)
     step_base_ms: float = 22.0

@@ -9,6 +9,9 @@ future, no task or queue per token.
 With KV-cache events on, what a step changed in the prefix cache goes to
 ``kv_event_sink`` as one batch when the step's tokens are delivered (vLLM publishes a
 step's events after its forward pass); a step that changed nothing sends nothing.
+
+``abort`` ends a request on demand (vLLM's ``/inference/v1/abort_requests``): it leaves the
+engine at once and its handle finishes with reason ``abort`` and no further token.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ class RequestHandle:
         "_pending",
         "_waiter",
         "block_ids",
+        "cached_tokens",
+        "created_tokens",
         "finish_reason",
         "num_tokens",
         "request_id",
@@ -42,6 +47,8 @@ class RequestHandle:
         self.num_tokens = 0
         self.finish_reason: str | None = None
         self.block_ids: tuple[int, ...] = ()  # a prefill-only request's KV blocks, at its end
+        self.cached_tokens = 0  # the prompt's prefix-cache figures, from its first token
+        self.created_tokens = 0
         self._pending: list[TokenEvent] = []
         self._waiter: asyncio.Future[None] | None = None
 
@@ -52,18 +59,29 @@ class RequestHandle:
     def _push(self, event: TokenEvent) -> None:
         self._pending.append(event)
         self.num_tokens = event.index + 1
+        if event.index == 0:
+            self.cached_tokens = event.cached_tokens
+            self.created_tokens = event.created_tokens
         if event.finish_reason is not None:
             self.finish_reason = event.finish_reason
             self.block_ids = event.block_ids
         elif not self.stream:
             return  # a non-streaming handler only wants the end
+        self._wake()
+
+    def _aborted(self) -> None:
+        self.finish_reason = "abort"
+        self._wake()
+
+    def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
     async def tokens(self) -> list[TokenEvent]:
-        """The tokens produced since the last call (waits for at least one)."""
-        while not self._pending or (not self.stream and self.finish_reason is None):
+        """The tokens produced since the last call: waits for at least one, or for the end
+        (an aborted request's may bring none)."""
+        while self.finish_reason is None and (not self._pending or not self.stream):
             self._waiter = asyncio.get_running_loop().create_future()
             try:
                 await self._waiter
@@ -124,6 +142,15 @@ class EngineDriver:
         self._handles[rid] = handle
         self._wake.set()
         return handle
+
+    def abort(self, handle: RequestHandle) -> str | None:
+        """End a request now, on demand: out of the engine (the phase it was aborted in, as
+        ``release``'s), its handle finished with reason ``abort``. None if it had ended."""
+        if handle.finished:
+            return None
+        self._handles.pop(handle.request_id, None)  # tokens of the step under way: dropped
+        handle._aborted()
+        return self.engine.abort(handle.request_id)
 
     def release(self, handle: RequestHandle) -> str | None:
         """The handler is done with ``handle``: abort the request if it is still in

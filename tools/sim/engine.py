@@ -64,13 +64,19 @@ class Request:
 class TokenEvent:
     """Output token ``index`` of a request; the last one carries its finish reason.
 
-    The last event of a ``remote_decode`` request also carries its KV ``block_ids``.
+    The last event of a ``remote_decode`` request also carries its KV ``block_ids``. The
+    first carries the prompt's prefix-cache figures, as vLLM's ``PrefillStats``: the prompt
+    tokens already computed when the request was first scheduled (``cached_tokens``: prefix
+    cache hits, or KV received from a prefill instance) and those its prefill then wrote
+    into the prefix cache (``created_tokens``).
     """
 
     request_id: int
     index: int
     finish_reason: str | None
     block_ids: tuple[int, ...] = ()
+    cached_tokens: int = 0
+    created_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +106,7 @@ class _Seq:
         "first_token_time",
         "hashes",
         "last_token_time",
+        "num_cached",
         "num_computed",
         "num_output",
         "num_registered",
@@ -117,6 +124,7 @@ class _Seq:
         self.hashes: list[int] = []
         self.blocks: list[int] = []
         self.num_computed = 0
+        self.num_cached = 0  # prompt tokens already computed when first scheduled
         self.num_registered = 0
         self.num_output = 0
         self.running = False
@@ -298,6 +306,7 @@ class Engine:
             seq.running = True
             if seq.scheduled_time is None:
                 seq.scheduled_time = start
+                seq.num_cached = seq.num_computed
             running.append(seq)
             scheduled.append((seq, n))
             budget -= n
@@ -424,6 +433,8 @@ class Engine:
             seq.token_ids.append(req.output.token_id(index))
             if len(seq.token_ids) % self._bs == 0:
                 self._extend_hashes(seq)
+            if index == 0:
+                return self._first_event(seq, None)
             return TokenEvent(req.request_id, index, None)
 
         seq.running = False
@@ -437,4 +448,20 @@ class Engine:
         stats.queue_time.observe(scheduled - req.arrival)
         stats.prefill_time.observe(seq.first_token_time - scheduled)
         stats.decode_time.observe(end - seq.first_token_time)
+        if index == 0:
+            return self._first_event(seq, lent)
         return TokenEvent(req.request_id, index, req.finish_reason, lent)
+
+    def _first_event(self, seq: _Seq, lent: tuple[int, ...] | None) -> TokenEvent:
+        """The first token's event, with the prompt's prefix-cache figures; ``lent`` is
+        None unless it is also the last one."""
+        req = seq.req
+        written = min(seq.num_registered * self._bs, len(req.prompt_ids))
+        return TokenEvent(
+            req.request_id,
+            0,
+            None if lent is None else req.finish_reason,
+            lent or (),
+            cached_tokens=seq.num_cached,
+            created_tokens=max(0, written - seq.num_cached),
+        )

@@ -9,10 +9,11 @@ before every token, so one set at run time hits the streams already past N at th
 next token): ``hang_after_tokens`` (the stream stands still, its connection open, as a
 hung engine looks from outside), ``break_after_tokens`` (the connection is reset, as when
 the server is killed) and ``error_after_tokens`` (vLLM's mid-stream error event, then
-``[DONE]``, as when the engine fails). ``stream_stop`` says which one applies; the first
-threshold reached wins, and on a tie break before error before hang. A break or an error
-aborts the generation at once, freeing its engine slot; a hung stream's is freed when its
-client gives up. Non-streaming requests are left alone.
+``[DONE]``, as when the engine fails; each API's own: a Messages stream's is ``event:
+error``). ``stream_stop`` says which one applies; the first threshold reached wins, and
+on a tie break before error before hang. A break or an error aborts the generation at
+once, freeing its engine slot; a hung stream's is freed when its client gives up.
+Non-streaming requests are left alone.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The simulator's HTTP plumbing shared by its routes: the app's state key, vLLM's JSON body
-and model checks, and answers in its shapes."""
+and model checks, the injected error, and answers in its shapes."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from aiohttp import web
 from tools.sim.protocol import ApiError, error_envelope
 from tools.sim.responses import dumps
 from tools.sim.state import SimState
+from tools.sim.validation import parse_json, unsupported_media_type
 
 STATE: Final = web.AppKey("sim_state", SimState)
 SSE_HEADERS: Final = {"Content-Type": "text/event-stream; charset=utf-8"}
@@ -26,6 +27,14 @@ async def json_body(request: web.Request) -> Any:
         return await request.json()
     except ValueError as exc:
         raise ApiError(400, f"JSON decode error: {exc}") from None
+
+
+async def validated_json(request: web.Request) -> Any:
+    """The request's JSON for a route whose body vLLM checks with its FastAPI model: a body
+    that is not JSON fails as that validation does (``validation.BodyError``)."""
+    if request.content_type != "application/json":
+        raise unsupported_media_type()
+    return parse_json(await request.read())
 
 
 def check_model(model: str | None, state: SimState) -> None:
@@ -44,13 +53,19 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
     return json_response(error_envelope(status, message, param), status=status)
 
 
-def refusal(state: SimState) -> web.Response | None:
+def injected_error(state: SimState) -> ApiError | None:
     """The injected error a request gets (``Faults.error_rate``), if this one is unlucky."""
     faults = state.faults
     if faults.error_rate > 0 and state.rng.random() < faults.error_rate:
         state.injected_errors += 1
-        return error_response(faults.error_status, "Injected fault (simulator).")
+        return ApiError(faults.error_status, "Injected fault (simulator).")
     return None
+
+
+def refusal(state: SimState) -> web.Response | None:
+    """``injected_error`` as an answer in vLLM's envelope."""
+    error = injected_error(state)
+    return None if error is None else json_response(error.envelope(), status=error.status)
 
 
 def model_body(doc: Any, state: SimState) -> dict[str, Any]:

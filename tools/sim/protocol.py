@@ -2,10 +2,10 @@
 
 Pure: a parsed JSON body goes in, a ``GenerateParams`` (or a ``TokenizeParams`` for
 ``/tokenize``, or an ``ApiError`` carrying vLLM's status, type and message) comes out.
-Sampling parameters the simulator does not model (temperature, top_p, stop, ...) are
-accepted and ignored. A chat's ``add_generation_prompt`` and ``continue_final_message``
-shape its prompt as vLLM's do (both true is a 400), so a partial assistant message is
-continued from where it stops.
+Sampling parameters the simulator does not model (temperature, top_p, ...) are accepted
+and ignored; ``stop`` strings end the answer as vLLM's do (``tokens.cut_at_stops``). A
+chat's ``add_generation_prompt`` and ``continue_final_message`` shape its prompt as vLLM's
+do (both true is a 400), so a partial assistant message is continued from where it stops.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from typing import Any, Final
 from tools.sim.config import SimConfig
 from tools.sim.tokens import (
     OutputText,
+    cut_at_stops,
     message_text,
     mix64,
     natural_length,
@@ -81,6 +82,7 @@ class GenerateParams:
     ignore_eos: bool
     seed: int | None
     kv_transfer_params: dict[str, Any] | None = None
+    stop: tuple[str, ...] = ()
 
     @property
     def remote_decode(self) -> bool:
@@ -98,6 +100,29 @@ class GenerateParams:
             and bool(kv.get("do_remote_prefill"))
             and all(kv.get(k) is not None for k in REMOTE_PREFILL_FIELDS)
         )
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How a request ended: its output tokens, finish reason (``abort`` if aborted on
+    demand), and its prompt's prefix-cache figures (``engine.TokenEvent``'s)."""
+
+    tokens: int
+    finish_reason: str
+    cached_tokens: int = 0
+    created_tokens: int = 0
+
+    def prompt_details(self, *, created: bool, whole: bool) -> dict[str, Any]:
+        """vLLM's ``prompt_tokens_details`` (with ``--enable-prompt-tokens-details``): the
+        cached tokens, and the created ones where the API reports them (chat); ``whole``
+        as a whole response writes it, its unset fields null."""
+        details: dict[str, Any] = {"cached_tokens": self.cached_tokens}
+        if created:
+            details["created_cache_tokens"] = self.created_tokens
+        if whole:
+            details.setdefault("created_cache_tokens", None)
+            details["multimodal_tokens"] = None
+        return details
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +191,20 @@ def parse_generate(body: Any, *, chat: bool) -> GenerateParams:
         ignore_eos=bool(_opt(body, "ignore_eos", bool)),
         seed=_opt(body, "seed", int),
         kv_transfer_params=_opt(body, "kv_transfer_params", dict),
+        stop=parse_stop(body.get("stop")),
+    )
+
+
+def parse_stop(value: Any, key: str = "stop") -> tuple[str, ...]:
+    """A request's stop strings: a string or a list of strings (vLLM's ``stop``)."""
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise ApiError(
+        400, f"1 validation error: {key}: Input should be a string or a list of strings", key
     )
 
 
@@ -248,7 +287,8 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def plan_output(params: GenerateParams, config: SimConfig) -> tuple[int, str, OutputText]:
-    """Check lengths against the context and decide the answer: (tokens, reason, text).
+    """Check lengths against the context and decide the answer: (tokens, reason, text);
+    a matched stop string is the text's ``stop_reason``.
 
     As in vLLM 0.32: a prompt that fills the context, or ``max_tokens`` above
     ``max_model_len``, is a 400; otherwise ``max_tokens`` is clamped to the room left.
@@ -273,8 +313,13 @@ def plan_output(params: GenerateParams, config: SimConfig) -> tuple[int, str, Ou
     base = config.seed if params.seed is None else mix64(params.seed) ^ config.seed
     seed = prompt_seed(params.prompt_ids, base)
     source = params.echo_words if config.output == "echo" else ()
+    count, reason, output = budget, "length", OutputText(seed, source)
     if not params.ignore_eos:
         natural = natural_length(seed, config.output_len_min, config.output_len_max)
         if natural <= budget:
-            return natural, "stop", OutputText(seed, source, eos_index=natural - 1)
-    return budget, "length", OutputText(seed, source)
+            count, reason, output = natural, "stop", OutputText(seed, source, natural - 1)
+    if params.stop:
+        count, output = cut_at_stops(output, count, params.stop)
+        if output.stop_reason is not None:
+            reason = "stop"
+    return count, reason, output

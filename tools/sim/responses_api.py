@@ -13,7 +13,6 @@ content_part.done, output_item.done, response.completed (the whole response, wit
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections import OrderedDict
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from tools.sim.protocol import ApiError
+from tools.sim.responses import named_event
 
 STORE_CAPACITY: Final = 10_000  # vLLM keeps them all (its FIXME); the simulator, the newest
 
@@ -144,7 +144,7 @@ class ResponseBody:
     def event(self, kind: str, **fields: Any) -> bytes:
         doc = {"type": kind, "sequence_number": self.seq, **fields}
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps(doc, separators=(',', ':'))}\n\n".encode()
+        return named_event(kind, doc)
 
     def opening(self) -> Iterator[bytes]:
         started = self.response(None, 0, "in_progress")

@@ -20,43 +20,31 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any, Final
+from typing import Final
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tools.sim import admin, apis
+from tools.sim import admin, apis, serving
 from tools.sim.config import SimConfig
-from tools.sim.driver import RequestHandle
-from tools.sim.faults import Faults, StreamStop
+from tools.sim.faults import Faults
 from tools.sim.http import (
-    SSE_HEADERS,
     STATE,
     Handler,
     check_model,
-    error_response,
     json_body,
     json_response,
-    refusal,
 )
 from tools.sim.kvevents import KvEvents
 from tools.sim.metrics import ServerCounters, SimCollector, make_registry, render
-from tools.sim.protocol import (
-    ApiError,
-    GenerateParams,
-    error_envelope,
-    parse_generate,
-    parse_tokenize,
-)
+from tools.sim.protocol import ApiError, parse_generate, parse_tokenize
 from tools.sim.protocol import plan_output as plan
-from tools.sim.responses import DONE, ResponseFormat, error_event
+from tools.sim.responses import ChunkStream, ResponseFormat
 from tools.sim.state import SimState
-from tools.sim.tokens import OutputText, tokenize
+from tools.sim.tokens import tokenize
 
 VLLM_VERSION: Final = "0.32.0"
 KV_EVENTS: Final = web.AppKey("sim_kv_events", KvEvents)
-# What vLLM sends when the engine fails a request mid-stream (its GenerationError).
-_ENGINE_ERROR: Final = error_event(error_envelope(500, "Internal server error"))
 
 
 def create_app(
@@ -260,11 +248,6 @@ def _query_bool(request: web.Request, name: str) -> bool:
     raise ApiError(400, f"{name} must be a boolean, got {raw!r}", name)
 
 
-async def _hang() -> None:
-    """Wait until the client goes away (which cancels the handler)."""
-    await asyncio.get_running_loop().create_future()
-
-
 async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     state = request.app[STATE]
     config = state.config
@@ -273,21 +256,13 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         params = parse_generate(body, chat=chat)
         check_model(params.model, state)
         output_len, reason, output = plan(params, config)
+        refused = await serving.admit(state)
+        if refused is not None:
+            raise refused
     except ApiError as exc:
         return json_response(exc.envelope(), status=exc.status)
 
-    refused = refusal(state)
-    if refused is not None:
-        return refused
-    if state.faults.hang_before_first_byte:
-        await _hang()
-    limit = config.max_num_queued_reqs
-    if limit is not None and len(state.engine.waiting) >= limit:
-        return error_response(503, "The engine's request queue is full.")
-
-    header_id = request.headers.get("X-Request-Id")
-    base_id = header_id or uuid.uuid4().hex
-    headers = {"X-Request-Id": base_id} if config.enable_request_id_headers else {}
+    base_id, headers = serving.request_ids(request, config)
     fmt = ResponseFormat(
         chat=chat,
         response_id=("chatcmpl-" if chat else "cmpl-") + base_id,
@@ -295,117 +270,29 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         model=params.model or config.model_name,
         prompt_tokens=len(params.prompt_ids),
     )
-    driver = state.driver
-    remote_decode = config.kv_producer and params.remote_decode
-    handle = driver.submit(
-        params.prompt_ids,
-        output_len,
-        reason,
-        output,
-        stream=params.stream,
-        remote_decode=remote_decode,
-        remote_prefill=config.kv_consumer and not remote_decode and params.remote_prefill,
-    )
-    state.in_flight += 1
-    try:
+    with serving.running(state, params, (output_len, reason, output)) as handle:
         if params.stream:
-            return await _stream(
-                request, state, handle, fmt=fmt, params=params, output=output, headers=headers
+            events = ChunkStream(
+                fmt,
+                output,
+                include_usage=params.include_usage,
+                continuous=params.continuous_usage_stats,
+                details=config.enable_prompt_tokens_details,
             )
-        await handle.tokens()
-        n = handle.num_tokens
+            return await serving.stream(request, state, handle, events, headers)
+        end = await serving.whole(handle)
         kv = None
-        if remote_decode:
-            kv = _handoff(request, state, handle, fmt, len(params.prompt_ids))
-        full = fmt.full(output.text(n), handle.finish_reason or reason, n, kv)
+        if serving.remote_decode(config, params):
+            kv = serving.handoff(request, state, handle, fmt.id, len(params.prompt_ids))
+        details = None
+        if config.enable_prompt_tokens_details:
+            details = end.prompt_details(created=chat, whole=True)
+        full = fmt.full(
+            output.text(end.tokens),
+            end.finish_reason,
+            end.tokens,
+            kv,
+            stop_reason=output.stop_reason,
+            details=details,
+        )
         return json_response(full, headers=headers)
-    finally:
-        state.in_flight -= 1
-        driver.release(handle)
-
-
-def _handoff(
-    request: web.Request,
-    state: SimState,
-    handle: RequestHandle,
-    fmt: ResponseFormat,
-    prompt_tokens: int,
-) -> dict[str, Any]:
-    """A prefill instance's ``kv_transfer_params``, in the NIXL connector's fields.
-
-    ``remote_host``/``remote_port`` are the address the request came in on (a real
-    instance names its NIXL side channel); ``sim_request`` is the simulator's own handle.
-    """
-    state.prefills_handed_off += 1
-    sock = request.transport.get_extra_info("sockname") if request.transport else None
-    host, port = (sock[0], sock[1]) if sock else ("127.0.0.1", 0)
-    return {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "remote_block_ids": list(handle.block_ids),
-        "remote_engine_id": state.engine_id,
-        "remote_request_id": fmt.id,
-        "remote_host": host,
-        "remote_port": port,
-        "tp_size": 1,
-        "remote_num_tokens": prompt_tokens,
-        "sim_request": f"{state.engine_id}/{handle.request_id}",
-    }
-
-
-async def _stream(
-    request: web.Request,
-    state: SimState,
-    handle: RequestHandle,
-    *,
-    fmt: ResponseFormat,
-    params: GenerateParams,
-    output: OutputText,
-    headers: dict[str, str],
-) -> web.StreamResponse:
-    resp = web.StreamResponse(headers={**SSE_HEADERS, **headers})
-    await resp.prepare(request)
-    continuous = params.continuous_usage_stats
-    sent = 0
-    stop: StreamStop | None = None  # the mid-stream fault that stopped the stream
-    try:
-        while stop is None:
-            events = await handle.tokens()
-            parts: list[bytes] = []
-            before = sent
-            for ev in events:
-                stop = state.faults.stream_stop(sent)
-                if stop is not None:
-                    break
-                parts.append(
-                    fmt.token_chunk(
-                        output.piece(ev.index),
-                        ev.finish_reason,
-                        ev.index + 1 if continuous else None,
-                    )
-                )
-                sent += 1
-            if fmt.chat and before == 0 and sent > 0:
-                # With the first token, as vLLM sends it: an engine that hangs (or fails)
-                # before its first token sends no role chunk either.
-                parts.insert(0, fmt.role_chunk())
-            finished = stop is None and handle.finished and sent == handle.num_tokens
-            if finished:
-                if params.include_usage:
-                    parts.append(fmt.usage_chunk(sent))
-                parts.append(DONE)
-            elif stop == "error":
-                parts += (_ENGINE_ERROR, DONE)
-            if parts:
-                await resp.write(b"".join(parts))
-            if finished or stop == "error":
-                await resp.write_eof()
-                return resp
-        if stop == "break":
-            if request.transport is not None:
-                request.transport.abort()  # a reset, as the client of a killed server sees
-            return resp
-        await _hang()
-    except ConnectionError:
-        pass  # the client went away mid-write; the caller's finally aborts the request
-    return resp

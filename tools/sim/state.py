@@ -11,7 +11,7 @@ from collections.abc import Callable
 import structlog
 
 from tools.sim.config import SimConfig
-from tools.sim.driver import EngineDriver
+from tools.sim.driver import EngineDriver, RequestHandle
 from tools.sim.engine import Engine, EngineSnapshot
 from tools.sim.faults import Faults
 from tools.sim.responses_api import ResponseStore
@@ -41,6 +41,8 @@ class SimState:
         self.prefills_handed_off = 0  # prefill-only requests answered with kv_transfer_params
         self.responses = ResponseStore()  # the Responses API's stored responses
         self.adapters: dict[str, str] = dict(config.lora_modules)  # LoRA name -> path
+        # /inference/v1/generate requests running, by their id, for abort_requests
+        self.generate_requests: dict[str, list[RequestHandle]] = {}
         self.ready = asyncio.Event()
         self.engine_dead = False
         self._faults = Faults()

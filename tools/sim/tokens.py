@@ -6,13 +6,18 @@ salted ``hash`` of a string), so the same text always gives the same ids, in eve
 process. Generated words come from the vocabulary, so a generated answer pasted into
 the next prompt tokenises back to the ids that were generated, and a multi-turn chat
 hits the prefix cache the way it would on a real server.
+
+Stop strings (``cut_at_stops``) end an answer as vLLM's detokenizer does: at the token whose
+text completes the earliest match, the text cut just before it, and, while streaming, the
+last ``len(longest stop) - 1`` characters held back until the next token shows they are not
+the start of a match.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Final
 
 _M64: Final = (1 << 64) - 1
@@ -93,17 +98,34 @@ def natural_length(seed: int, low: int, high: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class StopCut:
+    """An answer's text under stop strings: ``text`` (cut before a matched stop string) and
+    how much of it had been released after each token (``ends``, the last one all of it)."""
+
+    text: str
+    ends: tuple[int, ...]
+    stop: str | None  # the stop string matched, None if the answer ended otherwise
+
+
+@dataclass(frozen=True, slots=True)
 class OutputText:
     """The answer to one request, token by token: ``token_id(i)`` and ``piece(i)``.
 
     ``random`` draws vocabulary words from the seed; ``echo`` repeats ``source``
     (the prompt's words) cyclically. ``eos_index`` is the position of the EOS token,
-    whose text is empty, or None when the answer is cut by length.
+    whose text is empty, or None when the answer is cut by length. With stop strings,
+    ``cut`` gives each token's released text instead (``cut_at_stops``).
     """
 
     seed: int
     source: tuple[str, ...] = ()
     eos_index: int | None = None
+    cut: StopCut | None = None
+
+    @property
+    def stop_reason(self) -> str | None:
+        """The stop string that ended the answer (vLLM's ``stop_reason``), if one did."""
+        return None if self.cut is None else self.cut.stop
 
     def token_id(self, index: int) -> int:
         if index == self.eos_index:
@@ -113,6 +135,12 @@ class OutputText:
         return mix64(self.seed + index) % VOCAB_SIZE
 
     def piece(self, index: int) -> str:
+        cut = self.cut
+        if cut is not None:
+            return cut.text[cut.ends[index - 1] if index else 0 : cut.ends[index]]
+        return self._word(index)
+
+    def _word(self, index: int) -> str:
         if index == self.eos_index:
             return ""
         if self.source:
@@ -120,7 +148,39 @@ class OutputText:
         return " " + VOCAB[mix64(self.seed + index) % VOCAB_SIZE]
 
     def text(self, count: int) -> str:
-        return "".join(self.piece(i) for i in range(count))
+        cut = self.cut
+        if cut is not None:
+            return cut.text[: cut.ends[count - 1]] if count else ""
+        return "".join(self._word(i) for i in range(count))
+
+
+def cut_at_stops(output: OutputText, count: int, stops: Sequence[str]) -> tuple[int, OutputText]:
+    """The first ``count`` tokens of ``output`` under stop strings: how many are generated
+    and their text. The answer ends at the token that completes a stop string (the match
+    completing earliest, ties in list order, as vLLM's ``check_stop_strings``), its text
+    cut before it; a stream holds back ``len(longest) - 1`` characters until the next token."""
+    stops = [s for s in stops if s]
+    if not stops or count < 1:
+        return count, output
+    hold = max(len(s) for s in stops) - 1
+    text = ""
+    ends: list[int] = []
+    for i in range(count):
+        new = output._word(i)
+        text += new
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for s in stops:
+            at = text.find(s, max(0, len(text) + 1 - len(new) - len(s)))
+            if at != -1 and (best is None or at + len(s) < best[0]):
+                best = (at + len(s), at, s)
+        if best is not None:
+            text = text[: best[1]]
+            ends.append(len(text))
+            cut = StopCut(text, tuple(ends), best[2])
+            return i + 1, replace(output, eos_index=None, cut=cut)
+        ends.append(max(len(text) - hold, ends[-1] if ends else 0))
+    ends[-1] = len(text)  # the last token releases everything
+    return count, replace(output, cut=StopCut(text, tuple(ends), None))
 
 
 EOS_TOKEN_ID: Final = VOCAB_SIZE - 1 + (1 << 33)  # outside both id ranges above

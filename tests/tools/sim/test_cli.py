@@ -48,6 +48,13 @@ def test_vllm_named_options() -> None:
     assert (faults.slowdown, faults.hang_after_tokens, faults.unhealthy) == (2.0, 4, True)
 
 
+def test_scale_out_and_prompt_tokens_details_options() -> None:
+    config = config_from_args(parse("--enable-scale-out", "--enable-prompt-tokens-details"))
+    assert config.enable_scale_out
+    assert config.enable_prompt_tokens_details
+    assert not config_from_args(parse()).enable_scale_out
+
+
 def test_mid_stream_fault_options() -> None:
     faults = faults_from_args(parse("--break-after-tokens", "12", "--error-after-tokens", "0"))
     assert (faults.break_after_tokens, faults.error_after_tokens) == (12, 0)

@@ -145,6 +145,10 @@ async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix
             what="every publisher followed",
         )
         contexts = [" ".join(f"ctx{g}w{i}" for i in range(200)) for g in range(3)]
+
+        def indexed_blocks() -> int:
+            return sum(index.blocks(b.id) for b in gw.app[POOL].all())
+
         for turn in range(3):
             for ctx in contexts:
                 body = {
@@ -155,12 +159,18 @@ async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix
                         {"role": "user", "content": f"turn {turn}"},
                     ],
                 }
+                indexed = indexed_blocks()
                 async with s.post(
                     prod.url + "/v1/chat/completions", json=body, headers=auth("alice")
                 ) as r:
                     assert r.status == 200, await r.text()
                     await r.read()
                 await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="idle")
+                if turn == 0:  # its context's blocks reach the index (KV events) before a repeat
+                    await wait_for(
+                        lambda i=indexed: indexed_blocks() > i,
+                        what="the context's blocks indexed",
+                    )
         policy = gw.app[ROUTER].policy
         assert isinstance(policy, PrecisePrefix)
         assert policy.decisions["prefix"] >= 4  # repeats found their context (most of 6)

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Callable
 from importlib import metadata
 from typing import TYPE_CHECKING
 
-import aiohttp
 import structlog
 from aiohttp import web
 from opentelemetry.sdk.trace import TracerProvider
@@ -33,6 +32,7 @@ from gateway.fleet.files import FileLog, FileRegistry
 from gateway.fleet.log import ChangeLog, LogKeys, RedisLog
 from gateway.fleet.member import Description, Member, MemberSettings, replica_id
 from gateway.fleet.registry import RedisRegistry, Registry
+from gateway.http import Request, Response, Routes
 from gateway.keys import (
     ADAPTERS,
     ADMISSION,
@@ -53,6 +53,7 @@ from gateway.keys import (
     RESPONSE_HOMES,
     RETRY,
     ROUTER,
+    ROUTES,
     SETTINGS,
     SUPERVISOR,
     TOKENIZERS,
@@ -75,8 +76,6 @@ from gateway.request.disagg import role_policies
 from gateway.request.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
 from gateway.request.generate import Generations
 from gateway.request.hedge import HedgeBudget
-from gateway.request.middleware import request_context
-from gateway.request.relay import splice_problem
 from gateway.request.responses import open_homes, peer_home
 from gateway.request.retry import RetryPolicy
 from gateway.request.rollout import ROLLOUT, Rollout
@@ -370,14 +369,14 @@ async def server_header(_request: web.Request, response: web.StreamResponse) -> 
     response.headers["Server"] = SERVER_HEADER
 
 
-async def metrics_endpoint(request: web.Request) -> web.Response:
+async def metrics_endpoint(request: Request) -> Response:
     """This process's figures, or with ``serve --workers`` the host's (``host_metrics``)."""
     body = generate_latest(request.app[METRICS].registry)
     worker = request.app.get(WORKER)
     if worker is not None:
         texts = await host_metrics.gather(body.decode(), worker.private_peers)
         body = host_metrics.combine(texts)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+    return Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def own_metrics(request: web.Request) -> web.Response:
@@ -409,28 +408,21 @@ def create_app(
     tracer_provider: TracerProvider | None = None,
     loader: SettingsLoader | None = None,
     transport: Transport | None = None,
-    relay_check: Callable[[], str | None] = splice_problem,
+    relay_check: Callable[[], str | None] = lambda: None,
     worker: Worker | None = None,
 ) -> web.Application:
     """The gateway app.
 
     ``loader`` re-reads the configuration for a reload (SIGHUP, ``POST /admin/reload``);
     ``resolver``, ``tracer_provider`` and ``transport`` (how backends are reached:
-    ``backends.upstream.mock.MockTransport`` in tests) replace the real ones. ``relay_check`` says
-    whether the stream relay's fast path (``gateway.request.relay.Splice``) can be trusted with this
-    aiohttp.
+    ``backends.upstream.mock.MockTransport`` in tests) replace the real ones. ``relay_check``
+    returns why the stream relay's fast path (``gateway.request.relay.Splice``) is not to be
+    used, or None (tests force the plain reads with it).
     ``worker``: this process is one of ``serve --workers``' (its in-flight counts shared).
     """
-    app = web.Application(
-        client_max_size=settings.max_body_bytes,
-        middlewares=[request_context],
-        handler_args={
-            "max_field_size": settings.client.max_header_bytes,
-            "max_line_size": settings.client.max_header_bytes,
-            "keepalive_timeout": settings.client.keepalive_timeout,
-        },
-    )
-    app.on_response_prepare.append(server_header)
+    # The services' container and their cleanup contexts; the model endpoints are served by
+    # the gateway's own server (``gateway.http``, started in ``gateway.server``).
+    app = web.Application()
     app[SETTINGS] = settings
     if worker is not None:
         app[WORKER] = worker
@@ -485,7 +477,6 @@ def create_app(
         log.warning(
             "relay_fast_path_off",
             reason=tap_problem,
-            aiohttp=aiohttp.__version__,
             effect="streams are relayed with plain reads: correct, with more CPU per token",
         )
     app[METRICS] = metrics
@@ -504,15 +495,16 @@ def create_app(
 
 
 def _add_routes(app: web.Application) -> None:
+    routes = app[ROUTES] = Routes()
     for endpoint in (*JSON_ENDPOINTS, *FORM_ENDPOINTS):
         for path in endpoint.paths:
-            app.router.add_post(path, proxy.route_endpoint(endpoint))
-    app.router.add_post("/v1/responses", proxy.route_endpoint(RESPONSES))
+            routes.add("POST", path, proxy.route_endpoint(endpoint))
+    routes.add("POST", "/v1/responses", proxy.route_endpoint(RESPONSES))
     app[GENERATIONS] = Generations()  # the token-in generations the abort route finds
-    app.router.add_post(ABORT_PATH, abort_requests)
-    app.router.add_get("/v1/responses/{response_id}", stored.get_response)
-    app.router.add_post("/v1/responses/{response_id}/cancel", stored.cancel_response)
-    app.router.add_get("/v1/models", info.list_models)
-    app.router.add_get("/health", info.health)
-    app.router.add_get("/ready", info.ready)
-    app.router.add_get("/metrics", metrics_endpoint)
+    routes.add("POST", ABORT_PATH, abort_requests)
+    routes.add("GET", "/v1/responses/{response_id}", stored.get_response)
+    routes.add("POST", "/v1/responses/{response_id}/cancel", stored.cancel_response)
+    routes.add("GET", "/v1/models", info.list_models)
+    routes.add("GET", "/health", info.health)
+    routes.add("GET", "/ready", info.ready)
+    routes.add("GET", "/metrics", metrics_endpoint)

@@ -13,6 +13,7 @@ from backends.pool import BackendPool
 from backends.supervise import Supervisor
 from backends.upstream.client import Transport
 from gateway.config.settings import Settings
+from gateway.http import Routes
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
 from gateway.observe.metrics import GatewayMetrics
@@ -47,6 +48,7 @@ UPSTREAM: Final = web.AppKey[Transport]("upstream")
 MONITOR: Final = web.AppKey("monitor", BackendMonitor)
 SUPERVISOR: Final = web.AppKey("supervisor", Supervisor)
 LIFECYCLE: Final = web.AppKey("lifecycle", Lifecycle)
+ROUTES: Final = web.AppKey("routes", Routes)  # the data plane's
 HEDGES: Final = web.AppKey("hedges", HedgeBudget)  # predicted_latency's hedges running now
 METRICS: Final = web.AppKey("metrics", GatewayMetrics)
 LIMITER: Final = web.AppKey("limiter", Limiter)

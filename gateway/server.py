@@ -12,7 +12,7 @@ import contextlib
 import signal
 import socket
 import ssl
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 from aiohttp import web
@@ -21,10 +21,12 @@ from backends.errors import InvalidRequest
 from gateway.admin.api import create_admin_app
 from gateway.admin.fleet import reload_through_log
 from gateway.admin.reload import SettingsLoader, reload_settings
-from gateway.app import create_app, worker_private_app
+from gateway.app import SERVER_HEADER, create_app, worker_private_app
 from gateway.config.settings import Settings, TlsSettings
-from gateway.keys import FLEET, LIFECYCLE
+from gateway.http import Server, ServerConfig
+from gateway.keys import FLEET, LIFECYCLE, ROUTES, SETTINGS
 from gateway.observe.logs import configure_logging
+from gateway.request.middleware import entry, refusal_body
 from gateway.workers.supervisor import Supervisor, Worker
 
 log = structlog.get_logger("gateway.server")
@@ -39,12 +41,29 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
     return loop
 
 
-def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.AppRunner:
-    """The runner every gateway server uses, tests included.
+def data_plane(app: web.Application) -> Server:
+    """The model endpoints' server (the gateway's own, ``gateway.http``), tests included.
 
-    ``handler_cancellation`` makes aiohttp cancel a handler whose client has gone away: that
-    is how a disconnect reaches the upstream request in every phase.
+    It cancels a handler whose client has gone away: that is how a disconnect reaches the
+    upstream request in every phase.
     """
+    settings = app[SETTINGS]
+    client = settings.client
+    config = ServerConfig(
+        max_header_bytes=client.max_header_bytes,
+        max_body_bytes=settings.max_body_bytes,
+        header_timeout=client.header_timeout,
+        keepalive_timeout=client.keepalive_timeout,
+        send_timeout=client.send_timeout,
+        error_body=refusal_body,
+        server_name=SERVER_HEADER,
+    )
+    return Server(app, entry(app[ROUTES]), config)
+
+
+def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.AppRunner:
+    """The runner of the aiohttp apps (the admin API and console, a worker's private socket),
+    tests included; ``handler_cancellation``: a handler whose client has gone is cancelled."""
     return web.AppRunner(
         app,
         handler_cancellation=True,
@@ -54,11 +73,16 @@ def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.
     )
 
 
-async def stop_gracefully(app: web.Application, runners: list[web.AppRunner]) -> None:
+async def stop_gracefully(
+    app: web.Application, server: Server, runners: list[web.AppRunner]
+) -> None:
+    """Refuse new requests, stop the admin side (``runners``), then drain the data plane:
+    in-flight requests have ``shutdown_grace`` seconds, then the app's resources close."""
     app[LIFECYCLE].stopping = True
     log.info("gateway_stopping")
     for runner in runners:
         await runner.cleanup()
+    await server.cleanup(app[SETTINGS].shutdown_grace)
     log.info("gateway_stopped")
 
 
@@ -103,9 +127,9 @@ class ListenError(Exception):
     """A listener could not be opened (its port taken, say): one line for the operator."""
 
 
-async def listen(site: web.TCPSite, host: str, port: int, setting: str) -> None:
+async def listen(start: Awaitable[None], host: str, port: int, setting: str) -> None:
     try:
-        await site.start()
+        await start
     except OSError as exc:
         why = exc.strerror or str(exc)
         raise ListenError(
@@ -120,18 +144,9 @@ async def run_until_signalled(
     (its port shared, its in-flight counts in the host's table, its admin API worker 0's on
     the admin port and the others' on their private sockets)."""
     app = create_app(settings, loader=loader, worker=worker)
-    runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
-    await runner.setup()
-    runners = [runner]
-    site = web.TCPSite(
-        runner,
-        settings.host,
-        settings.port,
-        reuse_address=True,
-        reuse_port=worker is not None,
-        backlog=settings.backlog,
-        ssl_context=ssl_context(settings.tls),
-    )
+    server = data_plane(app)
+    await server.setup()
+    runners: list[web.AppRunner] = []
     admin_address = None
     try:
         if worker is not None:  # what the other workers ask it (its figures, response homes)
@@ -153,23 +168,31 @@ async def run_until_signalled(
             if worker is None or worker.index == 0:
                 admin_site = web.TCPSite(admin, settings.admin.host, settings.admin.port)
                 await listen(
-                    admin_site,
+                    admin_site.start(),
                     settings.admin.host,
                     settings.admin.port,
                     "GATEWAY_ADMIN__PORT or `admin.port`",
                 )
                 admin_address = admin_site.name
         # Last: a worker takes traffic once it routes as the others do.
-        await listen(site, settings.host, settings.port, "--port, GATEWAY_PORT or `port`")
+        opening = server.start(
+            host=settings.host,
+            port=settings.port,
+            reuse_port=worker is not None,
+            backlog=settings.backlog,
+            ssl=ssl_context(settings.tls),
+        )
+        await listen(opening, settings.host, settings.port, "--port, GATEWAY_PORT or `port`")
     except ListenError:
         for r in runners:
             await r.cleanup()
+        await server.cleanup(0)
         raise
     log.info(
         "gateway_listening",
         address=", ".join(
             f"{'https' if settings.tls.enabled else 'http'}://{a[0]}:{a[1]}"
-            for a in runner.addresses
+            for a in server.addresses
         ),
         admin=admin_address,
         backends=[b.id for b in settings.backends],
@@ -184,7 +207,7 @@ async def run_until_signalled(
     try:
         await stop.wait()
     finally:
-        await stop_gracefully(app, runners)
+        await stop_gracefully(app, server, runners)
 
 
 def serve(settings: Settings, loader: SettingsLoader | None = None) -> int:

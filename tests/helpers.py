@@ -21,8 +21,9 @@ from aiohttp import web
 from gateway.admin.api import create_admin_app
 from gateway.app import create_app
 from gateway.config.settings import Settings
+from gateway.http import Server
 from gateway.keys import METRICS, POOL
-from gateway.server import make_runner, ssl_context
+from gateway.server import data_plane, make_runner, ssl_context
 from tests.waiting import wait_for
 from tools.fake_vllm import (
     Behaviour,
@@ -111,7 +112,7 @@ async def stopped(fake: FakeBackend) -> AsyncIterator[None]:
 class RunningGateway:
     url: str
     app: web.Application
-    runner: web.AppRunner
+    server: Server
     admin_url: str | None = None
 
     def in_flight(self) -> dict[str, int]:
@@ -146,12 +147,12 @@ async def running_gateway(
         transport=transport,
         **extra,
     )
-    runner = make_runner(app, shutdown_timeout=settings.shutdown_grace)
-    await runner.setup()
+    server = data_plane(app)
+    await server.setup()
     sock = bound_socket()
-    await web.SockSite(runner, sock, ssl_context=ssl_context(settings.tls)).start()
+    await server.start(sock=sock, ssl=ssl_context(settings.tls))
     scheme = "https" if settings.tls.enabled else "http"
-    gw = RunningGateway(url=f"{scheme}://127.0.0.1:{sock.getsockname()[1]}", app=app, runner=runner)
+    gw = RunningGateway(url=f"{scheme}://127.0.0.1:{sock.getsockname()[1]}", app=app, server=server)
     admin_runner = None
     if settings.admin.token is not None:
         admin_runner = make_runner(
@@ -181,7 +182,7 @@ async def running_gateway(
     finally:
         if admin_runner is not None:
             await admin_runner.cleanup()
-        await runner.cleanup()
+        await server.cleanup(settings.shutdown_grace)
 
 
 class Rig(NamedTuple):

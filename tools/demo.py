@@ -20,7 +20,7 @@ from gateway.admin.api import create_admin_app
 from gateway.app import create_app
 from gateway.config.settings import Settings
 from gateway.observe.logs import configure_logging
-from gateway.server import listen, make_runner, new_event_loop
+from gateway.server import data_plane, listen, make_runner, new_event_loop
 from tools.sim import SimConfig, SimServer
 
 log = structlog.get_logger("tools.demo")
@@ -81,15 +81,16 @@ async def _run(d: Demo) -> None:
         admin={"host": "127.0.0.1", "port": admin_port, "token": token},
     )
     app = create_app(settings)
-    runners = [make_runner(app, shutdown_timeout=5)]
+    server = data_plane(app)
+    runners: list[web.AppRunner] = []
     admin_runner = make_runner(create_admin_app(app, token), shutdown_timeout=1)
     try:
-        await runners[0].setup()
-        await listen(web.TCPSite(runners[0], host, port, reuse_address=True), host, port, "--port")
-        runners.insert(0, admin_runner)
+        await server.setup()
+        await listen(server.start(host=host, port=port), host, port, "--port")
+        runners.append(admin_runner)
         await admin_runner.setup()
         await listen(
-            web.TCPSite(admin_runner, "127.0.0.1", admin_port),
+            web.TCPSite(admin_runner, "127.0.0.1", admin_port).start(),
             "127.0.0.1",
             admin_port,
             "--admin-port",
@@ -104,6 +105,7 @@ async def _run(d: Demo) -> None:
     finally:
         for r in runners:
             await r.cleanup()
+        await server.cleanup(5)
         for sim in sims:
             await sim.stop()
 

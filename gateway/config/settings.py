@@ -317,8 +317,16 @@ class ClientSettings(BaseModel):
     keepalive_timeout: float = Field(
         75.0, gt=0, description="seconds an idle (or silent new) connection is kept open"
     )
+    header_timeout: float = Field(
+        60.0, gt=0, description="seconds from a request's first byte to its whole head (408)"
+    )
     body_timeout: float = Field(
         30.0, gt=0, description="seconds to receive a request body before a 408"
+    )
+    send_timeout: float = Field(
+        60.0,
+        gt=0,
+        description="seconds a client may leave the answer unread before it is cut off",
     )
     max_header_bytes: int = Field(
         16 * 1024, ge=1024, description="longest request line or header field"

@@ -340,8 +340,8 @@ class GatewayMetrics:
         )
         self.relay_plain_reads = Gauge(
             "llm_gateway_relay_plain_reads",
-            "1 when streams are relayed with plain reads and writes because aiohttp's server-side "
-            "writer is not as the fast path expects (logged as relay_fast_path_off at start-up).",
+            "1 when streams are relayed with plain reads and writes, the fast path switched off "
+            "(logged as relay_fast_path_off at start-up).",
             registry=r,
         )
         self.rescues_declined = Counter(

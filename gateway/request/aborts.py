@@ -18,9 +18,8 @@ import asyncio
 import json
 from typing import Any, Final
 
-from aiohttp import web
-
 from backends.errors import InvalidRequest, UpstreamError
+from gateway.http import Request, Response, json_response
 from gateway.keys import GENERATIONS, LIMITER, POOL, REQUEST_ID_KEY, UPSTREAM
 from gateway.request.endpoints import GENERATE
 from gateway.request.headers import upstream_headers
@@ -45,7 +44,7 @@ def _ids_of(raw: bytes) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-async def abort_requests(request: web.Request) -> web.Response:
+async def abort_requests(request: Request) -> Response:
     """``POST /inference/v1/abort_requests``: ``{"request_ids": [...]}`` aborted where they run."""
     app = request.app
     principal = app[LIMITER].authenticate(request.headers)
@@ -83,4 +82,4 @@ async def abort_requests(request: web.Request) -> web.Response:
     outcomes = await asyncio.gather(*(send(b, its) for b, its in where.items()))
     failed = {b: why for b, why in outcomes if why is not None}
     sent = {b: where[b] for b, why in outcomes if why is None}
-    return web.json_response({"sent": sent, "failed": failed, "unknown": unknown})
+    return json_response({"sent": sent, "failed": failed, "unknown": unknown})

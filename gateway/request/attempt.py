@@ -34,6 +34,7 @@ from backends.errors import (
 )
 from backends.pool import Lease
 from backends.upstream.client import Interrupt, RequestBody, Upstream
+from gateway.http import Request
 from gateway.keys import HEDGES, LATENCY, LIFECYCLE, METRICS, RETRY, ROUTER, TRACER, UPSTREAM
 from gateway.observe.metrics import GatewayMetrics
 from gateway.observe.tracing import attempt_span, end_attempt, inject
@@ -57,7 +58,7 @@ _rng = random.Random()
 class Call:
     """What every attempt of one request sends."""
 
-    request: web.Request
+    request: Request
     path: str
     body: (
         RequestBody  # bytes, or a spooled upload (``gateway.request.form``) sent again per attempt

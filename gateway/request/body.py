@@ -12,9 +12,8 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, Final
 
-from aiohttp import web
-
 from backends.errors import BodyTimeout, BodyTooLarge, InvalidRequest
+from gateway.http import Request
 from gateway.request.endpoints import Endpoint
 from gateway.request.form import Upload, form_doc, read_form
 
@@ -23,7 +22,7 @@ if TYPE_CHECKING:  # gateway.config.settings imports the limits, which use this 
 
 
 async def read_body(
-    request: web.Request, endpoint: Endpoint, settings: Settings
+    request: Request, endpoint: Endpoint, settings: Settings
 ) -> tuple[bytes | Upload, dict[str, Any]]:
     """The body as it is forwarded (bytes, or a spooled upload, ``gateway.request.form``) and as the
     gateway reads it (a JSON endpoint's object; an audio form's fields)."""
@@ -41,7 +40,7 @@ async def read_body(
 
 
 async def read_json_body(
-    request: web.Request, limit: int, within: float
+    request: Request, limit: int, within: float
 ) -> tuple[bytes, dict[str, Any]]:
     """The raw body (forwarded as is) and its parsed object; 400/408/413 on bad input."""
     if request.content_length is not None and request.content_length > limit:
@@ -52,8 +51,6 @@ async def read_json_body(
         else:
             async with asyncio.timeout(within):
                 raw = await request.read()
-    except web.HTTPRequestEntityTooLarge as exc:
-        raise BodyTooLarge(f"Request body is larger than the limit of {limit} bytes.") from exc
     except TimeoutError as exc:
         raise BodyTimeout(f"The request body did not arrive within {within:g}s.") from exc
     return raw, parse_json_object(raw)

@@ -30,13 +30,13 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 import structlog
-from aiohttp import web
 
 from backends.errors import BackendRefused, UpstreamError, UpstreamProtocolError
 from backends.upstream.client import json_or_none
 from gateway.config.policies import build_policy, weights_of
 from gateway.config.routing import RolePoolSettings
 from gateway.config.settings import Settings
+from gateway.http import Response
 from gateway.keys import METRICS, UPSTREAM
 from gateway.request.attempt import Try, open_upstream
 from gateway.request.headers import downstream_headers
@@ -91,7 +91,7 @@ def decode_body(doc: Mapping[str, Any], raw: bytes, kv: dict[str, Any] | None) -
     return json.dumps({**doc, "kv_transfer_params": kv}, separators=(",", ":")).encode()
 
 
-async def prefill_attempt(t: Try, body: bytes) -> dict[str, Any] | web.Response | None:
+async def prefill_attempt(t: Try, body: bytes) -> dict[str, Any] | Response | None:
     """One prefill backend's try: the KV parameters (None without a connector), or the
     backend's 4xx to pass on; raises ``UpstreamError`` for what another may do better."""
     call = t.call
@@ -120,7 +120,7 @@ async def prefill_attempt(t: Try, body: bytes) -> dict[str, Any] | web.Response 
         headers = downstream_headers(upstream.headers, record.request_id)
         if call.extra_headers:
             headers.update(call.extra_headers)
-        return web.Response(status=status, body=raw, headers=headers)
+        return Response(status=status, body=raw, headers=headers)
     elapsed = t.tally.outcome().duration_s
     app[METRICS].disagg_prefill.labels(record.model, backend).observe(elapsed)
     if t.parent is not None:

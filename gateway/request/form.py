@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import IO, Any, Final
 
-from aiohttp import web
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from backends.errors import BodyTimeout, BodyTooLarge, InvalidRequest
+from gateway.http import Request
 
 SPOOL_MEMORY: Final = 1024 * 1024  # bytes of a body kept in memory before the spool is a file
 MAX_FIELD_BYTES: Final = 64 * 1024  # a text field's value (a prompt, a language...)
@@ -227,7 +227,7 @@ class Upload:
         self._spool.close()
 
 
-def _boundary(request: web.Request) -> bytes:
+def _boundary(request: Request) -> bytes:
     ctype, options = parse_options_header(request.headers.get("Content-Type", ""))
     boundary = options.get(b"boundary")
     if ctype != b"multipart/form-data" or not boundary:
@@ -239,7 +239,7 @@ def _boundary(request: web.Request) -> bytes:
     return boundary
 
 
-async def read_form(request: web.Request, limit: int, within: float) -> Upload:
+async def read_form(request: Request, limit: int, within: float) -> Upload:
     """The request's multipart body, spooled (``Upload``); 400/408/413 on bad input, with
     nothing kept."""
     boundary = _boundary(request)

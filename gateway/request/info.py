@@ -7,33 +7,32 @@ shutting down or has no routable backend: load balancers and Kubernetes take it 
 
 from __future__ import annotations
 
-from aiohttp import web
-
+from gateway.http import Request, Response, json_response
 from gateway.keys import LIFECYCLE, ROUTER, SETTINGS
 from gateway.request.rollout import ROLLOUT
 
 
-async def list_models(request: web.Request) -> web.Response:
+async def list_models(request: Request) -> Response:
     names = set(request.app[ROUTER].pool.models()) | set(request.app[ROLLOUT].names())
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": "llm-gateway"} for m in sorted(names)
     ]
-    return web.json_response({"object": "list", "data": data})
+    return json_response({"object": "list", "data": data})
 
 
-async def health(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
+async def health(request: Request) -> Response:
+    return json_response({"status": "ok"})
 
 
-async def ready(request: web.Request) -> web.Response:
+async def ready(request: Request) -> Response:
     settings = request.app[SETTINGS]
     if request.app[LIFECYCLE].stopping:
         reason = "shutting down"
     elif not request.app[ROUTER].pool.ready():
         reason = "no routable backend"
     else:
-        return web.json_response({"status": "ready"})
-    return web.json_response(
+        return json_response({"status": "ready"})
+    return json_response(
         {"status": "not ready", "reason": reason},
         status=503,
         headers={"Retry-After": str(settings.retry_after_seconds)},

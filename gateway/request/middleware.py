@@ -1,70 +1,60 @@
-"""The one server middleware: request id in, errors out in OpenAI's envelope (Anthropic's on
-``/v1/messages``)."""
+"""The data plane's entry: the request id in, the route found, errors out in OpenAI's envelope
+(Anthropic's on ``/v1/messages``). The one place a ``GatewayError`` becomes a response."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import structlog
-from aiohttp import web
-from aiohttp.typedefs import Handler
 
 from backends.errors import GatewayError, ShuttingDown, anthropic_envelope, error_envelope
+from gateway.http import Handler, Request, Response, Routes, StreamResponse, json_response
 from gateway.keys import LIFECYCLE, REQUEST_ID_KEY
 from gateway.request.endpoints import Dialect, dialect_of
 from gateway.request.headers import REQUEST_ID, valid_request_id
 
 log = structlog.get_logger("backends.errors")
 
-_HTTP_ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-}
+
+def error_response(err: GatewayError, dialect: Dialect = "openai") -> Response:
+    return json_response(err.shaped(dialect), status=err.status, headers=err.headers)
 
 
-def error_response(err: GatewayError, dialect: Dialect = "openai") -> web.Response:
-    return web.json_response(err.shaped(dialect), status=err.status, headers=err.headers)
+def refusal_body(status: int, message: str, path: str | None) -> bytes:
+    """The body of a request the server refuses before any handler (bad HTTP, a head too
+    large or too slow), in the error shape of the endpoint it was for."""
+    if path is not None and dialect_of(path) == "anthropic":
+        return json.dumps(anthropic_envelope(status, message)).encode()
+    return json.dumps(error_envelope(message, "invalid_request_error")).encode()
 
 
-@web.middleware
-async def request_context(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Bind the request id for every log line of this request (structlog's contextvars)."""
-    request_id = valid_request_id(request.headers.get(REQUEST_ID)) or uuid.uuid4().hex
-    request[REQUEST_ID_KEY] = request_id
-    with structlog.contextvars.bound_contextvars(request_id=request_id):
-        return await _answer(request, handler, request_id)
+def entry(routes: Routes) -> Handler:
+    """The whole request path as the server calls it: it always answers, never raises."""
+
+    async def handle(request: Request) -> Response | StreamResponse:
+        request_id = valid_request_id(request.headers.get(REQUEST_ID)) or uuid.uuid4().hex
+        request[REQUEST_ID_KEY] = request_id
+        # Bind the request id for every log line of this request (structlog's contextvars).
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            resp = await _answer(request, routes)
+        if not resp.prepared:
+            resp.headers[REQUEST_ID] = request_id
+        return resp
+
+    return handle
 
 
-async def _answer(request: web.Request, handler: Handler, request_id: str) -> web.StreamResponse:
+async def _answer(request: Request, routes: Routes) -> Response | StreamResponse:
     try:
+        handler, request.match_info = routes.resolve(request.method, request.path)
         if request.app[LIFECYCLE].stopping and request.path.startswith("/v1/"):
             raise ShuttingDown("The gateway is shutting down; retry on another replica.")
-        resp = await handler(request)
+        return await handler(request)
     except GatewayError as err:
-        resp = error_response(err, dialect_of(request.path))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = exc.text if exc.text and exc.text != exc.reason else exc.reason
-        if exc.status in (404, 405):
-            message = f"{message} ({request.method} {request.path})"
-        resp = web.json_response(
-            anthropic_envelope(exc.status, message)
-            if dialect_of(request.path) == "anthropic"
-            else error_envelope(
-                message, _HTTP_ERROR_TYPES.get(exc.status, "invalid_request_error")
-            ),
-            status=exc.status,
-            headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
-        )
+        return error_response(err, dialect_of(request.path))
     except Exception:
         log.exception("unhandled_error", path=request.path)
-        resp = error_response(
+        return error_response(
             GatewayError("The gateway failed to handle this request."), dialect_of(request.path)
         )
-    if not resp.prepared:
-        resp.headers[REQUEST_ID] = request_id
-    return resp

@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from typing import Any, Final, NoReturn
 
 from aiohttp import web
-from aiohttp.typedefs import Handler
 from opentelemetry.trace import Span, SpanKind
 
 from backends.errors import (
@@ -38,6 +37,7 @@ from backends.errors import (
     as_anthropic,
 )
 from backends.upstream.client import Upstream
+from gateway.http import Handler, Request, StreamResponse
 from gateway.keys import (
     ADMISSION,
     GENERATIONS,
@@ -116,7 +116,7 @@ _TOKEN_STREAMS: Final = (
 )  # "stream": true streams tokens
 
 
-async def forward(request: web.Request, endpoint: Endpoint) -> web.StreamResponse:
+async def forward(request: Request, endpoint: Endpoint) -> StreamResponse:
     """Route one model-addressed JSON request (``endpoint``: what it is,
     ``gateway.request.endpoints``) to a backend serving its model, under the limits, and relay the
     answer."""
@@ -204,7 +204,7 @@ class _Routed:
 
 
 async def _routed(
-    request: web.Request,
+    request: Request,
     asked: str,
     doc: dict[str, Any],
     raw: bytes | Upload,
@@ -278,7 +278,7 @@ def _resumable(endpoint: Endpoint, doc: dict[str, Any]) -> bool:
 
 
 def _call(
-    request: web.Request,
+    request: Request,
     endpoint: Endpoint,
     routed: _Routed,
     *,
@@ -311,7 +311,7 @@ def _call(
     )
 
 
-async def _findable(call: Call, routed: _Routed, owner: str) -> web.StreamResponse:
+async def _findable(call: Call, routed: _Routed, owner: str) -> StreamResponse:
     """Serve ``call``; a token-in generation where its abort route can find it meanwhile (by
     the id it goes upstream with)."""
     if call.endpoint is not GENERATE:
@@ -326,7 +326,7 @@ async def _findable(call: Call, routed: _Routed, owner: str) -> web.StreamRespon
 
 
 def _upstream_id(
-    request: web.Request, endpoint: Endpoint, doc: dict[str, Any], record: RequestRecord
+    request: Request, endpoint: Endpoint, doc: dict[str, Any], record: RequestRecord
 ) -> str:
     """The X-Request-Id the backend gets: the request's, but for a token-in generation
     without the header, the body's ``request_id``: vLLM names the generation after the
@@ -347,13 +347,13 @@ def _classify(app: web.Application, record: RequestRecord, exc: BaseException) -
         record.status, record.ending = 500, "internal_error"
 
 
-def _priority(app: web.Application, request: web.Request, principal: Principal) -> int:
+def _priority(app: web.Application, request: Request, principal: Principal) -> int:
     header = app[SETTINGS].limits.admission.priority_header
     return parse_priority(request.headers.get(header), principal.max_priority)
 
 
 async def _wait_for_capacity(
-    app: web.Application, key: str, max_priority: int, request: web.Request
+    app: web.Application, key: str, max_priority: int, request: Request
 ) -> AdmissionTicket | None:
     """Hold the request in the admission queue while every backend is saturated.
 
@@ -371,7 +371,7 @@ async def _wait_for_capacity(
     return ticket
 
 
-async def _traced(call: Call, route: Route, doc: dict[str, Any]) -> web.StreamResponse:
+async def _traced(call: Call, route: Route, doc: dict[str, Any]) -> StreamResponse:
     app, record = call.request.app, call.record
     tracer = app[TRACER]
     if tracer is None:
@@ -393,7 +393,7 @@ async def _traced(call: Call, route: Route, doc: dict[str, Any]) -> web.StreamRe
 
 async def _serve(
     call: Call, route: Route, doc: dict[str, Any], span: Span | None
-) -> web.StreamResponse:
+) -> StreamResponse:
     """Run the route's steps: the prefill (if any), then the step that answers the client."""
     if route.prefill is None:
         return await _answered(call, route.serve, span)
@@ -402,7 +402,7 @@ async def _serve(
     app[ROUTER].check(route.serve)  # no decode backend: fail before any prefill
     body = prefill_body(doc)
     prefilled = await attempts(call, route.prefill, span, lambda t: prefill_attempt(t, body))
-    if isinstance(prefilled, web.StreamResponse):  # the prefill refused the request (a 4xx)
+    if isinstance(prefilled, StreamResponse):  # the prefill refused the request (a 4xx)
         return prefilled
     answered = time.monotonic()
     assert isinstance(call.body, bytes)  # chat and completions only (``Router.route``)
@@ -418,7 +418,7 @@ async def _serve(
             )
 
 
-async def _answered(call: Call, step: Step, span: Span | None) -> web.StreamResponse:
+async def _answered(call: Call, step: Step, span: Span | None) -> StreamResponse:
     """The client's answer from ``step``'s backends; a stream that breaks on the way goes on
     from another backend when it can (``_resume``)."""
     try:
@@ -431,7 +431,7 @@ async def _answered(call: Call, step: Step, span: Span | None) -> web.StreamResp
             raise
 
 
-async def _answer(t: Try) -> web.StreamResponse:
+async def _answer(t: Try) -> StreamResponse:
     """One backend's try at the client's answer: relay it, or raise if nothing was sent."""
     call = t.call
     client = call.request.app[UPSTREAM]
@@ -471,7 +471,7 @@ async def _answer(t: Try) -> web.StreamResponse:
 
 async def _relay(
     t: Try, upstream: Upstream, read: bytes | None = None
-) -> tuple[web.StreamResponse, bool]:
+) -> tuple[StreamResponse, bool]:
     """Relay the answer (``read``: its body, if already read); return the response and
     whether it completed.
 
@@ -561,7 +561,7 @@ def _lacks(t: Try) -> NoReturn:
 def route_endpoint(endpoint: Endpoint) -> Handler:
     """The request handler of one of ``gateway.request.endpoints``' JSON endpoints."""
 
-    async def handler(request: web.Request) -> web.StreamResponse:
+    async def handler(request: Request) -> StreamResponse:
         return await forward(request, endpoint)
 
     return handler

@@ -9,8 +9,8 @@ After the first chunk, the rest of the stream takes the fast path when it can: a
 fed by a tap on the upstream body (``backends.upstream.h1.Response.tap``) writes each read to the
 client's transport from the upstream read callback, so a token costs no task wake-up at all.
 The slow path (``readany`` / ``write`` in the handler task) remains for what cannot be tapped.
-The splice writes through aiohttp's server-side ``StreamWriter``; ``splice_problem`` checks at
-start-up that it is as the splice expects (else streams take the slow path).
+The splice writes to the client's transport under the gateway's own server's flow control
+(``gateway.http.StreamResponse``: ``writing_paused``, ``drain``).
 """
 
 from __future__ import annotations
@@ -22,16 +22,13 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
-from aiohttp import web
-from aiohttp.abc import AbstractStreamWriter
-from aiohttp.base_protocol import BaseProtocol
-from aiohttp.http_writer import StreamWriter
 from multidict import CIMultiDict
 
 from backends.errors import EngineFailed, UpstreamError
 from backends.state import BackendSpec
 from backends.upstream.client import CLIENT_ERRORS, Outrun, Transport, Upstream, translate
 from backends.upstream.idle import IdleWatch
+from gateway.http import Request, Response, StreamResponse
 from gateway.limits.tokens import UsageFilter
 from gateway.request.continuation import Keep, Progress, Stitch
 from gateway.request.endpoints import Dialect
@@ -67,7 +64,7 @@ class StreamBroken(Exception):
 
     def __init__(
         self,
-        response: web.StreamResponse,
+        response: StreamResponse,
         error: UpstreamError,
         backend: str,
         progress: Progress | MessagesProgress,
@@ -206,14 +203,6 @@ class _WriteFlow(Protocol):
     def writing_paused(self) -> bool: ...
 
 
-class EventStream(web.StreamResponse):
-    """A streamed answer whose head goes out with its first chunk: one write, not two, on the
-    way to the first token (as aiohttp sends a whole ``web.Response``). Where aiohttp has no
-    such switch, the head goes first, as with any ``StreamResponse``."""
-
-    _send_headers_immediately = False
-
-
 class Splice:
     """A tap's sink that writes each upstream read to a chunked client response.
 
@@ -310,7 +299,7 @@ class Splice:
 
 
 async def relay_stream(
-    request: web.Request,
+    request: Request,
     upstream: Upstream,
     headers: CIMultiDict[str],
     now: Callable[[], float],
@@ -320,13 +309,13 @@ async def relay_stream(
     rename: Rename | None = None,
     fast: bool = True,
     keep: Keep[Any] | None = None,
-) -> web.StreamResponse:
+) -> StreamResponse:
     """Relay an event stream chunk by chunk, until either side ends it.
 
     ``result`` is filled in as the stream goes (first token, events), so it tells what was
     relayed even when the handler is cancelled mid-stream; ``result.ending`` says how it ended.
     Raises ``UpstreamError`` if the backend fails before its first chunk (nothing sent yet).
-    ``fast`` False keeps to plain reads (when aiohttp's writer is not as the splice expects).
+    ``fast`` False keeps to plain reads (``create_app``'s ``relay_check`` can force it).
     With ``keep`` (the stream may be continued elsewhere), a stream that breaks is left open:
     the caller continues it or ends it (``end_stream``).
     """
@@ -338,12 +327,12 @@ async def relay_stream(
     if upstream.interrupt is not None and not upstream.interrupt.take():
         raise outrun(upstream.backend)  # a rival attempt (a hedge) took the client first
     # From the first write on, the stream is the client's.
-    resp = EventStream(status=upstream.status, headers=headers)
+    resp = StreamResponse(status=upstream.status, headers=headers)  # head with 1st chunk
     result.ending = Ending.COMPLETE
     chunks = Chunks(upstream.watch, result, usage, now, rename, keep=keep)
     fast_path_tried = not fast
     try:
-        writer = await resp.prepare(request)
+        await resp.prepare(request)
         while chunk:
             out = chunks.take(chunk)
             if out or not fast_path_tried:
@@ -356,7 +345,7 @@ async def relay_stream(
                 break
             if not fast_path_tried:
                 fast_path_tried = True
-                if await _spliced(request, writer, upstream, result, chunks):
+                if await _spliced(resp, upstream, result, chunks):
                     break
             try:
                 chunk = await content.readany()
@@ -369,13 +358,13 @@ async def relay_stream(
         await _close(resp, chunks, result)
     except ConnectionResetError:  # the client went away between two writes
         result.ending = Ending.CLIENT_DISCONNECT
-    except asyncio.CancelledError:  # the client went away (aiohttp cancels its handler)
+    except asyncio.CancelledError:  # the client went away (the server cancels its handler)
         result.ending = Ending.CLIENT_DISCONNECT
         raise
     return resp
 
 
-async def _close(resp: web.StreamResponse, chunks: Chunks, result: RelayResult) -> None:
+async def _close(resp: StreamResponse, chunks: Chunks, result: RelayResult) -> None:
     if result.ending is Ending.UPSTREAM_ERROR:
         assert result.error is not None
         await resp.write(chunks.rest() + stream_error_event(result.error, result.dialect))
@@ -384,7 +373,7 @@ async def _close(resp: web.StreamResponse, chunks: Chunks, result: RelayResult) 
 
 
 async def end_stream(
-    resp: web.StreamResponse,
+    resp: StreamResponse,
     error: UpstreamError | None,
     *,
     done: bool = False,
@@ -404,7 +393,7 @@ async def end_stream(
 
 
 async def relay_resumed(
-    resp: web.StreamResponse,
+    resp: StreamResponse,
     upstream: Upstream,
     stitch: Stitch | MessagesStitch,
     chunks: Chunks,
@@ -445,24 +434,15 @@ async def relay_resumed(
 
 
 async def _spliced(
-    request: web.Request,
-    writer: AbstractStreamWriter | None,
-    upstream: Upstream,
-    result: RelayResult,
-    chunks: Chunks,
+    resp: StreamResponse, upstream: Upstream, result: RelayResult, chunks: Chunks
 ) -> bool:
     """Relay the rest of the stream on the fast path; False (nothing done) if it can't."""
-    client = request.transport
-    if (
-        not isinstance(writer, StreamWriter)
-        or not writer.chunked
-        or client is None
-        or client.is_closing()
-    ):
+    client = resp.transport
+    if not resp.chunked or client is None or client.is_closing():
         return False
     splice = Splice(
         client=client,
-        client_flow=writer.protocol,
+        client_flow=resp,
         backend=upstream.backend,
         result=result,
         chunks=chunks,
@@ -470,21 +450,12 @@ async def _spliced(
     t = upstream.response.tap(splice) if upstream.response is not None else None
     if t is None:
         return False
+    resp.flush_head()  # the splice writes chunks straight to the transport
     try:
-        await splice.run(t, writer.drain)
+        await splice.run(t, resp.drain)
     finally:
         t.close()
     return True
-
-
-def splice_problem() -> str | None:
-    """What in aiohttp's server-side writer is not as the splice expects, or None."""
-    for name in ("chunked", "protocol", "drain"):
-        if not hasattr(StreamWriter, name):
-            return f"aiohttp's StreamWriter has no {name}"
-    if not isinstance(getattr(BaseProtocol, "writing_paused", None), property):
-        return "aiohttp's BaseProtocol has no writing_paused"
-    return None
 
 
 async def relay_body(
@@ -493,8 +464,8 @@ async def relay_body(
     client: Transport,
     rename: Rename | None = None,
     read: bytes | None = None,
-) -> web.Response:
+) -> Response:
     """Read a whole (non-stream) answer (``read``: already read), then send it: errors
     before any byte stay mappable."""
     body = renamed(await client.read_body(upstream) if read is None else read, rename)
-    return web.Response(status=upstream.status, body=body, headers=headers)
+    return Response(status=upstream.status, body=body, headers=headers)

@@ -19,7 +19,6 @@ from functools import partial
 from typing import Any
 
 import structlog
-from aiohttp import web
 from opentelemetry.trace import Span
 
 from backends.errors import (
@@ -31,6 +30,7 @@ from backends.errors import (
     UpstreamProtocolError,
 )
 from backends.upstream.client import json_or_none
+from gateway.http import StreamResponse
 from gateway.keys import METRICS, RETRY, SETTINGS, UPSTREAM
 from gateway.limits.tokens import UsageFilter
 from gateway.request.attempt import Call, Try, attempts, cancel_reason, error_kind, open_upstream
@@ -58,9 +58,7 @@ from gateway.request.router import Step
 log = structlog.get_logger("gateway.request")
 
 
-async def resume(
-    call: Call, step: Step, span: Span | None, broken: StreamBroken
-) -> web.StreamResponse:
+async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken) -> StreamResponse:
     """Continue a broken stream on other backends, as many times as the settings allow.
 
     What cannot be continued faithfully (or finds no backend in time) ends as it did before
@@ -180,8 +178,8 @@ def _continuation(
 
 
 async def _resume_attempt(
-    t: Try, *, resp: web.StreamResponse, progress: Progress | MessagesProgress
-) -> web.StreamResponse:
+    t: Try, *, resp: StreamResponse, progress: Progress | MessagesProgress
+) -> StreamResponse:
     """One backend's try at the rest of a broken stream, into the client's open ``resp``."""
     call = t.call
     app, record = call.request.app, call.record

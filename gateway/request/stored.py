@@ -24,6 +24,7 @@ from backends.errors import (
     ResponseNotFound,
 )
 from backends.state import BackendState
+from gateway.http import Request, Response
 from gateway.keys import LIMITER, REQUEST_ID_KEY, RESPONSE_HOMES, ROUTER, SETTINGS, UPSTREAM
 from gateway.request.headers import upstream_headers
 from gateway.request.record import RequestRecord, finish
@@ -63,7 +64,7 @@ def _reachable(app: web.Application, backend: str, response_id: str) -> BackendS
     return b
 
 
-async def _to_home(request: web.Request, *, cancel: bool) -> web.Response:
+async def _to_home(request: Request, *, cancel: bool) -> Response:
     app = request.app
     record = RequestRecord(request[REQUEST_ID_KEY], started=time.monotonic(), endpoint="responses")
     limiter, grant = app[LIMITER], None
@@ -96,7 +97,7 @@ async def _to_home(request: web.Request, *, cancel: bool) -> web.Response:
             timeout = app[SETTINGS].upstream.idle_timeout
             status, body = await transport.get(backend.spec, request.path_qs, within=timeout)
         record.status, record.ending = status, "complete"
-        return web.Response(status=status, body=body, content_type="application/json")
+        return Response(status=status, body=body, content_type="application/json")
     except GatewayError as exc:
         record.status, record.ending = exc.status, type(exc).__name__
         raise
@@ -106,11 +107,11 @@ async def _to_home(request: web.Request, *, cancel: bool) -> web.Response:
         finish(app, record)
 
 
-async def get_response(request: web.Request) -> web.Response:
+async def get_response(request: Request) -> Response:
     """``GET /v1/responses/{id}``, answered by the backend that stored it."""
     return await _to_home(request, cancel=False)
 
 
-async def cancel_response(request: web.Request) -> web.Response:
+async def cancel_response(request: Request) -> Response:
     """``POST /v1/responses/{id}/cancel``, sent to the backend that runs it."""
     return await _to_home(request, cancel=True)

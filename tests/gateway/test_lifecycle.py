@@ -152,7 +152,7 @@ async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_work() -> 
         aiohttp.ClientSession() as s,
     ):
         streams = [await s.post(gw.url + "/v1/chat/completions", json=CHAT) for _ in range(3)]
-        stopping = asyncio.create_task(stop_gracefully(gw.app, [gw.runner]))
+        stopping = asyncio.create_task(stop_gracefully(gw.app, gw.server, []))
         await wait_for(lambda: gw.app[LIFECYCLE].stopping, what="stopping")
         with pytest.raises(aiohttp.ClientConnectionError):
             async with aiohttp.ClientSession() as fresh:
@@ -177,7 +177,7 @@ async def test_shutdown_closes_idle_kept_alive_connections_while_streams_finish(
         assert head.startswith(b"HTTP/1.1 200")
         async with aiohttp.ClientSession() as s:
             stream = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
-            stopping = asyncio.create_task(stop_gracefully(gw.app, [gw.runner]))
+            stopping = asyncio.create_task(stop_gracefully(gw.app, gw.server, []))
             await wait_for(lambda: gw.app[LIFECYCLE].stopping, what="stopping")
             length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
             await reader.readexactly(length)  # the first answer's body
@@ -201,7 +201,7 @@ async def test_shutdown_cuts_streams_that_outlive_the_grace_period() -> None:
     ):
         r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
         await wait_for(lambda: fake.active() == 1, what="stream running")
-        await stop_gracefully(gw.app, [gw.runner])
+        await stop_gracefully(gw.app, gw.server, [])
         assert not fake.release.is_set()
         with pytest.raises(aiohttp.ClientPayloadError):
             await r.read()

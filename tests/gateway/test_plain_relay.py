@@ -27,7 +27,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream":
 
 
 def forced() -> str:
-    return "aiohttp's StreamWriter has no chunked, forced by the test"
+    return "the splice switched off, forced by the test"
 
 
 async def test_the_fallback_is_logged_once_and_shown_in_a_metric() -> None:

@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from gateway.http import Server
 from gateway.keys import METRICS, POOL, UPSTREAM
 from tests.helpers import (
     FakeBackend,
@@ -34,10 +35,8 @@ N_EVENTS = 4096  # 16 MiB in all: far more than the gateway may buffer for one c
 BOUND = 1 << 20  # what the gateway may hold for one slow client, at most
 
 
-def in_gateway_for_clients(app_runner: web.AppRunner) -> int:
+def in_gateway_for_clients(server: Server) -> int:
     """Bytes the gateway holds in its client-side transports, not yet taken by the kernel."""
-    server = app_runner.server
-    assert server is not None
     held = 0
     for conn in server.connections:
         if conn.transport is not None:
@@ -64,7 +63,7 @@ async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> web.A
         return resp
 
     def gateway_paused() -> bool:
-        over = progress["written"] == N_EVENTS or in_gateway_for_clients(gw.runner) > BOUND
+        over = progress["written"] == N_EVENTS or in_gateway_for_clients(gw.server) > BOUND
         return over or any(t.paused for t in gw.app[UPSTREAM].pool.tapped())
 
     def backend_held_back() -> bool:
@@ -88,10 +87,10 @@ async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> web.A
         )
         # The client reads nothing: the gateway stops reading the backend, which is held back.
         await wait_for(gateway_paused, within=20, what="the gateway to stop reading")
-        assert in_gateway_for_clients(gw.runner) < BOUND
+        assert in_gateway_for_clients(gw.server) < BOUND
         await wait_for(backend_held_back, within=20, what="the backend to be held back")
         assert progress["written"] < N_EVENTS, "the gateway read the whole stream"
-        assert in_gateway_for_clients(gw.runner) < BOUND
+        assert in_gateway_for_clients(gw.server) < BOUND
         await asyncio.sleep(hold)  # sleep-ok: the client keeps not reading for this long
         received = b""
         while not received.endswith(b"0\r\n\r\n"):
@@ -197,7 +196,7 @@ async def test_the_answers_head_goes_out_with_its_first_chunk_in_one_write() -> 
     async def first_then_wait(request: web.Request, fake: FakeBackend, seen: Seen) -> Any:
         # The gateway has the client's request and has written nothing back yet: watch what
         # it writes to the client from now on.
-        (conn,) = gw.runner.server.connections  # type: ignore[union-attr]
+        (conn,) = gw.server.connections
         transport = conn.transport
         assert transport is not None
         write, writelines = transport.write, transport.writelines

@@ -1,0 +1,163 @@
+"""The server: listeners, their connections (``gateway.http.protocol``), and the app's life.
+
+``setup`` starts the app (its ``cleanup_ctx`` owns the gateway's resources), ``start`` opens a
+listener (more than once for several), ``cleanup`` stops gracefully: no new connections, idle
+ones closed at once, each busy one closed after the answers it owes; past ``grace`` seconds
+what still runs is cancelled and cut; then the app's shutdown and cleanup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl as ssl_
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from gateway.http.head import HttpDate
+from gateway.http.protocol import Connection, Shared
+from gateway.http.refusal import default_error_body
+from gateway.http.routes import Handler
+from gateway.http.sampling import LogSampler
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServerConfig:
+    """The server's limits and timeouts (seconds)."""
+
+    max_header_bytes: int = 16 * 1024  # request line or header field; the whole head: 4x
+    max_headers: int = 100
+    max_body_bytes: int  # what Request.read() accepts (413 beyond)
+    header_timeout: float = 60.0  # from a request's first byte to its whole head: 408
+    keepalive_timeout: float = 75.0  # an idle connection (or a silent new one) is closed
+    send_timeout: float = 60.0  # a client that reads nothing for this long is cut off
+    max_pipelined: int = 16  # requests parsed ahead of the one answered, then reading stops
+    # status, message, path (if known) -> the JSON body of a refusal
+    error_body: Callable[[int, str, str | None], bytes] = default_error_body
+    server_name: str | None = None  # the Server header's value; None: no Server header
+
+    def __post_init__(self) -> None:
+        if self.max_header_bytes < 1 or self.max_headers < 1 or self.max_pipelined < 1:
+            raise ValueError("max_header_bytes, max_headers and max_pipelined must be positive")
+        if min(self.header_timeout, self.keepalive_timeout, self.send_timeout) <= 0:
+            raise ValueError("the timeouts must be positive")
+        if self.server_name is not None and ("\r" in self.server_name or "\n" in self.server_name):
+            raise ValueError("a line break in server_name")
+
+
+class Server:
+    """The gateway's HTTP/1.1 server for ``handler`` (the whole request path: it answers
+    every request, and raises nothing but ``CancelledError``)."""
+
+    def __init__(
+        self,
+        app: web.Application,
+        handler: Handler,
+        config: ServerConfig,
+        *,
+        sampler: LogSampler | None = None,
+    ) -> None:
+        self.app = app
+        self.config = config
+        self._shared = Shared(config, app, handler, sampler or LogSampler(), HttpDate())
+        self._listeners: list[asyncio.Server] = []
+        self._set_up = False
+        self._stopping: asyncio.Task[None] | None = None
+
+    @property
+    def connections(self) -> frozenset[Connection]:
+        """The open connections (a snapshot)."""
+        return frozenset(self._shared.connections)
+
+    @property
+    def addresses(self) -> list[tuple[str, int]]:
+        """Where the listeners listen (host, port)."""
+        found = []
+        for listener in self._listeners:
+            for sock in listener.sockets:
+                name = sock.getsockname()
+                if isinstance(name, tuple):
+                    found.append((str(name[0]), int(name[1])))
+        return found
+
+    async def setup(self) -> None:
+        """Run the app's startup (its ``cleanup_ctx`` opens its resources, which may still set
+        keys), then freeze it: as aiohttp's ``AppRunner`` does."""
+        if self._set_up:
+            return
+        self._set_up = True
+        self.app.on_startup.freeze()
+        await self.app.startup()
+        self.app.freeze()
+
+    async def start(
+        self,
+        *,
+        sock: socket.socket | None = None,
+        host: str | None = None,
+        port: int | None = None,
+        ssl: ssl_.SSLContext | None = None,
+        reuse_port: bool = False,
+        backlog: int = 128,
+    ) -> None:
+        """Listen on ``sock``, or on ``host``:``port``; may be called again for more."""
+        if self._stopping is not None:
+            raise RuntimeError("the server is stopping")
+        loop = asyncio.get_running_loop()
+        shared = self._shared
+
+        def factory() -> Connection:
+            return Connection(shared)
+
+        if sock is not None:
+            listener = await loop.create_server(factory, sock=sock, ssl=ssl, backlog=backlog)
+        elif port is None:
+            raise ValueError("start() needs a sock, or a port (and a host)")
+        else:
+            listener = await loop.create_server(
+                factory,
+                host,
+                port,
+                ssl=ssl,
+                reuse_address=True,
+                reuse_port=reuse_port or None,
+                backlog=backlog,
+            )
+        self._listeners.append(listener)
+
+    async def cleanup(self, grace: float) -> None:
+        """Stop gracefully (see the module's docstring); again: wait for the first."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float) -> None:
+        for listener in self._listeners:
+            listener.close()
+        shared = self._shared
+        for conn in list(shared.connections):
+            conn.shutdown()
+        if shared.connections:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(grace, 0)):
+                    await shared.emptied()
+        if shared.connections:
+            left = list(shared.connections)
+            tasks = [conn.task for conn in left if conn.task is not None]
+            for conn in left:
+                conn.abort()
+            if tasks:
+                await asyncio.wait(tasks, timeout=5.0)  # cancelled: they end at their next await
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(1.0):
+                    await shared.emptied()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1.0):
+                for listener in self._listeners:
+                    await listener.wait_closed()
+        if self._set_up:
+            await self.app.shutdown()
+            await self.app.cleanup()

@@ -129,11 +129,11 @@ class Connection(asyncio.Protocol):
         "_task",
         "_timer",
         "_url",
-        "_write_paused",
         "config",
         "peer",
         "remote",
         "transport",
+        "writing_paused",
     )
 
     def __init__(self, shared: Shared) -> None:
@@ -166,7 +166,7 @@ class Connection(asyncio.Protocol):
         self._refusal_path: str | None = None
         # flow control
         self._paused = 0
-        self._write_paused = False
+        self.writing_paused = False
         self._send_expired = False
         self._drainers: list[asyncio.Future[None]] = []
         # the one timer
@@ -211,10 +211,10 @@ class Connection(asyncio.Protocol):
         return None  # a client that stops sending has gone: close
 
     def pause_writing(self) -> None:
-        self._write_paused = True
+        self.writing_paused = True
 
     def resume_writing(self) -> None:
-        self._write_paused = False
+        self.writing_paused = False
         self._wake_drainers()
 
     def data_received(self, data: bytes) -> None:
@@ -395,10 +395,6 @@ class Connection(asyncio.Protocol):
 
     # -- the response's side (gateway.http.response.Writer) ----------------------------
 
-    @property
-    def writing_paused(self) -> bool:
-        return self._write_paused
-
     def seal_head(self, request: Request, head: bytes, *, close: bool, date: bool) -> bytes:
         if (
             close
@@ -435,7 +431,7 @@ class Connection(asyncio.Protocol):
     async def drain(self) -> None:
         if self._lost or self._send_expired:
             raise ConnectionResetError("the client has gone")
-        if not self._write_paused:
+        if not self.writing_paused:
             return
         loop = self._loop
         waiter = loop.create_future()
@@ -452,7 +448,7 @@ class Connection(asyncio.Protocol):
 
     def _send_timed_out(self) -> None:
         """The client read nothing for ``send_timeout``: it holds nothing any longer."""
-        if not self._write_paused or self.transport is None:
+        if not self.writing_paused or self.transport is None:
             return
         self._send_expired = True
         self._wake_drainers()  # the waiting handler sees ConnectionResetError first

@@ -134,6 +134,12 @@ class StreamResponse:
         """Whether the client's transport holds more than it should (``drain`` then)."""
         return self._writer is not None and self._writer.writing_paused
 
+    @property
+    def flow(self) -> Writer | None:
+        """The connection's flow control (``writing_paused``), for a writer that checks it
+        per event (the splice): one attribute read, not a chain of properties."""
+        return self._writer
+
     async def drain(self) -> None:
         """Until the client has read enough; ``ConnectionResetError`` if it is gone or reads
         nothing for the server's ``send_timeout``."""

@@ -437,12 +437,12 @@ async def _spliced(
     resp: StreamResponse, upstream: Upstream, result: RelayResult, chunks: Chunks
 ) -> bool:
     """Relay the rest of the stream on the fast path; False (nothing done) if it can't."""
-    client = resp.transport
-    if not resp.chunked or client is None or client.is_closing():
+    client, flow = resp.transport, resp.flow
+    if not resp.chunked or client is None or flow is None or client.is_closing():
         return False
     splice = Splice(
         client=client,
-        client_flow=resp,
+        client_flow=flow,
         backend=upstream.backend,
         result=result,
         chunks=chunks,

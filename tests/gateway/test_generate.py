@@ -81,7 +81,11 @@ async def test_the_same_ids_as_the_server_gives_stream_or_not() -> None:
 
 
 async def test_servers_without_scale_out_are_passed_over() -> None:
-    async with fleet((FAST, SCALE_OUT)) as (gw, sims), aiohttp.ClientSession() as s:
+    # Round robin: the server without the flag is some request's first choice, not by luck.
+    async with (
+        fleet((FAST, SCALE_OUT), policy="round_robin") as (gw, sims),
+        aiohttp.ClientSession() as s,
+    ):
         for _ in range(4):
             async with s.post(gw.url + "/inference/v1/generate", json=body(4)) as r:
                 assert r.status == 200, await r.text()
@@ -164,10 +168,12 @@ async def test_a_client_that_leaves_stops_the_generation() -> None:
 async def test_a_broken_token_stream_goes_on_from_its_ids() -> None:
     doc = body(60, stream=True, stream_options={"include_usage": True})
     async with (
-        fleet(faults=Faults(break_after_tokens=20)) as (gw, _sims),
+        # Round robin: the breaking backend is some request's first choice (least_load breaks
+        # the tie of idle backends at random: 4 requests could all miss it, 1 in 16).
+        fleet(faults=Faults(break_after_tokens=20), policy="round_robin") as (gw, _sims),
         aiohttp.ClientSession() as s,
     ):
-        for _ in range(4):  # whichever backend the policy picks first
+        for _ in range(4):
             async with s.post(gw.url + "/inference/v1/generate", json=doc) as r:
                 assert r.status == 200
                 ids, finishes, usage = stream_ids(await r.read())

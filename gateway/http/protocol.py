@@ -21,22 +21,15 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
-from typing import TYPE_CHECKING, Final, cast
+from typing import Final, cast
 
 import httptools
 import structlog
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from gateway.http.head import HttpDate, status_line
 from gateway.http.message import Body, Request, split_target
-from gateway.http.refusal import Refused, default_error_body, parser_refusal
-from gateway.http.sampling import LogSampler
-
-if TYPE_CHECKING:
-    from aiohttp import web
-
-    from gateway.http.routes import Handler
-    from gateway.http.server import ServerConfig
+from gateway.http.refusal import Refused, parser_refusal
+from gateway.http.shared import Shared
 
 log = structlog.get_logger("gateway.http")
 
@@ -58,44 +51,6 @@ _EARLY: Final = 0.001  # a timer may fire this early (the loop's clock resolutio
 
 class _Stop(Exception):
     """Raised from a parser callback: read no further request on this connection."""
-
-
-class Shared:
-    """What every connection of a server shares: its settings, app, handler, the log sampler,
-    and the set of open connections (for the server's graceful stop)."""
-
-    __slots__ = ("_emptied", "app", "config", "connections", "date", "handler", "sampler", "server")
-
-    def __init__(
-        self,
-        config: ServerConfig,
-        app: web.Application,
-        handler: Handler,
-        sampler: LogSampler,
-        date: HttpDate,
-    ) -> None:
-        self.config = config
-        self.app = app
-        self.handler = handler
-        self.sampler = sampler
-        self.date = date
-        self.server = b"Server: %s\r\n" % config.server_name.encode() if config.server_name else b""
-        self.connections: set[Connection] = set()
-        self._emptied: asyncio.Event | None = None
-
-    def lost(self, conn: Connection) -> None:
-        self.connections.discard(conn)
-        if not self.connections and self._emptied is not None:
-            self._emptied.set()
-
-    async def emptied(self) -> None:
-        """Until no connection is open."""
-        if not self.connections:
-            return
-        if self._emptied is None:
-            self._emptied = asyncio.Event()
-        self._emptied.clear()
-        await self._emptied.wait()
 
 
 class Connection(asyncio.Protocol):
@@ -505,7 +460,7 @@ class Connection(asyncio.Protocol):
                 self._refusal_path = split_target(self._url.decode("utf-8", "surrogateescape"))[0]
             except ValueError:
                 self._refusal_path = None
-        self._log_refusal(refused)
+        self._shared.log_refusal(refused, self.peer)
         if bad is not None:
             if bad is self._current:
                 if self._task is not None:
@@ -515,21 +470,6 @@ class Connection(asyncio.Protocol):
                 self._queue.pop()
         if self._task is None and not self._queue:
             self._send_refusal()
-
-    def _log_refusal(self, refused: Refused) -> None:
-        suppressed = self._shared.sampler.admit()
-        if suppressed is None:
-            return
-        if suppressed:
-            log.info(
-                "http_refused",
-                status=refused.status,
-                reason=refused.reason,
-                peer=self.peer,
-                suppressed=suppressed,
-            )
-        else:
-            log.info("http_refused", status=refused.status, reason=refused.reason, peer=self.peer)
 
     def _send_refusal(self) -> None:
         refused = self._refusal
@@ -541,22 +481,7 @@ class Connection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        try:
-            body = self.config.error_body(status, message, path)
-        except Exception:
-            log.exception("error_body_failed", status=status)
-            body = default_error_body(status, message, path)
-        shared = self._shared
-        head = b"".join(
-            (
-                status_line(status),
-                b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body),
-                shared.date(),
-                shared.server,
-                b"Connection: close\r\n\r\n",
-            )
-        )
-        transport.write(head + body)
+        transport.write(self._shared.error_answer(status, message, path))
         self._close()
 
     def _close(self) -> None:

@@ -270,18 +270,7 @@ class Response(StreamResponse):
         raise RuntimeError("a Response is written whole: set its body, or use a StreamResponse")
 
     def _write_eof(self, data: bytes = b"") -> None:
-        if self._eof:
-            return
-        writer = self._writer
-        if writer is None or self._request is None:
-            raise RuntimeError("write_eof() before prepare()")
-        self._eof = True
-        head = self._head or b""
-        self._head = None
-        out = head if self._no_body or not self.body else head + self.body
-        if out:
-            writer.send(out)
-        writer.finished(self._request)
+        super()._write_eof(self.body)  # its length is in the head: never chunked
 
 
 def json_response(

@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from gateway.http.head import HttpDate
-from gateway.http.protocol import Connection, Shared
+from gateway.http.protocol import Connection
 from gateway.http.refusal import default_error_body
 from gateway.http.routes import Handler
 from gateway.http.sampling import LogSampler
+from gateway.http.shared import Shared
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -80,6 +80,7 @@ from gateway.request.responses import open_homes, peer_home
 from gateway.request.retry import RetryPolicy
 from gateway.request.rollout import ROLLOUT, Rollout
 from gateway.request.router import Router
+from gateway.request.services import hand_in
 from gateway.request.slo import CHANGES, ChangeSignal
 from gateway.workers.shared_reads import READ_PATH, ReadCache, SharedReads, read_handler
 from gateway.workers.supervisor import Worker
@@ -491,6 +492,7 @@ def create_app(
     app[ADAPTERS] = {}
     app.cleanup_ctx.append(_fleet_ctx)  # last: it applies changes to all of the above
     _add_routes(app)
+    app.on_startup.append(hand_in)  # after every cleanup context: the services they made
     return app
 
 

@@ -106,3 +106,27 @@ def test_nothing_names_a_folder_outside_the_clone() -> None:
     if listed.returncode not in (0, 1):
         pytest.skip("not a git checkout")
     assert listed.stdout.split() == []
+
+
+# The request path's modules in the order control goes down (``gateway/request/proxy.py``'s
+# docstring): each may import only those after it, so none calls back up into one before it.
+REQUEST_PATH = ("proxy", "resume", "attempt", "answer", "send", "relay", "call")
+
+
+def request_path_imports(stage: str) -> set[str]:
+    tree = ast.parse((ROOT / "gateway" / "request" / f"{stage}.py").read_text())
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gateway.request."):
+            found.add(str(node.module).rsplit(".", 1)[1])
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+            found.update(n.rsplit(".", 1)[1] for n in names if n.startswith("gateway.request."))
+    return found & set(REQUEST_PATH)
+
+
+@pytest.mark.parametrize("stage", REQUEST_PATH)
+def test_the_request_path_calls_only_down(stage: str) -> None:
+    after = set(REQUEST_PATH[REQUEST_PATH.index(stage) + 1 :])
+    upward = request_path_imports(stage) - after
+    assert upward == set(), f"gateway/request/{stage}.py imports {sorted(upward)}, which come first"

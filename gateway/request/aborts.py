@@ -20,9 +20,10 @@ from typing import Any, Final
 
 from backends.errors import InvalidRequest, UpstreamError
 from gateway.http import Request, Response, json_response
-from gateway.keys import GENERATIONS, LIMITER, POOL, REQUEST_ID_KEY, UPSTREAM
+from gateway.keys import REQUEST_ID_KEY
 from gateway.request.endpoints import GENERATE
 from gateway.request.headers import upstream_headers
+from gateway.request.services import SERVICES
 
 ABORT_PATH: Final = "/inference/v1/abort_requests"
 _MAX_IDS: Final = 1024
@@ -46,14 +47,14 @@ def _ids_of(raw: bytes) -> list[str]:
 
 async def abort_requests(request: Request) -> Response:
     """``POST /inference/v1/abort_requests``: ``{"request_ids": [...]}`` aborted where they run."""
-    app = request.app
-    principal = app[LIMITER].authenticate(request.headers)
+    svc = request.app[SERVICES]
+    principal = svc.limiter.authenticate(request.headers)
     raw = await request.content.read(_MAX_BODY + 1)
     if len(raw) > _MAX_BODY:
         raise InvalidRequest("The body is too large for a list of ids.")
     ids = _ids_of(raw)
-    where, unknown = app[GENERATIONS].placed(ids, principal.id)
-    pool = app[POOL]
+    where, unknown = svc.generations.placed(ids, principal.id)
+    pool = svc.router.pool
     if unknown and not principal.authenticated:  # keys off: anyone may abort anything
         offering = [b.id for b in pool.all() if GENERATE.name not in b.lacks]
         for backend in offering:
@@ -65,7 +66,7 @@ async def abort_requests(request: Request) -> Response:
         state = pool.get(backend)
         if state is None:
             return backend, "no longer in the fleet"
-        client = app[UPSTREAM]
+        client = svc.upstream
         body = json.dumps({"request_ids": its}).encode()
         try:
             upstream = await client.open(state.spec, ABORT_PATH, body, headers)

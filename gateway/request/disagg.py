@@ -13,9 +13,9 @@ A model served by backends with role ``prefill`` and backends with role ``decode
    as any answer does, so streaming, usage, cancellation and failover before the first byte
    work as for any request.
 
-Both are steps of the request's route (``gateway.request.router``) and run the request path's one
-attempt loop (``gateway.request.proxy``): a step that fails before the client has received anything
-is tried again on another backend of the same pool, within the retry policy's bounds, or
+Both are steps of the request's route (``gateway.request.router``) and run the request path's
+one attempt loop (``gateway.request.attempt``): a step that fails before the client has received
+anything is tried again on another backend of the same pool, within the retry policy's bounds, or
 ends in OpenAI's error shape. A prefill answered 4xx (the request itself is wrong, e.g. too
 long) is passed on as is. A client that goes away cancels the handler and so whichever step
 is running: the prefill's upstream response is closed unread (vLLM aborts it), the decode's
@@ -37,10 +37,10 @@ from gateway.config.policies import build_policy, weights_of
 from gateway.config.routing import RolePoolSettings
 from gateway.config.settings import Settings
 from gateway.http import Response
-from gateway.keys import METRICS, UPSTREAM
-from gateway.request.attempt import Try, open_upstream
+from gateway.request.call import Try
 from gateway.request.headers import downstream_headers
 from gateway.request.retry import RETRYABLE_STATUS
+from gateway.request.send import open_upstream
 from policies import KvIndex, LatencyTracker, Policy
 
 log = structlog.get_logger("gateway.request.disagg")
@@ -95,8 +95,8 @@ async def prefill_attempt(t: Try, body: bytes) -> dict[str, Any] | Response | No
     """One prefill backend's try: the KV parameters (None without a connector), or the
     backend's 4xx to pass on; raises ``UpstreamError`` for what another may do better."""
     call = t.call
-    app, record = call.request.app, call.record
-    client = app[UPSTREAM]
+    svc, record = call.svc, call.record
+    client = svc.upstream
     backend = t.lease.backend.id
     upstream = await open_upstream(t, body)
     complete = False
@@ -122,7 +122,7 @@ async def prefill_attempt(t: Try, body: bytes) -> dict[str, Any] | Response | No
             headers.update(call.extra_headers)
         return Response(status=status, body=raw, headers=headers)
     elapsed = t.tally.outcome().duration_s
-    app[METRICS].disagg_prefill.labels(record.model, backend).observe(elapsed)
+    svc.metrics.disagg_prefill.labels(record.model, backend).observe(elapsed)
     if t.parent is not None:
         t.parent.set_attribute("llm_gateway.prefill_backend", backend)
         t.parent.set_attribute("llm_gateway.prefill_s", elapsed)

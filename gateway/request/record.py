@@ -5,14 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import structlog
-from aiohttp import web
 
-from gateway.keys import METRICS, ROUTER
 from gateway.limits.tokens import Usage
 from policies import BackendSnapshot, Weights, score
+
+if TYPE_CHECKING:
+    from gateway.request.services import Services
 
 log = structlog.get_logger("gateway.request")
 
@@ -104,7 +105,7 @@ class RequestRecord:
         return fields
 
 
-def finish(app: web.Application, record: RequestRecord) -> None:
+def finish(svc: Services, record: RequestRecord) -> None:
     """Record a finished request: metrics always, the log event when info is enabled.
 
     The model label is the model's name only if the fleet serves it (or it is an alias):
@@ -114,9 +115,9 @@ def finish(app: web.Application, record: RequestRecord) -> None:
         record.ended_at = time.monotonic()
     if record.ending is None:  # every path should have said; this one did not
         record.ending = "unknown"
-    metrics = app[METRICS]
+    metrics = svc.metrics
     backend = record.backend
-    model = record.model if app[ROUTER].pool.serves(record.model) or record.pool else OTHER
+    model = record.model if svc.router.pool.serves(record.model) or record.pool else OTHER
     metrics.requests.labels(model, backend, str(record.status), record.endpoint).inc()
     metrics.duration.labels(model, backend).observe(record.duration)
     ttft = record.ttft
@@ -134,5 +135,5 @@ def finish(app: web.Application, record: RequestRecord) -> None:
     if len(record.backends) > 1 and record.status and record.status < 500 and not record.hedged:
         metrics.failovers.labels(model).inc()
     if log.is_enabled_for(logging.INFO):
-        weights = app[ROUTER].policy.weights
+        weights = svc.router.policy.weights
         log.info("request", **record.log_fields(weights))

@@ -30,9 +30,9 @@ from backends.upstream.client import CLIENT_ERRORS, Outrun, Transport, Upstream,
 from backends.upstream.idle import IdleWatch
 from gateway.http import Request, Response, StreamResponse
 from gateway.limits.tokens import UsageFilter
-from gateway.request.continuation import Keep, Progress, Stitch
+from gateway.request.continuation import Keep, Stitch
 from gateway.request.endpoints import Dialect
-from gateway.request.messages_resume import MessagesProgress, MessagesStitch, end_of_message
+from gateway.request.messages_resume import MessagesStitch, end_of_message
 from gateway.request.sse import FirstTokenWatch
 
 EVENT_STREAM: Final = "text/event-stream"  # the content type of a stream to relay
@@ -52,28 +52,6 @@ class RelayResult:
     events: int = 0  # SSE "data:" events relayed
     on_first: Callable[[], None] | None = None  # called once, at the first token
     dialect: Dialect = "openai"  # the error event's shape
-
-
-class StreamBroken(Exception):
-    """A stream broke after bytes reached the client, and may be continued elsewhere.
-
-    Carries the client's response, still open, and what the client has received; raised
-    out of the attempt so that its lease is released and its backend judged as for any
-    failure, then caught where the stream is continued (``gateway.request.proxy``).
-    """
-
-    def __init__(
-        self,
-        response: StreamResponse,
-        error: UpstreamError,
-        backend: str,
-        progress: Progress | MessagesProgress,
-    ) -> None:
-        super().__init__(error.message)
-        self.response = response
-        self.error = error
-        self.backend = backend
-        self.progress = progress
 
 
 def outrun(backend: BackendSpec) -> UpstreamError:

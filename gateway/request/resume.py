@@ -31,9 +31,9 @@ from backends.errors import (
 )
 from backends.upstream.client import json_or_none
 from gateway.http import StreamResponse
-from gateway.keys import METRICS, RETRY, SETTINGS, UPSTREAM
 from gateway.limits.tokens import UsageFilter
-from gateway.request.attempt import Call, Try, attempts, cancel_reason, error_kind, open_upstream
+from gateway.request.attempt import attempts
+from gateway.request.call import Call, StreamBroken, Try, error_kind
 from gateway.request.continuation import Progress, Stitch, can_resume, resume_body
 from gateway.request.endpoints import GENERATE, MESSAGES
 from gateway.request.generate import generate_resume_body
@@ -48,12 +48,12 @@ from gateway.request.relay import (
     Chunks,
     Ending,
     RelayResult,
-    StreamBroken,
     end_stream,
     relay_resumed,
 )
 from gateway.request.retry import RETRYABLE_STATUS
 from gateway.request.router import Step
+from gateway.request.send import open_upstream
 
 log = structlog.get_logger("gateway.request")
 
@@ -64,12 +64,12 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
     What cannot be continued faithfully (or finds no backend in time) ends as it did before
     continuations existed: vLLM's error event, then [DONE].
     """
-    app, record = call.request.app, call.record
-    settings, metrics = app[SETTINGS].continuation, app[METRICS]
+    svc, record = call.svc, call.record
+    settings, metrics = svc.settings.continuation, svc.metrics
     assert call.resumable is not None
     resp, progress = broken.response, broken.progress
     failed_on = [broken.backend]
-    retry = replace(app[RETRY], max_attempts=settings.max_attempts, deadline=settings.deadline)
+    retry = replace(svc.retry, max_attempts=settings.max_attempts, deadline=settings.deadline)
     while True:
         reason = _break_reason(broken.error)
         if progress.done or progress.finished is not None:  # only the stream's end was lost
@@ -144,13 +144,13 @@ async def _sent_tokens(t: Try, progress: Progress | MessagesProgress) -> int:
     if not text:
         return progress.events
     call = t.call
-    app = call.request.app
-    client = app[UPSTREAM]
+    svc = call.svc
+    client = svc.upstream
     assert call.resumable is not None
     body = {"model": call.resumable.get("model"), "prompt": text, "add_special_tokens": False}
     raw = json.dumps(body).encode()
     try:
-        async with asyncio.timeout(app[SETTINGS].continuation.tokenize_timeout):
+        async with asyncio.timeout(svc.settings.continuation.tokenize_timeout):
             upstream = await client.open(t.lease.backend.spec, "/tokenize", raw, call.headers)
             try:
                 answer = await client.read_body(upstream)
@@ -182,8 +182,8 @@ async def _resume_attempt(
 ) -> StreamResponse:
     """One backend's try at the rest of a broken stream, into the client's open ``resp``."""
     call = t.call
-    app, record = call.request.app, call.record
-    client = app[UPSTREAM]
+    svc, record = call.svc, call.record
+    client = svc.upstream
     assert call.resumable is not None
     sent = await _sent_tokens(t, progress)
     body, stitch = _continuation(call, progress, sent)
@@ -224,7 +224,7 @@ async def _resume_attempt(
         record.ended_at = time.monotonic()
         return resp
     except asyncio.CancelledError:  # the client left: closing the upstream aborts it
-        record.abort_reason = cancel_reason(app)
+        record.abort_reason = svc.cancel_reason()
         raise
     finally:
         client.finish(upstream, complete=complete)

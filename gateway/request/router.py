@@ -6,7 +6,7 @@ decode, for a model served by prefill and decode pools (``gateway.request.disagg
 carries its policy, what that policy offers beyond the contract (its ``Capabilities``, found once
 when the policy is set, not per request) and the facts it asked for; ``Router.pick`` leases the
 policy's choice among the step's candidates. The request path runs every step through the same
-attempt loop (``gateway.request.proxy``).
+attempt loop (``gateway.request.attempt``).
 """
 
 from __future__ import annotations

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from aiohttp import web
 
 from backends.errors import AdmissionRejected, InvalidRequest, NoBackendAvailable
-from gateway.keys import ADMISSION, LATENCY, METRICS, ROUTER, SETTINGS
 from gateway.request.router import Step
 from policies.latency import prompt_size
+
+if TYPE_CHECKING:
+    from gateway.request.services import Services
 
 OUTCOMES: Final = ("met", "unmet", "waited", "late", "shed")
 _MAX_SLO_MS: Final = 3_600_000.0
@@ -79,10 +81,10 @@ def parse_slo(value: str | None) -> float | None:
     return ms / 1000.0
 
 
-def best_predicted(app: web.Application, step: Step) -> float | None:
+def best_predicted(svc: Services, step: Step) -> float | None:
     """The lowest TTFT the tracker predicts for ``step``'s request among its candidates now
     (None when no backend can take it: the attempt loop says so)."""
-    router, tracker = app[ROUTER], app[LATENCY]
+    router, tracker = svc.router, svc.latency
     try:
         candidates = router.pool.candidates(step.facts.model, role=step.role, only=step.only)
     except NoBackendAvailable:
@@ -91,12 +93,12 @@ def best_predicted(app: web.Application, step: Step) -> float | None:
     return min(tracker.predict(c.id, tracker.load(c, size)).ttft for c in candidates)
 
 
-async def meet_slo(app: web.Application, step: Step, slo: float, priority: int) -> str:
+async def meet_slo(svc: Services, step: Step, slo: float, priority: int) -> str:
     """Return once the request may go on (and how it was decided); raises ``SloUnmeetable``."""
-    outcome = await _decide(app, step, slo, priority)
-    app[METRICS].slo_requests.labels(outcome).inc()
+    outcome = await _decide(svc, step, slo, priority)
+    svc.metrics.slo_requests.labels(outcome).inc()
     if outcome == "shed":
-        settings = app[SETTINGS].limits.admission
+        settings = svc.settings.limits.admission
         raise SloUnmeetable(
             f"No backend is predicted to give a first token within {slo * 1000:g} ms, and "
             f"none was within {settings.max_wait:g} s; please retry shortly.",
@@ -105,17 +107,17 @@ async def meet_slo(app: web.Application, step: Step, slo: float, priority: int) 
     return outcome
 
 
-async def _decide(app: web.Application, step: Step, slo: float, priority: int) -> str:
-    best = best_predicted(app, step)
+async def _decide(svc: Services, step: Step, slo: float, priority: int) -> str:
+    best = best_predicted(svc, step)
     if best is None or best <= slo:
         return "met"
-    if app[ADMISSION] is None:
+    if svc.admission is None:
         return "unmet"
     try:
-        async with asyncio.timeout(app[SETTINGS].limits.admission.max_wait):
+        async with asyncio.timeout(svc.settings.limits.admission.max_wait):
             while True:
-                await app[CHANGES].wait()
-                best = best_predicted(app, step)
+                await svc.changes.wait()
+                best = best_predicted(svc, step)
                 if best is None or best <= slo:
                     return "waited"
     except TimeoutError:

@@ -14,8 +14,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from aiohttp import web
-
 from backends.errors import (
     GatewayError,
     InvalidRequest,
@@ -25,24 +23,25 @@ from backends.errors import (
 )
 from backends.state import BackendState
 from gateway.http import Request, Response
-from gateway.keys import LIMITER, REQUEST_ID_KEY, RESPONSE_HOMES, ROUTER, SETTINGS, UPSTREAM
+from gateway.keys import REQUEST_ID_KEY
 from gateway.request.headers import upstream_headers
 from gateway.request.record import RequestRecord, finish
+from gateway.request.services import SERVICES, Services
 
 _TRUE = frozenset({"true", "1", "True"})
 
 
-async def home_of(app: web.Application, response_id: Any, param: str) -> str | None:
+async def home_of(svc: Services, response_id: Any, param: str) -> str | None:
     """The backend holding ``response_id`` (None: none was named); raises if it is unknown,
     or its backend is gone."""
     if response_id is None:
         return None
     if not isinstance(response_id, str) or not response_id:
         raise InvalidRequest(f"`{param}` must be a non-empty string.", param=param)
-    home = await app[RESPONSE_HOMES].home(response_id)
+    home = await svc.response_homes.home(response_id)
     if home is None:
         raise ResponseNotFound(f"Response with id '{response_id}' not found.", param=param)
-    if app[ROUTER].pool.get(home) is None:
+    if svc.router.pool.get(home) is None:
         raise ResponseBackendGone(
             f"Response with id '{response_id}' was stored by backend {home}, which is no "
             "longer in the fleet: it is lost.",
@@ -51,23 +50,23 @@ async def home_of(app: web.Application, response_id: Any, param: str) -> str | N
     return home
 
 
-def _reachable(app: web.Application, backend: str, response_id: str) -> BackendState:
-    pool = app[ROUTER].pool
+def _reachable(svc: Services, backend: str, response_id: str) -> BackendState:
+    pool = svc.router.pool
     b = pool.get(backend)
     assert b is not None  # home_of checked
     if not pool.routable(b, pool.now()):
         raise NoBackendAvailable(
             f"The backend holding response '{response_id}' ({backend}) cannot be reached "
             "right now.",
-            retry_after=app[SETTINGS].retry_after_seconds,
+            retry_after=svc.settings.retry_after_seconds,
         )
     return b
 
 
 async def _to_home(request: Request, *, cancel: bool) -> Response:
-    app = request.app
+    svc = request.app[SERVICES]
     record = RequestRecord(request[REQUEST_ID_KEY], started=time.monotonic(), endpoint="responses")
-    limiter, grant = app[LIMITER], None
+    limiter, grant = svc.limiter, None
     try:
         principal = limiter.authenticate(request.headers)
         record.key = principal.id
@@ -79,12 +78,12 @@ async def _to_home(request: Request, *, cancel: bool) -> Response:
             )
         grant = await limiter.admit(principal, {}, generates=False)
         rid = request.match_info["response_id"]
-        home = await home_of(app, rid, "response_id")
+        home = await home_of(svc, rid, "response_id")
         assert home is not None
-        backend = _reachable(app, home, rid)
+        backend = _reachable(svc, home, rid)
         record.backends.append(home)
         record.sent = True
-        transport = app[UPSTREAM]
+        transport = svc.upstream
         if cancel:
             headers = upstream_headers(request.headers, record.request_id)
             upstream = await transport.open(backend.spec, request.path, b"", headers)
@@ -94,7 +93,7 @@ async def _to_home(request: Request, *, cancel: bool) -> Response:
                 transport.finish(upstream, complete=True)
             status = upstream.status
         else:
-            timeout = app[SETTINGS].upstream.idle_timeout
+            timeout = svc.settings.upstream.idle_timeout
             status, body = await transport.get(backend.spec, request.path_qs, within=timeout)
         record.status, record.ending = status, "complete"
         return Response(status=status, body=body, content_type="application/json")
@@ -104,7 +103,7 @@ async def _to_home(request: Request, *, cancel: bool) -> Response:
     finally:
         if grant is not None:
             await limiter.finish(grant, 0)
-        finish(app, record)
+        finish(svc, record)
 
 
 async def get_response(request: Request) -> Response:

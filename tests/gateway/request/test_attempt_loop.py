@@ -20,7 +20,7 @@ import pytest
 
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
 from gateway.keys import ROUTER
-from gateway.request import attempt
+from gateway.request import call
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
 from tests.mock_fleet import Answer, Fleet, InOrder, chunk
 
@@ -156,7 +156,7 @@ def text_of(raw: bytes) -> str:
 def lag_tolerated(monkeypatch: pytest.MonkeyPatch) -> None:
     """A rescue is declined when the event loop ran its deadline late (a saturated gateway);
     a busy test machine must not make that choice for the test."""
-    monkeypatch.setattr(attempt, "RESCUE_MAX_LAG_S", float("inf"))
+    monkeypatch.setattr(call, "RESCUE_MAX_LAG_S", float("inf"))
 
 
 async def test_a_retryable_status_before_the_first_byte_is_retried_on_the_next_backend() -> None:

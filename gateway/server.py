@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 import socket
 import ssl
@@ -39,6 +40,22 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
     loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     return loop
+
+
+# The young generation's threshold once serving (CPython's default is 700 allocations).
+YOUNG_THRESHOLD = 20_000
+
+
+def settle_heap() -> None:
+    """Once started: what is alive now (modules, settings, metrics, the pool) lives as long as
+    the process, so the cyclic collector stops walking it (``gc.freeze``), and young objects
+    are collected every ``YOUNG_THRESHOLD`` allocations instead of 700. A request allocates
+    a few thousand objects; at the default thresholds the collector took ~8 % of the data
+    plane's CPU in the peer bench (paced, c=256; ``py-spy --native``)."""
+    gc.collect()
+    gc.freeze()
+    _, middle, old = gc.get_threshold()
+    gc.set_threshold(YOUNG_THRESHOLD, middle, old)
 
 
 def data_plane(app: web.Application) -> Server:
@@ -199,6 +216,7 @@ async def run_until_signalled(
         discovery=settings.discovery.dns or None,
         policy=settings.policy,
     )
+    settle_heap()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

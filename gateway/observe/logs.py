@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any, Final, Literal
 
+import msgspec
 import structlog
 
 _SECRET_KEYS: Final = frozenset(
@@ -24,12 +26,35 @@ def redact_secrets(
     return event
 
 
+_ENCODER: Final = msgspec.json.Encoder(enc_hook=repr)
+
+
+def json_line(event: Mapping[str, Any], **_kw: Any) -> bytes:
+    """One event as a JSON line's bytes: msgspec's encoder (about a fifth of ``json.dumps``'
+    cost on the request's log line), ``repr`` for what JSON cannot hold; what msgspec refuses
+    (a key that is not a string or a number) goes through ``json.dumps`` instead."""
+    try:
+        return _ENCODER.encode(event)
+    except (TypeError, ValueError, OverflowError):
+        return json.dumps(event, default=repr, skipkeys=True).encode()
+
+
 def configure_logging(
     level: str = "info", fmt: Literal["auto", "json", "console"] = "auto"
 ) -> None:
     use_console = fmt == "console" or (fmt == "auto" and sys.stderr.isatty())
     renderer: Any = (
-        structlog.dev.ConsoleRenderer() if use_console else structlog.processors.JSONRenderer()
+        structlog.dev.ConsoleRenderer()
+        if use_console
+        else structlog.processors.JSONRenderer(serializer=json_line)
+    )
+    # One write per line (message and newline together): with PYTHONUNBUFFERED (usual in
+    # containers) print() writes them apart, and the workers of ``serve --workers``,
+    # sharing stderr, would splice each other's lines into lines no collector can parse.
+    factory: Any = (
+        structlog.WriteLoggerFactory(file=sys.stderr)
+        if use_console
+        else structlog.BytesLoggerFactory(file=sys.stderr.buffer)
     )
     structlog.configure(
         processors=[
@@ -43,9 +68,6 @@ def configure_logging(
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        # One write per line (message and newline together): with PYTHONUNBUFFERED (usual in
-        # containers) print() writes them apart, and the workers of ``serve --workers``,
-        # sharing stderr, would splice each other's lines into lines no collector can parse.
-        logger_factory=structlog.WriteLoggerFactory(file=sys.stderr),
+        logger_factory=factory,
         cache_logger_on_first_use=True,
     )

@@ -35,9 +35,14 @@ def entry(routes: Routes) -> Handler:
     async def handle(request: Request) -> Response | StreamResponse:
         request_id = valid_request_id(request.headers.get(REQUEST_ID)) or uuid.uuid4().hex
         request[REQUEST_ID_KEY] = request_id
-        # Bind the request id for every log line of this request (structlog's contextvars).
-        with structlog.contextvars.bound_contextvars(request_id=request_id):
+        # Bind the request id for every log line of this request (structlog's contextvars),
+        # then restore what was bound before: a connection's requests share its task. Tokens,
+        # not ``bound_contextvars``, which copies the whole context to save and restore.
+        bound = structlog.contextvars.bind_contextvars(request_id=request_id)
+        try:
             resp = await _answer(request, routes)
+        finally:
+            structlog.contextvars.reset_contextvars(**bound)
         if not resp.prepared:
             resp.headers[REQUEST_ID] = request_id
         return resp

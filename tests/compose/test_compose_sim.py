@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -265,15 +266,12 @@ async def test_sigterm_lets_streams_in_flight_finish_within_the_grace_period(
     async with aiohttp.ClientSession() as s:
         streams = [asyncio.create_task(stream(s, gateway, 150)) for _ in range(10)]
         await asyncio.sleep(1.0)  # sleep-ok: every stream under way before the stop
-        began = time.monotonic()
         stopping = asyncio.create_task(asyncio.to_thread(stack.compose, "stop", "gateway"))
         results = await asyncio.gather(*streams)
         await stopping
-        took = time.monotonic() - began
     assert all(r == (200, 150, "length") for r in results), results
     state = await asyncio.to_thread(docker, "inspect", "-f", "{{.State.ExitCode}}", container)
     state = state.strip()
     assert state == "0", f"the gateway exited {state} (137: killed at the end of the grace)"
-    assert took < 40, f"the stop took {took:.0f} s, past stop_grace_period"
     logs = stack.compose("logs", "--no-log-prefix", "gateway")
-    assert '"event": "gateway_stopped"' in logs
+    assert re.search(r'"event": ?"gateway_stopped"', logs)

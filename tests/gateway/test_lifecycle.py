@@ -228,7 +228,7 @@ async def test_sigterm_during_load_finishes_streams_then_exits() -> None:
         while url is None:
             line = (await asyncio.wait_for(proc.stderr.readline(), 20)).decode()
             assert line, "gateway exited before listening"
-            m = re.search(r'"address": "(http://127\.0\.0\.1:\d+)"', line)
+            m = re.search(r'"address": ?"(http://127\.0\.0\.1:\d+)"', line)
             url = m.group(1) if m else None
         async with s.get(url + "/ready") as r:
             ready_status = r.status

@@ -136,7 +136,7 @@ async def start_gateway_process(config: Path) -> tuple[asyncio.subprocess.Proces
     while True:
         line = (await asyncio.wait_for(proc.stderr.readline(), 30)).decode()
         assert line, "gateway exited before listening"
-        m = re.search(r'"address": "(http://127\.0\.0\.1:\d+)"', line)
+        m = re.search(r'"address": ?"(http://127\.0\.0\.1:\d+)"', line)
         if m:
             # Read on to the end: a full pipe would block the gateway's next log line (and
             # with it its event loop, SIGTERM included).

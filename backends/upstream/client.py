@@ -10,8 +10,8 @@ for.
 
 Timeouts: connecting has its own; waiting for the response head is bounded by the idle timeout;
 after that an ``IdleWatchdog`` cuts a body that stops moving (see ``backends.upstream.idle``). An
-``Interrupt`` ends the wait at once when the backend's probes mark it down, or when the first
-token is later than the policy allows (``Interrupt.deadline``).
+``Interrupt`` ends the wait at once when the request path says so, with the error it names (the
+backend marked down, the first token later than the policy allows).
 """
 
 from __future__ import annotations
@@ -26,9 +26,7 @@ from typing import Any, Protocol
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.errors import (
-    BackendDown,
     BackendStalled,
-    FirstTokenLate,
     UpstreamError,
     UpstreamProtocolError,
     UpstreamTimeout,
@@ -41,16 +39,13 @@ from backends.upstream.h1 import Broken
 from backends.upstream.idle import IdleWatch, IdleWatchdog
 
 
-class MarkedDown(Broken):
-    """Set on a response body whose backend the probes marked down (``Interrupt``)."""
+class Ended(Broken):
+    """Set on a response body whose wait the request path ended (``Interrupt.end``), with the
+    error it named (its backend marked down, its first token late...)."""
 
-
-class Late(Broken):
-    """Set on a response body whose first bytes did not come by the attempt's deadline."""
-
-
-class Outrun(Late):
-    """Set on a response body whose rival attempt (a hedge) took the client first."""
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Stalled(Broken):
@@ -64,12 +59,8 @@ class Idle(Broken):
 def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
     """Map an error from talking to ``backend`` onto the gateway's tree."""
     where = f"backend {backend.id}"
-    if isinstance(exc, MarkedDown):
-        return BackendDown(f"{where}: marked down by its health probes while the request waited")
-    if isinstance(exc, Outrun):
-        return FirstTokenLate(f"{where}: another backend's first token came first")
-    if isinstance(exc, Late):
-        return FirstTokenLate(f"{where}: no first token within {exc}")
+    if isinstance(exc, Ended):
+        return exc.error
     if isinstance(exc, Stalled):
         return BackendStalled(f"{where}: stalled, none of its streams moved for {exc}")
     if isinstance(exc, h1.ConnectTimeout):
@@ -121,31 +112,35 @@ class Claim(Protocol):
 
 
 class Interrupt:
-    """Ends an attempt's wait for its backend (head or first bytes) when ``fire()`` is called
-    (its backend was marked down), at its ``deadline`` (the first token is late), or when a
-    rival attempt racing it for the client (``race``) answered first (``outrun``).
+    """Ends an attempt's wait for its backend (head or first bytes) when the request path says
+    so: ``end(error)``, the error naming why (the causes are the gateway's: its backend marked
+    down, its first token late, a rival attempt answering first). ``after`` calls the request
+    path back at a time of its choosing, unless the wait is over by then.
 
-    The request path arms one per attempt and hands ``fire`` to the lease (``Lease.on_down``);
-    once anything is to be sent to the client it is taken (``take``): from then on the stream is
-    the client's, and only the idle watchdog cuts it.
+    Once anything is to be sent to the client it is taken (``take``): from then on the stream
+    is the client's, and only the idle watchdog cuts it. With a ``race`` (attempts racing for
+    one client), taking it is claiming the client.
     """
 
-    __slots__ = ("_body", "_late", "_wait", "armed", "cause", "race")
+    __slots__ = ("_body", "_timer", "_wait", "armed", "cause", "race")
 
     def __init__(self, race: Claim | None = None) -> None:
         self._wait: HeadWait | None = None
         self._body: Body | None = None
-        self._late: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self.armed = True
-        self.cause: Broken | None = None  # set once fired
+        self.cause: Ended | None = None  # set once ended
         self.race = race
 
-    def fire(self) -> None:
-        self._end(MarkedDown())
-
-    def outrun(self) -> None:
-        """A rival attempt took the client: this one's wait ends (and its request is closed)."""
-        self._end(Outrun())
+    def end(self, error: UpstreamError) -> None:
+        """End the wait (if it still is one) with ``error``."""
+        if not self.armed or self.cause is not None:
+            return
+        cause = self.cause = Ended(error)
+        if self._body is not None:
+            self._body.set_exception(cause)
+        elif self._wait is not None:
+            self._wait.end(cause)
 
     def take(self) -> bool:
         """The attempt is about to send its first bytes to the client: disarm, and say whether
@@ -155,38 +150,29 @@ class Interrupt:
         self.disarm()
         return True
 
-    def deadline(self, within: float, confirm: Callable[[float], bool]) -> None:
-        """End the wait ``within`` seconds from now unless the first bytes came first and
-        ``confirm`` agrees then (told how late the event loop ran the deadline: a busy
-        gateway, not its backend, may be what delayed the first token)."""
+    def after(self, delay: float, callback: Callable[[float], None]) -> None:
+        """Call ``callback(lag)`` ``delay`` seconds from now, unless disarmed first; ``lag``
+        says how late the event loop ran it (a busy gateway, not its backend, may be what
+        delayed the first bytes)."""
         loop = asyncio.get_running_loop()
-        self._late = loop.call_at(loop.time() + within, self._too_late, within, confirm)
+        self._timer = loop.call_at(loop.time() + delay, self._due, callback)
 
-    def _too_late(self, within: float, confirm: Callable[[float], bool]) -> None:
-        handle, self._late = self._late, None
-        lag = asyncio.get_running_loop().time() - handle.when() if handle is not None else 0.0
-        if confirm(lag):
-            self._end(Late(f"{within:.2f} s"))
-
-    def _end(self, cause: Broken) -> None:
-        if not self.armed or self.cause is not None:
-            return
-        self.cause = cause
-        if self._body is not None:
-            self._body.set_exception(cause)
-        elif self._wait is not None:
-            self._wait.end(cause)
+    def _due(self, callback: Callable[[float], None]) -> None:
+        timer, self._timer = self._timer, None
+        lag = asyncio.get_running_loop().time() - timer.when() if timer is not None else 0.0
+        if self.armed:
+            callback(lag)
 
     def disarm(self) -> None:
         self.armed = False
-        if self._late is not None:
-            self._late.cancel()
-            self._late = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     def watch(self, body: Body) -> None:
         """The head has arrived: from now on an interrupt fails the body's reads."""
         self._body = body
-        if self.cause is not None:  # fired as the head arrived: nothing was read yet
+        if self.cause is not None:  # ended as the head arrived: nothing was read yet
             body.set_exception(self.cause)
 
 
@@ -194,7 +180,7 @@ class HeadWait:
     """The wait for a response head (``async with``), ended at once by ``end(cause)``: from
     the interrupt, or from the idle watchdog (the real client) or a timer of ``within``
     seconds (``backends.upstream.mock``). Client and OS errors become the gateway's, and so does the
-    cause (``BackendDown`` for a backend marked down, ``UpstreamTimeout`` for a timeout...).
+    cause (the error the request path named, ``UpstreamTimeout`` for a timeout...).
 
     No timer on the usual way: a head that comes costs no ``call_at`` and no cancellation.
     """

@@ -26,12 +26,12 @@ from gateway.request.relay import (
     EVENT_STREAM,
     Ending,
     RelayResult,
-    outrun,
     relay_body,
     relay_stream,
 )
 from gateway.request.retry import RETRYABLE_STATUS
 from gateway.request.send import open_upstream
+from gateway.request.waits import outrun
 
 _BUSY: Final = frozenset({429, 503})  # answers that tell the client when to come back
 
@@ -94,7 +94,7 @@ async def _relay(
     rename = call.choice.rename if call.choice is not None else None
     if read is not None or upstream.content_type != EVENT_STREAM:
         if t.race is not None and t.interrupt is not None and not t.interrupt.take():
-            raise outrun(upstream.backend)  # its rival took the client first
+            raise outrun(upstream.backend.id)  # its rival took the client first
         whole = await relay_body(upstream, headers, svc.upstream, rename, read)
         record.ending = Ending.COMPLETE.value
         if isinstance(whole.body, bytes):

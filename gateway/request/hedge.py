@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from backends.upstream.client import Interrupt
+from gateway.request.waits import outrun
 
 
 class Race:
@@ -27,25 +28,25 @@ class Race:
     __slots__ = ("decided", "runners", "winner")
 
     def __init__(self) -> None:
-        self.runners: list[Interrupt] = []
+        self.runners: dict[Interrupt, str] = {}  # each attempt's interrupt, and its backend
         self.winner: Interrupt | None = None
         self.decided: Callable[[], None] | None = None  # called once, as the winner claims
 
-    def join(self) -> Interrupt:
-        """The interrupt of a new attempt in the race."""
+    def join(self, backend: str) -> Interrupt:
+        """The interrupt of a new attempt in the race, on ``backend``."""
         interrupt = Interrupt(self)
-        self.runners.append(interrupt)
+        self.runners[interrupt] = backend
         if self.winner is not None:  # joined too late: it has lost already
-            interrupt.outrun()
+            interrupt.end(outrun(backend))
         return interrupt
 
     def claim(self, interrupt: Interrupt) -> bool:
         if self.winner is not None:
             return self.winner is interrupt
         self.winner = interrupt
-        for other in self.runners:
+        for other, backend in self.runners.items():
             if other is not interrupt:
-                other.outrun()
+                other.end(outrun(backend))
         if self.decided is not None:
             self.decided()
         return True

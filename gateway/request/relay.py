@@ -26,7 +26,7 @@ from multidict import CIMultiDict
 
 from backends.errors import EngineFailed, UpstreamError
 from backends.state import BackendSpec
-from backends.upstream.client import CLIENT_ERRORS, Outrun, Transport, Upstream, translate
+from backends.upstream.client import CLIENT_ERRORS, Transport, Upstream, translate
 from backends.upstream.idle import IdleWatch
 from gateway.http import Request, Response, StreamResponse
 from gateway.limits.tokens import UsageFilter
@@ -34,6 +34,7 @@ from gateway.request.continuation import Keep, Stitch
 from gateway.request.endpoints import Dialect
 from gateway.request.messages_resume import MessagesStitch, end_of_message
 from gateway.request.sse import FirstTokenWatch
+from gateway.request.waits import outrun
 
 EVENT_STREAM: Final = "text/event-stream"  # the content type of a stream to relay
 
@@ -52,11 +53,6 @@ class RelayResult:
     events: int = 0  # SSE "data:" events relayed
     on_first: Callable[[], None] | None = None  # called once, at the first token
     dialect: Dialect = "openai"  # the error event's shape
-
-
-def outrun(backend: BackendSpec) -> UpstreamError:
-    """What an attempt that lost its race for the client (a hedge) raises, unsent."""
-    return translate(Outrun(), backend)
 
 
 def stream_error_event(err: UpstreamError, dialect: Dialect = "openai") -> bytes:
@@ -303,7 +299,7 @@ async def relay_stream(
     except CLIENT_ERRORS as exc:
         raise translate(exc, upstream.backend) from exc
     if upstream.interrupt is not None and not upstream.interrupt.take():
-        raise outrun(upstream.backend)  # a rival attempt (a hedge) took the client first
+        raise outrun(upstream.backend.id)  # a rival attempt (a hedge) took the client first
     # From the first write on, the stream is the client's.
     resp = StreamResponse(status=upstream.status, headers=headers)  # head with 1st chunk
     result.ending = Ending.COMPLETE

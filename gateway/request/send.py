@@ -11,6 +11,7 @@ from opentelemetry.trace import set_span_in_context
 from backends.upstream.client import Interrupt, RequestBody, Upstream
 from gateway.observe.tracing import attempt_span, inject
 from gateway.request.call import Try, rescue_now
+from gateway.request.waits import first_token_late, marked_down
 
 
 async def open_upstream(t: Try, body: RequestBody) -> Upstream:
@@ -32,11 +33,18 @@ async def open_upstream(t: Try, body: RequestBody) -> Upstream:
         inject(headers, set_span_in_context(t.span))
     interrupt = None
     if t.may_retry or t.race is not None:  # another backend could take the request instead
-        interrupt = Interrupt() if t.race is None else t.race.join()
+        backend = t.lease.backend.id
+        interrupt = Interrupt() if t.race is None else t.race.join(backend)
         if t.may_retry:
-            t.lease.on_down(interrupt.fire)
-        if t.first_token_within is not None:
-            interrupt.deadline(t.first_token_within, lambda lag: rescue_now(t, lag))
+            t.lease.on_down(lambda: interrupt.end(marked_down(backend)))
+        within = t.first_token_within
+        if within is not None:
+
+            def late(lag: float) -> None:
+                if rescue_now(t, lag):
+                    interrupt.end(first_token_late(backend, within))
+
+            interrupt.after(within, late)
         t.interrupt = interrupt
     t.tally.sent_at = time.monotonic()
     try:

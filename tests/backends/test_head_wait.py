@@ -86,8 +86,8 @@ async def test_an_interrupt_ends_the_wait_at_once_as_the_backend_marked_down() -
             c.open(backend, "/v1/completions", b"{}", {}, interrupt=interrupt)
         )
         await wait_for(lambda: bool(got), what="the request sent")
-        interrupt.fire()
-        with pytest.raises(BackendDown):
+        interrupt.end(BackendDown("backend b: marked down"))
+        with pytest.raises(BackendDown, match="backend b: marked down"):
             await opening
         assert len(c.watchdog) == 0
         await closed(c)

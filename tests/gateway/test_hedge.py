@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from backends.errors import FirstTokenLate
 from gateway.request.attempt import _rescue_plan
 from gateway.request.hedge import HedgeBudget, Race
 from policies.types import Capabilities
@@ -14,13 +15,15 @@ from policies.types import Capabilities
 
 def test_the_first_to_claim_takes_the_client_and_the_others_are_ended() -> None:
     race = Race()
-    first, hedge = race.join(), race.join()
+    first, hedge = race.join("a"), race.join("b")
     assert race.rivalled(first)
     assert race.rivalled(hedge)
     assert hedge.take()  # its first bytes came first
     assert race.winner is hedge
     assert not hedge.armed  # from now on the stream is the client's
-    assert first.cause is not None  # ended: its wait fails at once
+    assert first.cause is not None  # ended: its wait fails at once, naming its backend
+    assert isinstance(first.cause.error, FirstTokenLate)
+    assert "backend a: another backend's first token came first" in str(first.cause.error)
     assert not first.take()  # and if its bytes came meanwhile, they are not sent
     assert not race.rivalled(first)
 
@@ -29,7 +32,7 @@ def test_the_race_says_once_when_it_is_decided() -> None:
     race = Race()
     calls: list[int] = []
     race.decided = lambda: calls.append(1)
-    first, hedge = race.join(), race.join()
+    first, hedge = race.join("a"), race.join("b")
     assert calls == []
     assert first.take()
     assert not hedge.take()
@@ -38,7 +41,7 @@ def test_the_race_says_once_when_it_is_decided() -> None:
 
 def test_an_attempt_that_ended_is_no_rival() -> None:
     race = Race()
-    first, hedge = race.join(), race.join()
+    first, hedge = race.join("a"), race.join("b")
     hedge.disarm()  # it ended (failed, settled) before any first bytes
     assert not race.rivalled(first)
     assert race.rivalled(hedge)
@@ -56,8 +59,8 @@ def test_an_interrupt_outside_a_race_always_takes() -> None:
 
 def test_an_attempt_that_joins_after_the_race_was_won_has_lost() -> None:
     race = Race()
-    assert race.join().take()
-    late = race.join()
+    assert race.join("b").take()
+    late = race.join("b")
     assert late.cause is not None
     assert not late.take()
 

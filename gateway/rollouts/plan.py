@@ -1,0 +1,121 @@
+"""A rollout's plan and the step-by-step decision it drives. Pure: the clock and the figures
+are handed in.
+
+A plan moves an alias from its ``stable`` pool to its ``canary`` pool through ``steps`` (the
+canary's share in per cent, rising, the last 100). At each step the canary's figures and the
+stable pool's over the same window (since the step began) are judged by the gates
+(``gateway.rollouts.gates``). ``decide`` says what to do now:
+
+- ``abort``: a gate failed, with at least ``min_requests`` canary requests in the window (or
+  the canary's errors break the error gate whatever the rest do): back to stable at once;
+- ``hold``: paused, too few canary requests yet, or the step's ``hold_s`` not over;
+- ``advance`` to the next step, or ``promote`` after the last: the hold is over, with enough
+  requests, and every gate passed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from gateway.rollouts.gates import Gates, PoolCounts, Reading, certain_error_breach, judge
+
+Action = Literal["hold", "advance", "promote", "abort"]
+DEFAULT_STEPS = (1.0, 5.0, 25.0, 50.0, 100.0)
+
+
+class PlanError(ValueError):
+    """A plan that cannot be run; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    alias: str
+    stable: str  # the pool the alias is served by now
+    canary: str  # the pool it moves to
+    steps: tuple[float, ...] = DEFAULT_STEPS  # the canary's share at each step, in per cent
+    hold_s: float = 300.0  # the least time at a step
+    min_requests: int = 100  # canary requests answered at a step before it is judged
+    gates: Gates = field(default_factory=Gates)
+
+    def check(self, pools: Mapping[str, object] | None = None) -> Plan:
+        """This plan, or ``PlanError`` saying what is wrong (``pools``: the known ones)."""
+        problems: list[str] = []
+        if self.stable == self.canary:
+            problems.append("stable and canary must be two pools")
+        if pools is not None:
+            unknown = sorted({self.stable, self.canary} - set(pools))
+            if unknown:
+                problems.append(f"unknown pool(s): {', '.join(unknown)}")
+        steps = self.steps
+        if not steps or any(not (math.isfinite(s) and 0 < s <= 100) for s in steps):
+            problems.append("steps must be shares in per cent, each above 0 and at most 100")
+        elif any(b <= a for a, b in itertools.pairwise(steps)) or steps[-1] != 100:
+            problems.append("steps must rise, and the last be 100")
+        if not (math.isfinite(self.hold_s) and self.hold_s > 0):
+            problems.append("hold_s must be a number of seconds > 0")
+        if self.min_requests < 0:
+            problems.append("min_requests must be >= 0")
+        problems += self.gates.problems()
+        if problems:
+            raise PlanError("; ".join(problems))
+        return self
+
+    def weights(self, step: int) -> dict[str, float]:
+        """The alias's weights at ``step`` (an index into ``steps``)."""
+        share = self.steps[step]
+        return {self.stable: 100.0 - share, self.canary: share}
+
+    def rolled_back(self) -> dict[str, float]:
+        """The alias's weights after an abort: the stable pool alone."""
+        return {self.stable: 100.0, self.canary: 0.0}
+
+    def promoted(self) -> dict[str, float]:
+        """The alias's weights once promoted: the canary is its stable pool."""
+        return {self.canary: 100.0}
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    action: Action
+    step: int  # the step the rollout is at after acting (an index into the plan's steps)
+    readings: tuple[Reading, ...]
+    why: str
+    hold_left_s: float = 0.0
+
+    @property
+    def breaches(self) -> tuple[Reading, ...]:
+        return tuple(r for r in self.readings if not r.passed)
+
+
+def decide(
+    plan: Plan,
+    step: int,
+    elapsed_s: float,
+    canary: PoolCounts,
+    stable: PoolCounts,
+    *,
+    agreement: float | None = None,
+    paused: bool = False,
+) -> Verdict:
+    """What to do at ``step``, ``elapsed_s`` after it began, from both pools' counts over the
+    window since then (and the probes' ``agreement``, if sent)."""
+    readings = judge(canary, stable, plan.gates, agreement)
+    failed = [r.gate for r in readings if not r.passed]
+    enough = canary.requests >= plan.min_requests
+    if failed and (enough or certain_error_breach(canary, stable, plan.gates, plan.min_requests)):
+        return Verdict("abort", step, readings, f"gate(s) failed: {', '.join(failed)}")
+    left = max(plan.hold_s - elapsed_s, 0.0)
+    if paused:
+        return Verdict("hold", step, readings, "paused", left)
+    if not enough:
+        why = f"{canary.requests} of {plan.min_requests} canary requests"
+        return Verdict("hold", step, readings, why, left)
+    if left > 0:
+        return Verdict("hold", step, readings, "holding", left)
+    if step + 1 >= len(plan.steps):
+        return Verdict("promote", step, readings, "every step passed")
+    return Verdict("advance", step + 1, readings, f"step {step + 1} of {len(plan.steps)} passed")

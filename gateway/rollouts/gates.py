@@ -1,7 +1,8 @@
 """A canary's gates: its figures beside the stable pool's over the same window, judged. Pure.
 
 The counts are cumulative, as the gateway keeps them (``llm_gateway_pool_*``, summed over the
-fleet): a window's figures are the difference of two readings (``PoolCounts.since``), and its
+fleet's reports: ``gateway.fleet.figures.PoolCounts``): a window's figures are the difference
+of two readings (``PoolCounts.since``), and its
 quantiles come from the difference of the cumulative histogram buckets. The gates:
 
 - ``errors``: the canary's error rate at most the stable pool's plus ``error_margin``;
@@ -20,44 +21,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.fleet.figures import quantile
-
-Bucket = tuple[float, int]  # (upper bound in seconds, cumulative count)
-
-
-@dataclass(frozen=True, slots=True)
-class PoolCounts:
-    """One pool's cumulative counts for an alias: requests answered, errors among them, and
-    time to first token and inter-token latency as cumulative histogram buckets."""
-
-    requests: int = 0
-    errors: int = 0
-    ttft: tuple[Bucket, ...] = ()
-    itl: tuple[Bucket, ...] = ()
-
-    def since(self, then: PoolCounts) -> PoolCounts:
-        """What was counted after ``then``, an earlier reading: the window's counts. A count
-        that went back (a replica restarted, its counters with it) counts from zero."""
-        return PoolCounts(
-            requests=max(self.requests - then.requests, 0),
-            errors=max(self.errors - then.errors, 0),
-            ttft=_buckets_since(self.ttft, then.ttft),
-            itl=_buckets_since(self.itl, then.itl),
-        )
-
-    @property
-    def error_rate(self) -> float | None:
-        return self.errors / self.requests if self.requests else None
-
-
-def _buckets_since(now: Sequence[Bucket], then: Sequence[Bucket]) -> tuple[Bucket, ...]:
-    before = dict(then)
-    out: list[Bucket] = []
-    floor = 0
-    for le, count in now:
-        floor = max(floor, count - before.get(le, 0), 0)  # cumulative: never decreasing
-        out.append((le, floor))
-    return tuple(out)
+from gateway.fleet.figures import PoolCounts, quantile
 
 
 @dataclass(frozen=True, slots=True)

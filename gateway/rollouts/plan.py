@@ -21,7 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from gateway.rollouts.gates import Gates, PoolCounts, Reading, certain_error_breach, judge
+from gateway.fleet.figures import PoolCounts
+from gateway.rollouts.gates import Gates, Reading, certain_error_breach, judge
 
 Action = Literal["hold", "advance", "promote", "abort"]
 DEFAULT_STEPS = (1.0, 5.0, 25.0, 50.0, 100.0)

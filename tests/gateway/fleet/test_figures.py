@@ -4,6 +4,7 @@ buckets that differ, too)."""
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -16,6 +17,7 @@ from gateway.fleet.figures import (
     MAX_POOLS,
     OTHER,
     Figures,
+    PoolCounts,
     capped,
     quantile,
     read,
@@ -29,7 +31,8 @@ INF = float("inf")
 
 
 def families(m: GatewayMetrics) -> list[Metric]:
-    return [*m.requests.collect(), *m.ttft.collect(), *m.pool_requests.collect()]
+    pools = [m.pool_requests, m.pool_errors, m.pool_ttft, m.pool_itl]
+    return [*m.requests.collect(), *m.ttft.collect(), *(f for p in pools for f in p.collect())]
 
 
 def test_figures_are_read_from_the_gateways_metrics_and_rejections() -> None:
@@ -68,9 +71,15 @@ def test_what_clients_make_the_gateway_count_cannot_grow_a_report() -> None:
     long = "x" * 52  # names of 61 to 64 characters
     for i in range(200):
         m.requests.labels("m", f"{long}-backend-{i:03d}", "200", "chat").inc(i + 1)
-        m.record_pool(
-            f"{long}-alias-{i % 40:02d}", f"{long}-pool-{i:03d}", 200, "ok", ttft=None, itl=None
-        )
+        for j in range(30):  # times across every bucket: no bound left out as idle
+            m.record_pool(
+                f"{long}-alias-{i % 40:02d}",
+                f"{long}-pool-{i:03d}",
+                200,
+                "ok",
+                ttft=0.001 * 1.5**j,
+                itl=0.0005 * 1.4**j,
+            )
     rejections = Counter({(f"{long}-key-{i:03d}", "requests"): i + 1 for i in range(500)})
 
     f = read(families(m), rejections)
@@ -81,14 +90,20 @@ def test_what_clients_make_the_gateway_count_cannot_grow_a_report() -> None:
     # Nothing is lost, only folded: the counts still add up.
     assert sum(f.rejections.values()) == sum(rejections.values())
     assert sum(f.decisions.values()) == f.requests == sum(range(1, 201))
-    assert sum(n for pools in f.canary.values() for n in pools.values()) == 200
+    assert sum(n for pools in f.canary.values() for n in pools.values()) == 200 * 30
     # The keys refused most are the ones named.
     assert min(n for k, n in f.rejections.items() if k != OTHER) == 500 - MAX_KEYS + 1
     assert f.rejections[f"{long}-key-499"] == 500
     # A name longer than any key's is cut, not kept whole.
     assert read([], Counter({("y" * 300, "requests"): 1})).rejections == {"y" * 72: 1}
     encoded = Report("r0", "1.0", "h:1", "1-0", 0.0, 0.0, figures=f).encode()
-    assert len(encoded) < 8 * 1024
+    # At most: names of 72 characters, and MAX_ALIASES x MAX_POOLS pools each with two full
+    # histograms (the gates' figures, ``pools``): about 19 KB. A fleet of short names and one
+    # rollout reports well under 2 KB.
+    assert len(encoded) < 20 * 1024
+    assert len(f.pools) <= MAX_ALIASES
+    assert all(len(pools) <= MAX_POOLS for pools in f.pools.values())
+    assert OTHER not in f.pools
 
 
 def test_capped_keeps_the_largest_and_folds_the_rest_under_other() -> None:
@@ -120,3 +135,58 @@ def test_the_fleets_canary_split_folds_past_its_largest_aliases() -> None:
     assert summed["alias-0"] == {"canary": 1, "stable": 10}
     # The four least used aliases, their pools folded too: 4 x (stable + canary).
     assert summed[OTHER] == {OTHER: sum(10 - i + 1 for i in range(6, 10))}
+
+
+def test_a_pools_counts_are_read_and_summed_for_the_gates_losing_no_quantile() -> None:
+    """What a rollout's gates read: per alias and pool, requests, errors (5xx or a stream
+    broken after it began) and both latencies' buckets; idle stretches of buckets are left
+    out of a report, and the fleet's quantiles come out as if they were not."""
+    replicas = [GatewayMetrics(), GatewayMetrics()]
+    full = GatewayMetrics()  # both replicas' requests in one: the quantiles to match
+    for m, ttfts in zip(replicas, ([0.03, 0.04, 0.6], [0.05, 2.5]), strict=True):
+        for into in (m, full):
+            for ttft in ttfts:
+                into.record_pool("chat", "v2", 200, "complete", ttft=ttft, itl=ttft / 10)
+            into.record_pool("chat", "v2", 502, "upstream_error", ttft=None, itl=None)
+            into.record_pool("chat", "v2", 200, "upstream_error", ttft=0.04, itl=None)
+            into.record_pool("chat", "v1", 200, "complete", ttft=0.02, itl=0.01)
+    read_each = [read(families(m), {}) for m in replicas]
+    one = read_each[0].pools["chat"]["v2"]
+    assert (one.requests, one.errors) == (5, 2)
+    assert len(one.ttft) < len(LATENCY_BUCKETS)  # the idle bounds are left out
+    parsed = [Figures.parse(json.loads(json.dumps(f.doc()))) for f in read_each]  # reports
+    assert parsed == read_each
+    fleet = total(parsed).pools["chat"]
+    whole = read(families(full), {}).pools["chat"]
+    assert (fleet["v2"].requests, fleet["v2"].errors) == (5 + 4, 2 + 2)
+    assert fleet["v1"].requests == 2
+    for q in (0.1, 0.5, 0.9, 0.99):
+        assert quantile(fleet["v2"].ttft, q) == pytest.approx(quantile(whole["v2"].ttft, q))
+        assert quantile(fleet["v2"].itl, q) == pytest.approx(quantile(whole["v2"].itl, q))
+
+
+def test_a_window_is_the_difference_of_two_readings_even_where_bounds_were_left_out() -> None:
+    m = GatewayMetrics()
+    m.record_pool("chat", "v2", 200, "complete", ttft=0.03, itl=0.01)
+    then = read(families(m), {}).pools["chat"]["v2"]
+    for ttft in (0.03, 0.7, 0.7):
+        m.record_pool("chat", "v2", 200, "complete", ttft=ttft, itl=0.01)
+    m.record_pool("chat", "v2", 503, "complete", ttft=None, itl=None)
+    now = read(families(m), {}).pools["chat"]["v2"]
+    window = now.since(then)
+    assert (window.requests, window.errors) == (4, 1)
+    fresh = GatewayMetrics()  # only the window's requests
+    for ttft in (0.03, 0.7, 0.7):
+        fresh.record_pool("chat", "v2", 200, "complete", ttft=ttft, itl=0.01)
+    alone = read(families(fresh), {}).pools["chat"]["v2"]
+    for q in (0.2, 0.5, 0.99):
+        assert quantile(window.ttft, q) == pytest.approx(quantile(alone.ttft, q))
+
+
+def test_a_count_that_went_back_counts_from_zero_and_stays_cumulative() -> None:
+    then = PoolCounts(100, 10, ((0.05, 50), (0.5, 100), (INF, 100)))
+    now = PoolCounts(7, 2, ((0.5, 2), (INF, 2)))  # a replica restarted: the fleet's sum fell
+    window = now.since(then)
+    assert (window.requests, window.errors) == (0, 0)
+    counts = [c for _, c in window.ttft]
+    assert counts == sorted(counts)

@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from gateway.rollouts.gates import Gates, PoolCounts, agreement, certain_error_breach, judge
+from gateway.fleet.figures import PoolCounts
+from gateway.rollouts.gates import Gates, agreement, certain_error_breach, judge
 from gateway.rollouts.plan import Plan, PlanError, decide
 
 INF = math.inf
@@ -23,24 +24,6 @@ def hist(
 def pool(requests: int, errors: int = 0, ttft: float = 0.09, itl: float = 0.02) -> PoolCounts:
     """``requests`` answered, every one timed at ``ttft`` and ``itl``."""
     return PoolCounts(requests, errors, hist(*[ttft] * requests), hist(*[itl] * requests))
-
-
-def test_a_window_is_the_difference_of_two_readings() -> None:
-    then = PoolCounts(10, 1, hist(0.03, 0.3), hist(0.01))
-    now = PoolCounts(25, 4, hist(0.03, 0.3, 0.7, 0.7), hist(0.01, 0.01))
-    window = now.since(then)
-    assert (window.requests, window.errors) == (15, 3)
-    assert window.ttft == hist(0.7, 0.7)
-    assert window.itl == hist(0.01)
-
-
-def test_a_count_that_went_back_counts_from_zero_and_stays_cumulative() -> None:
-    then = PoolCounts(100, 10, hist(*[0.03] * 50 + [0.3] * 50))
-    now = PoolCounts(7, 2, hist(0.3, 0.3))  # a replica restarted: the fleet's sum fell
-    window = now.since(then)
-    assert (window.requests, window.errors) == (0, 0)
-    counts = [c for _, c in window.ttft]
-    assert counts == sorted(counts)
 
 
 def test_every_gate_passes_for_a_canary_like_stable() -> None:

@@ -16,7 +16,16 @@ from policies.prefix import PrefixHasher, PrefixIndex
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity
 from policies.scoring import Weights, score
 from policies.simple import PowerOfTwo, RandomChoice, RoundRobin
-from policies.types import NO_NEEDS, BackendSnapshot, Needs, Outcome, Policy, Rng, RouteFacts
+from policies.types import (
+    NO_NEEDS,
+    BackendSnapshot,
+    Decision,
+    Needs,
+    Outcome,
+    Policy,
+    Rng,
+    RouteFacts,
+)
 
 PolicyName = Literal[
     "least_load",
@@ -113,6 +122,7 @@ __all__ = [
     "POLICY_NAMES",
     "AffinityConfig",
     "BackendSnapshot",
+    "Decision",
     "KvIndex",
     "LatencyConfig",
     "LatencyTracker",

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from policies.scoring import Weights, score
-from policies.types import NO_NEEDS, BackendSnapshot, Needs, Outcome, Rng, RouteFacts
+from policies.types import NO_NEEDS, BackendSnapshot, Decision, Needs, Outcome, Rng, RouteFacts
 
 
 @dataclass(slots=True)
@@ -19,12 +19,10 @@ class LeastLoad:
     def needs(self) -> Needs:
         return NO_NEEDS
 
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
+    def on_result(self, facts: RouteFacts, decision: Decision, outcome: Outcome) -> None:
         pass  # the load figures say everything it weighs
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
         if not candidates:
             return None
         best: list[BackendSnapshot] = []
@@ -37,4 +35,4 @@ class LeastLoad:
             elif s == best_score:
                 best.append(snap)
         # Never "first in the list": a burst of ties would all land on one backend.
-        return best[self.rng.randrange(len(best))] if len(best) > 1 else best[0]
+        return Decision(best[self.rng.randrange(len(best))] if len(best) > 1 else best[0])

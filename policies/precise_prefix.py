@@ -22,16 +22,20 @@ are all in it. Each decision, in order:
 
 Between the choice and the engine's first ``BlockStored`` for it (the prompt's prefill), a
 burst of the same new prefix would see no holder: the chosen backend is therefore credited
-with the prompt's blocks, *tentatively*, until the attempt's ``Outcome`` arrives (bounded by
-``_TENTATIVE_MAX`` attempts). State: the shared ``KvIndex`` (owned by the app, kept across
-policy changes), the tentative credits, the fallback and the decision counts.
+with the prompt's blocks, *tentatively*, until the attempt's ``Outcome`` arrives. The
+``Decision`` carries the credit's ticket (and ``prefix_affinity``'s own decision, which keeps
+its index warm); ``on_result`` takes the credit back by that ticket. Credits whose outcome
+never comes (a decision dropped on the way) are bounded: past ``_TENTATIVE_MAX`` the oldest is
+taken back. State: the shared ``KvIndex`` (owned by the app, kept across policy changes), the
+tentative credits, the fallback and the decision counts.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final
 
@@ -46,7 +50,7 @@ from policies.prefix_affinity import (
 )
 from policies.scoring import Weights
 from policies.setting import check_settings, setting
-from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
+from policies.types import BackendSnapshot, Decision, Needs, Outcome, Rng, RouteFacts
 
 REASONS: Final = (
     "prefix",
@@ -57,9 +61,19 @@ REASONS: Final = (
     "fallback_no_tokens",
     "fallback_not_live",
 )
+# Credits whose outcome is awaited; past this, the oldest is taken back (its outcome lost).
 _TENTATIVE_MAX: Final = 65_536
 # Leading blocks of a prompt that are keyed by default: 16k tokens at vLLM's block size.
 MAX_BLOCKS: Final = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class _Credit:
+    """What one decision assumed until its outcome (``Decision.tentative``): its credit's
+    ticket (None: nothing credited) and the decision ``prefix_affinity`` recorded it under."""
+
+    ticket: int | None
+    approximate: Decision
 
 
 @dataclass(slots=True)
@@ -77,10 +91,9 @@ class PrecisePrefix:
     name: str = "precise_prefix"
     _load: LeastLoad = field(init=False, repr=False)
     _needs: Needs = field(init=False, repr=False)
-    # (id of the facts, backend) -> (the facts, kept alive so the id stays theirs; its keys)
-    _tentative: OrderedDict[tuple[int, str], tuple[RouteFacts, list[int]]] = field(
-        init=False, repr=False
-    )
+    # ticket -> (backend, the keys credited to it), oldest first
+    _tentative: OrderedDict[int, tuple[str, list[int]]] = field(init=False, repr=False)
+    _tickets: Iterator[int] = field(init=False, repr=False)
     _credit: dict[str, Counter[int]] = field(init=False, repr=False)  # backend -> key -> n
 
     def __post_init__(self) -> None:
@@ -98,6 +111,7 @@ class PrecisePrefix:
             tokens=True,
         )
         self._tentative = OrderedDict()
+        self._tickets = itertools.count()
         self._credit = {}
 
     @property
@@ -120,26 +134,28 @@ class PrecisePrefix:
         """The engines' KV events it routes on (``policies.types.ExactPrefix``)."""
         return self.index
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
         if not candidates:
             return None
         tokens = facts.prompt_tokens
         if tokens is None or not all(self.index.exact(c.id) for c in candidates):
             self.decisions["fallback_no_tokens" if tokens is None else "fallback_not_live"] += 1
-            return self.approximate.choose(facts, candidates)
+            return self.approximate.choose(facts, candidates)  # settled by it, as it is
         choice, reason, keys = self._decide(facts, tokens, candidates)
         self.decisions[reason] += 1
-        self._credit_tentatively(facts, choice.id, keys)
-        self.approximate.remember(facts, choice.id)  # its guesses kept warm, as if it chose
-        return choice
+        return self._credit_tentatively(facts, choice, keys)
 
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
-        entry = self._tentative.pop((id(facts), backend), None)
-        if entry is not None:
-            self._uncredit(backend, entry[1])
-        self.approximate.on_result(facts, backend, outcome)
+    def on_result(self, facts: RouteFacts, decision: Decision, outcome: Outcome) -> None:
+        """Take back the decision's credit (the engine's own events say what it holds now)
+        and let the fallback settle its record."""
+        credit = decision.tentative
+        if isinstance(credit, _Credit):
+            if credit.ticket is not None:
+                entry = self._tentative.pop(credit.ticket, None)
+                if entry is not None:
+                    self._uncredit(*entry)
+            decision = credit.approximate
+        self.approximate.on_result(facts, decision, outcome)
 
     def held_tokens(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> dict[str, float]:
         """Per candidate, how many of the prompt's tokens its engine should serve from cache
@@ -151,13 +167,14 @@ class PrecisePrefix:
         cached, _keys_of = self._cached_tokens(tokens, candidates)
         return {b: float(n) for b, n in cached.items()}
 
-    def took(self, facts: RouteFacts, backend: str) -> None:
-        """Another policy sent the prompt to ``backend``: credit it as ``choose`` would."""
+    def took(self, facts: RouteFacts, backend: BackendSnapshot) -> Decision:
+        """Another policy sent the prompt to ``backend``: credit it as ``choose`` would, until
+        ``on_result`` is given the decision returned."""
         tokens = facts.prompt_tokens
+        keys: list[int] = []
         if tokens is not None:
-            keys = chain_keys(tokens, self._block_size(backend), self.max_blocks)
-            self._credit_tentatively(facts, backend, keys)
-        self.approximate.remember(facts, backend)
+            keys = chain_keys(tokens, self._block_size(backend.id), self.max_blocks)
+        return self._credit_tentatively(facts, backend, keys)
 
     def predicted(self, tokens: list[int] | tuple[int, ...], backend: str) -> int:
         """How many of ``tokens`` ``backend``'s engine should serve from its cache now."""
@@ -230,22 +247,25 @@ class PrecisePrefix:
     def _pick(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
         choice = self._load.choose(facts, pool)
         assert choice is not None
-        return choice
+        return choice.backend
 
     # -- tentative credit ------------------------------------------------------------------
 
-    def _credit_tentatively(self, facts: RouteFacts, backend: str, keys: list[int]) -> None:
-        if not keys:
-            return
-        old = self._tentative.pop((id(facts), backend), None)
-        if old is not None:
-            self._uncredit(backend, old[1])
-        credit = self._credit.setdefault(backend, Counter())
-        credit.update(keys)
-        self._tentative[(id(facts), backend)] = (facts, keys)
-        if len(self._tentative) > _TENTATIVE_MAX:
-            (_fid, old_backend), (_f, old_keys) = self._tentative.popitem(last=False)
-            self._uncredit(old_backend, old_keys)
+    def _credit_tentatively(
+        self, facts: RouteFacts, backend: BackendSnapshot, keys: list[int]
+    ) -> Decision:
+        """Credit ``backend`` with ``keys`` and the fallback's index with the prompt, both until
+        the outcome of the decision returned."""
+        ticket = None
+        if keys:
+            ticket = next(self._tickets)
+            self._credit.setdefault(backend.id, Counter()).update(keys)
+            self._tentative[ticket] = (backend.id, keys)
+            if len(self._tentative) > _TENTATIVE_MAX:
+                _oldest, (old_backend, old_keys) = self._tentative.popitem(last=False)
+                self._uncredit(old_backend, old_keys)
+        warm = self.approximate.remember(facts, backend)  # its guesses kept warm, as if it chose
+        return Decision(backend, tentative=_Credit(ticket, warm))
 
     def _uncredit(self, backend: str, keys: list[int]) -> None:
         credit = self._credit.get(backend)

@@ -32,7 +32,9 @@ had reached is learned as its TTFT (a lower bound), so it is predicted slow unti
 otherwise.
 
 The choice is recorded with the prefix knowledge (tentatively, as its own policy would), so a
-burst of one new prefix is seen as cached where the first of it went.
+burst of one new prefix is seen as cached where the first of it went; the ``Decision`` carries
+that policy's own decision (settled by it) and the tokens the chosen backend was expected to
+hold, which the latency tracker learns the attempt against.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ from policies.precise_prefix import PrecisePrefix
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity, not_overloaded
 from policies.scoring import Weights
 from policies.setting import check_settings, setting
-from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
+from policies.types import BackendSnapshot, Decision, Needs, Outcome, Rng, RouteFacts
 
 Objective = Literal["ttft", "e2e"]
 PrefixSource = Literal["none", "approximate", "precise"]
@@ -153,9 +155,6 @@ class PredictedLatency:
     name: str = "predicted_latency"
     _needs: Needs = field(init=False, repr=False)
     _guard: AffinityConfig = field(init=False, repr=False)
-    # The last decision's cached tokens per candidate, for ``cached_tokens`` (asked right
-    # after ``choose``, with nothing in between).
-    _last: tuple[int, dict[str, float]] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         pc = self.prediction
@@ -170,7 +169,6 @@ class PredictedLatency:
             tokens=base.tokens,
             size=True,
         )
-        self._last = (0, {})
 
     @property
     def needs(self) -> Needs:
@@ -181,13 +179,11 @@ class PredictedLatency:
         """How it hashes prompts (``policies.types.AffinityTuned``)."""
         return self.config
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
         if not candidates:
             return None
         eligible = not_overloaded(self._guard, self.weights, candidates)
-        held = self._held(facts, candidates)
+        held = {} if self.prefix is None else self.prefix.held_tokens(facts, candidates)
         objective = facts.objective if facts.objective in OBJECTIVES else self.prediction.objective
         size = prompt_size(facts)
         answer = float(facts.max_tokens or self.tracker.mean_tokens)
@@ -214,12 +210,15 @@ class PredictedLatency:
         self.decisions[objective] += 1
         if len(eligible) < len(candidates):
             self.decisions["guarded"] += 1
-        self._took(facts, choice.id)
-        return choice
+        return Decision(choice, held.get(choice.id, 0.0), self._took(facts, choice))
 
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
+    def on_result(self, facts: RouteFacts, decision: Decision, outcome: Outcome) -> None:
+        """Its prefix knowledge settles the decision it recorded the choice under."""
         if self.prefix is not None:
-            self.prefix.on_result(facts, backend, outcome)
+            inner = decision.tentative
+            self.prefix.on_result(
+                facts, inner if isinstance(inner, Decision) else decision, outcome
+            )
 
     def first_token_deadline(self, backend: str, predicted_ttft: float) -> float | None:
         """Seconds after sending by which a streamed request's first token must come from
@@ -241,27 +240,18 @@ class PredictedLatency:
         """Whether a late stream is hedged (a copy sent elsewhere) rather than moved."""
         return self.prediction.rescue_mode == "hedge"
 
-    def cached_tokens(self, facts: RouteFacts, backend: str) -> float:
-        """The prompt tokens ``backend`` was expected to hold when this policy chose."""
-        fid, held = self._last
-        return held.get(backend, 0.0) if fid == id(facts) else 0.0
-
-    def _held(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> dict[str, float]:
-        held = {} if self.prefix is None else self.prefix.held_tokens(facts, candidates)
-        self._last = (id(facts), held)
-        return held
-
-    def _took(self, facts: RouteFacts, backend: str) -> None:
+    def _took(self, facts: RouteFacts, backend: BackendSnapshot) -> Decision | None:
+        """Record the choice with the prefix knowledge, as its own policy would: its decision."""
         if isinstance(self.prefix, PrecisePrefix):
-            self.prefix.took(facts, backend)
-        elif self.prefix is not None:
-            self.prefix.remember(facts, backend)
+            return self.prefix.took(facts, backend)
+        if self.prefix is not None:
+            return self.prefix.remember(facts, backend)
+        return None
 
 
 if TYPE_CHECKING:
     from policies.types import (
         AffinityTuned,
-        CachedTokens,
         FirstTokenDeadline,
         Hedging,
         LatencyPredicting,
@@ -270,6 +260,6 @@ if TYPE_CHECKING:
 
     def _offers(
         p: PredictedLatency,
-    ) -> tuple[Policy, CachedTokens, FirstTokenDeadline, Hedging, AffinityTuned, LatencyPredicting]:
+    ) -> tuple[Policy, FirstTokenDeadline, Hedging, AffinityTuned, LatencyPredicting]:
         """What it offers beyond the contract (``policies.types``), held to it by mypy."""
-        return p, p, p, p, p, p
+        return p, p, p, p, p

@@ -26,19 +26,20 @@ Each decision, in order:
    a burst of new prefixes spreads over the caches instead of landing by chance.
 
 The chosen backend is then recorded as holding the prompt's blocks, tentatively: a burst of
-the same new prefix follows the first request at once. The attempt's ``Outcome`` settles it:
-an attempt that failed (the backend never computed the prompt, or broke) withdraws what it
-added; one that succeeded records the blocks again, which also restores them if a concurrent
-failure on the same backend withdrew them. The index and the heat are the only state, bounded
-by ``index_capacity`` block hashes (LRU) and the heat's window; tentative records by the
-attempts in flight (``_TENTATIVE_MAX``); ``decisions`` counts why each choice was made.
+the same new prefix follows the first request at once. What the record added travels with the
+``Decision`` (its ``tentative``), and the attempt's ``Outcome`` settles it: an attempt that
+failed (the backend never computed the prompt, or broke) withdraws what it added; one that
+succeeded records the blocks again, which also restores them if a concurrent failure on the
+same backend withdrew them; one never settled stays recorded, as if it had succeeded. The index
+and the heat are the only state, bounded by ``index_capacity`` block hashes (LRU) and the
+heat's window; ``decisions`` counts why each choice was made.
 """
 
 from __future__ import annotations
 
 import hashlib
 import random
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Final, Literal
@@ -48,14 +49,12 @@ from policies.least_load import LeastLoad
 from policies.prefix import PrefixHasher, PrefixHeat, PrefixIndex
 from policies.scoring import Weights, score
 from policies.setting import check_settings, setting
-from policies.types import BackendSnapshot, Needs, Outcome, Rng, RouteFacts
+from policies.types import BackendSnapshot, Decision, Needs, Outcome, Rng, RouteFacts
 
 BalanceOn = Literal["in_flight", "score"]
 Placement = Literal["room", "hash"]
 # Why a backend was chosen (the ``decisions`` keys).
 REASONS: Final = ("session", "session_overflow", "prefix", "balance", "load")
-# Attempts whose outcome is awaited; past this, the oldest count as succeeded.
-_TENTATIVE_MAX: Final = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +161,14 @@ def placement(
     return lightest
 
 
+@dataclass(frozen=True, slots=True)
+class _Recorded:
+    """The block hashes one decision recorded its backend for, until the outcome says whether
+    it took them (``Decision.tentative``)."""
+
+    added: tuple[int, ...]
+
+
 def rendezvous(key: str, backend_id: str) -> int:
     """Highest-random-weight hash: stable across processes, so every replica agrees."""
     digest = hashlib.blake2b(f"{key}\x00{backend_id}".encode(), digest_size=8).digest()
@@ -180,10 +187,6 @@ class PrefixAffinity:
     name: str = "prefix_affinity"
     _load: LeastLoad = field(init=False, repr=False)
     _needs: Needs = field(init=False, repr=False)
-    # (id of the facts, backend) -> (the facts, kept alive so the id stays theirs; blocks added)
-    _tentative: OrderedDict[tuple[int, str], tuple[RouteFacts, list[int]]] = field(
-        init=False, repr=False
-    )
 
     def __post_init__(self) -> None:
         self._load = LeastLoad(weights=self.weights, rng=self.rng)
@@ -193,7 +196,6 @@ class PrefixAffinity:
             prefix_key=cfg.placement == "hash",
             session_header=cfg.session_header,
         )
-        self._tentative = OrderedDict()
         self.index.resize(cfg.index_capacity)
 
     @property
@@ -217,25 +219,21 @@ class PrefixAffinity:
         assert self._needs.prefix is not None
         return self._needs.prefix
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
         if not candidates:
             return None
         choice, reason = self._decide(facts, candidates)
         self.decisions[reason] += 1
-        self.remember(facts, choice.id)
-        return choice
+        return self.remember(facts, choice)
 
-    def remember(self, facts: RouteFacts, backend: str) -> None:
-        """Record ``backend`` as holding the prompt, tentatively until ``on_result`` (also
-        for another policy's choice: ``precise_prefix`` keeps this index warm this way)."""
-        if facts.prefix_hashes:
-            added = self.index.record(backend, facts.prefix_hashes)
-            tentative = self._tentative
-            tentative[(id(facts), backend)] = (facts, added)
-            if len(tentative) > _TENTATIVE_MAX:
-                tentative.popitem(last=False)
+    def remember(self, facts: RouteFacts, backend: BackendSnapshot) -> Decision:
+        """Record ``backend`` as holding the prompt, tentatively until ``on_result`` is given
+        the decision returned (also for another policy's choice: ``precise_prefix`` and
+        ``predicted_latency`` keep this index warm this way)."""
+        if not facts.prefix_hashes:
+            return Decision(backend)
+        added = self.index.record(backend.id, facts.prefix_hashes)
+        return Decision(backend, tentative=_Recorded(tuple(added)))
 
     def held_tokens(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> dict[str, float]:
         """Per candidate, about how many of the prompt's tokens it should hold in cache: its
@@ -246,15 +244,15 @@ class PrefixAffinity:
         per_block = self.config.block_chars / CHARS_PER_TOKEN
         return {b: n * per_block for b, n in held.items()}
 
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
-        """Settle the tentative record of this attempt: withdraw it, or confirm it."""
-        entry = self._tentative.pop((id(facts), backend), None)
+    def on_result(self, facts: RouteFacts, decision: Decision, outcome: Outcome) -> None:
+        """Settle the decision's tentative record: withdraw it, or confirm it."""
         if not facts.prefix_hashes:
             return
+        backend, recorded = decision.backend.id, decision.tentative
         if outcome.ok:
             self.index.record(backend, facts.prefix_hashes)
-        elif entry is not None:
-            self.index.withdraw(backend, entry[1])
+        elif isinstance(recorded, _Recorded):
+            self.index.withdraw(backend, recorded.added)
 
     def _decide(
         self, facts: RouteFacts, candidates: list[BackendSnapshot]
@@ -316,7 +314,7 @@ class PrefixAffinity:
     def _pick(self, facts: RouteFacts, pool: list[BackendSnapshot]) -> BackendSnapshot:
         choice = self._load.choose(facts, pool)
         assert choice is not None  # pool is never empty: the least loaded is always eligible
-        return choice
+        return choice.backend
 
 
 if TYPE_CHECKING:

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass, field
 
 from policies.scoring import Weights, score
-from policies.types import NO_NEEDS, BackendSnapshot, Needs, Outcome, Rng, RouteFacts
+from policies.types import NO_NEEDS, BackendSnapshot, Decision, Needs, Outcome, Rng, RouteFacts
 
 
 class _Stateless:
@@ -18,7 +18,7 @@ class _Stateless:
     def needs(self) -> Needs:
         return NO_NEEDS
 
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
+    def on_result(self, facts: RouteFacts, decision: Decision, outcome: Outcome) -> None:
         pass
 
 
@@ -33,14 +33,12 @@ class RoundRobin(_Stateless):
     def weights(self) -> None:
         return None
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
         if not candidates:
             return None
         choice = candidates[self._cursor % len(candidates)]
         self._cursor = (self._cursor + 1) % 1_000_000_007
-        return choice
+        return Decision(choice)
 
 
 @dataclass(slots=True)
@@ -52,12 +50,10 @@ class RandomChoice(_Stateless):
     def weights(self) -> None:
         return None
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
         if not candidates:
             return None
-        return candidates[self.rng.randrange(len(candidates))]
+        return Decision(candidates[self.rng.randrange(len(candidates))])
 
 
 @dataclass(slots=True)
@@ -68,14 +64,12 @@ class PowerOfTwo(_Stateless):
     rng: Rng = field(default_factory=random.Random)
     name: str = "power_of_two"
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
         n = len(candidates)
         if n == 0:
             return None
         if n == 1:
-            return candidates[0]
+            return Decision(candidates[0])
         i = self.rng.randrange(n)
         j = self.rng.randrange(n - 1)
         if j >= i:
@@ -83,5 +77,5 @@ class PowerOfTwo(_Stateless):
         a, b = candidates[i], candidates[j]
         sa, sb = score(a, self.weights), score(b, self.weights)
         if sa == sb:
-            return a if self.rng.random() < 0.5 else b
-        return a if sa < sb else b
+            return Decision(a if self.rng.random() < 0.5 else b)
+        return Decision(a if sa < sb else b)

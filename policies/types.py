@@ -9,11 +9,16 @@ A request reaches a policy in four steps, all plain data:
 2. **Facts.** ``choose`` is handed the request's ``RouteFacts`` and the candidates, frozen
    ``BackendSnapshot``s of the backends that may take it (healthy, serving its model, in the
    pool or role its route allows, not yet tried by this request).
-3. **Choice.** It returns one of the candidates, or ``None`` to choose none.
-4. **Outcome.** After each attempt on the chosen backend the request path calls
-   ``on_result`` once with what really happened (``Outcome``): whether the backend answered
-   and produced output, its status, the time to its first token, the tokens it generated.
-   A stateful policy learns from this, not from its own choice.
+3. **Decision.** It returns a ``Decision`` (or ``None`` to choose none): one of the
+   candidates, the prompt's tokens it believed that backend holds (``cached_tokens``: the
+   latency tracker learns TTFT against the tokens not cached) and what it assumed until the
+   attempt's outcome (``tentative``: its own, read by nobody else).
+4. **Outcome.** After each attempt the request path calls ``on_result`` once with the
+   ``Decision`` that attempt went under and what really happened (``Outcome``): whether the
+   backend answered and produced output, its status, the time to its first token, the tokens
+   it generated. A stateful policy learns from this, not from its own choice, and settles
+   what the decision assumed; a decision never settled (a request dropped on the way) must
+   leave nothing behind that grows.
 
 ``weights`` are the load-score weights of policies that score load (``None`` for the others);
 operators tune them live, and metrics and the admin API show the scores they give.
@@ -22,8 +27,6 @@ Beyond that, a policy may offer **capabilities**, each a small Protocol below; a
 one by having its members (it need not inherit from it), and the gateway uses it only through
 it, never by the policy's class:
 
-- ``CachedTokens``: how many of the prompt's tokens it believed the chosen backend holds; the
-  latency tracker learns TTFT against the tokens not cached.
 - ``FirstTokenDeadline``: how long a streamed attempt may wait for its first token before it
   is rescued (sent elsewhere); ``Hedging``: whether that rescue races a copy instead of moving
   the request, and how many copies may run at once.
@@ -74,6 +77,21 @@ class BackendSnapshot:
     @property
     def scraped(self) -> bool:
         return self.queue_depth is not None
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What ``choose`` decided for one attempt, handed back to ``on_result`` with its outcome.
+
+    ``cached_tokens``: the prompt's tokens the policy believed ``backend`` holds when it chose
+    it (0: it does not say). ``tentative``: the policy's own record of what it assumed until the
+    outcome (a prefix it credited ``backend`` with), opaque to everyone else; a policy that
+    delegates to another keeps the inner policy's decision in it, to hand back on settling.
+    """
+
+    backend: BackendSnapshot
+    cached_tokens: float = 0.0
+    tentative: object | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +147,7 @@ class Outcome:
 
 
 class Policy(Protocol):
-    """Chooses one of the candidates (or ``None``) and hears how each attempt went."""
+    """Decides on one of the candidates (or ``None``) and hears how each attempt went."""
 
     @property
     def name(self) -> str: ...
@@ -140,23 +158,13 @@ class Policy(Protocol):
     @property
     def weights(self) -> Weights | None: ...
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None: ...
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None: ...
 
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None: ...
+    def on_result(self, facts: RouteFacts, decision: Decision, outcome: Outcome) -> None: ...
 
 
 # The optional capabilities. Runtime-checkable so that ``Capabilities.of`` can find them, once
 # per policy built; their members' names are what tells them apart, so each is specific.
-
-
-@runtime_checkable
-class CachedTokens(Protocol):
-    """Says how many of the prompt's tokens it believed ``backend`` holds when it chose it
-    (asked right after ``choose``, with nothing in between). Without it: none."""
-
-    def cached_tokens(self, facts: RouteFacts, backend: str) -> float: ...
 
 
 @runtime_checkable
@@ -224,7 +232,6 @@ class ExactPrefix(Protocol):
 class Capabilities:
     """The optional capabilities one policy offers (None: not offered), found once."""
 
-    cached_tokens: CachedTokens | None = None
     first_token_deadline: FirstTokenDeadline | None = None
     hedging: Hedging | None = None
     affinity_tuned: AffinityTuned | None = None
@@ -238,7 +245,6 @@ class Capabilities:
         is built or swapped in, not per request."""
         p: object = policy
         return cls(
-            cached_tokens=p if isinstance(p, CachedTokens) else None,
             first_token_deadline=p if isinstance(p, FirstTokenDeadline) else None,
             hedging=p if isinstance(p, Hedging) else None,
             affinity_tuned=p if isinstance(p, AffinityTuned) else None,

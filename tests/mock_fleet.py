@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from backends.upstream.mock import MockRequest, MockResponse
-from policies import BackendSnapshot, Needs, Outcome, RouteFacts, Weights
+from policies import BackendSnapshot, Decision, Needs, Outcome, RouteFacts, Weights
 from policies.least_load import LeastLoad
 
 Answer = Callable[[MockRequest], Awaitable[MockResponse]]
@@ -55,10 +55,8 @@ class InOrder:
     def weights(self) -> Weights | None:
         return self.inner.weights
 
-    def choose(
-        self, facts: RouteFacts, candidates: list[BackendSnapshot]
-    ) -> BackendSnapshot | None:
-        return candidates[0] if candidates else None
+    def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
+        return Decision(candidates[0]) if candidates else None
 
-    def on_result(self, facts: RouteFacts, backend: str, outcome: Outcome) -> None:
-        self.outcomes.append((backend, outcome))
+    def on_result(self, facts: RouteFacts, decision: Decision, outcome: Outcome) -> None:
+        self.outcomes.append((decision.backend.id, outcome))

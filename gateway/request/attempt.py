@@ -50,7 +50,7 @@ def _settle(t: Try, error: BaseException | None, tracker: LatencyTracker) -> Non
     lease, backend = t.lease, t.lease.backend.id
     t.tally.judge(lease, outcome)
     lease.release()
-    t.step.policy.on_result(t.step.facts, backend, outcome)
+    t.step.policy.on_result(t.step.facts, t.decision, outcome)
     if t.expected is not None:
         t.expected.pending.done()
         tracker.observe(backend, t.expected.load, outcome, t.expected.predicted)
@@ -84,7 +84,7 @@ async def attempts(
     last: UpstreamError | None = None
     while True:
         try:
-            lease, candidates, chosen = router.pick(step, exclude=tried)
+            lease, candidates, decision = router.pick(step, exclude=tried)
         except NoBackendAvailable:
             if last is not None:  # every candidate failed: say how the last did
                 raise last from None
@@ -97,7 +97,8 @@ async def attempts(
         n = len(tried) - len(exclude)
         elapsed = time.monotonic() - since
         may_retry = len(candidates) > 1 and retry.allows(n, elapsed)
-        t = Try(call, step, lease, n, may_retry, parent, expected=expected(tracker, step, chosen))
+        exp = expected(tracker, step, decision)
+        t = Try(call, step, lease, decision, n, may_retry, parent, expected=exp)
         hedge_after = _rescue_plan(t) if n == 1 else None
         try:
             if hedge_after is not None:
@@ -180,7 +181,7 @@ async def _hedged(t: Try, attempt: Attempt[T], after: float, tried: list[str]) -
             metrics.rescues_declined.labels("hedge_budget").inc()
             return await first
         try:
-            lease, _, chosen = router.pick(step, exclude=tried)
+            lease, _, decision = router.pick(step, exclude=tried)
         except NoBackendAvailable:
             give_back()
             metrics.rescues_declined.labels("no_other_backend").inc()
@@ -189,9 +190,8 @@ async def _hedged(t: Try, attempt: Attempt[T], after: float, tried: list[str]) -
         tried.append(backend)
         record.backends.append(backend)
         record.hedged = True
-        hedge = Try(
-            call, step, lease, t.n + 1, False, t.parent, expected=expected(tracker, step, chosen)
-        )
+        exp = expected(tracker, step, decision)
+        hedge = Try(call, step, lease, decision, t.n + 1, False, t.parent, expected=exp)
         hedge.race = race
         race.decided = give_back  # or the copy ends first
         tasks.append(asyncio.ensure_future(_settled(hedge, attempt, tracker)))

@@ -1,10 +1,11 @@
 """One request's state as its attempts carry it, and what one attempt reports back.
 
 ``Call`` is the request as every attempt sends it; ``Try`` is one attempt: its lease, its step,
-whether another backend may still be tried, its span, and the ``Tally`` it fills in (the
-policy's ``Outcome`` is made from it); ``Expected`` is what the latency tracker expected of it.
-``StreamBroken`` is how an attempt whose stream broke after the client got bytes says so. The
-loop that makes the attempts is ``gateway.request.attempt``; what one attempt does is
+the policy's ``Decision`` that chose its backend, whether another backend may still be tried,
+its span, and the ``Tally`` it fills in (the policy's ``Outcome`` is made from it);
+``Expected`` is what the latency tracker expected of it. ``StreamBroken`` is how an attempt
+whose stream broke after the client got bytes says so. The loop that makes the attempts is
+``gateway.request.attempt``; what one attempt does is
 ``gateway.request.answer`` (the client's answer), ``gateway.request.resume`` (the rest of a
 broken stream) or ``gateway.request.disagg`` (a prefill), each sending through
 ``gateway.request.send``.
@@ -38,7 +39,7 @@ from gateway.request.record import RequestRecord
 from gateway.request.rollout import Choice
 from gateway.request.router import Step
 from gateway.request.services import Services
-from policies import BackendSnapshot, LatencyTracker, Outcome
+from policies import Decision, LatencyTracker, Outcome
 from policies.latency import Load, Pending, Prediction, prompt_size
 from policies.predicted_latency import rescue_declined
 
@@ -152,6 +153,7 @@ class Try:
     call: Call
     step: Step
     lease: Lease
+    decision: Decision  # the step policy's, that chose ``lease``'s backend; settled with it
     n: int
     may_retry: bool  # another backend is left and the retry policy allows one more try
     parent: Span | None
@@ -186,19 +188,17 @@ Attempt = Callable[[Try], Awaitable[T]]
 @dataclass(frozen=True, slots=True)
 class Expected:
     """What an attempt's outcome is learned and judged against: the load its backend was
-    picked under (its cached tokens as the policy believed, if it says), the latency the
-    tracker predicted then, and its prompt's place ahead of newcomers until its first token."""
+    picked under (its cached tokens as the policy's decision says), the latency the tracker
+    predicted then, and its prompt's place ahead of newcomers until its first token."""
 
     load: Load
     predicted: Prediction
     pending: Pending
 
 
-def expected(tracker: LatencyTracker, step: Step, chosen: BackendSnapshot) -> Expected:
-    facts = step.facts
-    held = step.caps.cached_tokens
-    cached = held.cached_tokens(facts, chosen.id) if held is not None else 0.0
-    load = tracker.load(chosen, prompt_size(facts), cached)
+def expected(tracker: LatencyTracker, step: Step, decision: Decision) -> Expected:
+    chosen = decision.backend
+    load = tracker.load(chosen, prompt_size(step.facts), decision.cached_tokens)
     predicted = tracker.predict(chosen.id, load)
     if tracker.solve_ahead and tracker.want_refresh():
         # Solved when this task next waits (for the backend, once the request is sent), not

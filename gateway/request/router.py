@@ -18,7 +18,7 @@ from typing import Any, Final, Literal
 from backends.errors import GatewayError, NoBackendAvailable
 from backends.pool import BackendPool, Lease
 from gateway.request.rollout import Choice
-from policies import BackendSnapshot, Policy, RouteFacts
+from policies import BackendSnapshot, Decision, Policy, RouteFacts
 from policies.facts import route_facts
 from policies.types import Capabilities
 
@@ -158,21 +158,22 @@ class Router:
 
     def pick(
         self, step: Step, exclude: Collection[str] = ()
-    ) -> tuple[Lease, list[BackendSnapshot], BackendSnapshot]:
+    ) -> tuple[Lease, list[BackendSnapshot], Decision]:
         """Lease the step policy's choice among its candidates not in ``exclude``.
 
         Also returns the candidates it chose among (for logs, metrics, and whether another
-        backend is left to try) and the chosen one's snapshot (the load it was chosen under).
+        backend is left to try) and the policy's decision (the chosen one's snapshot, the load
+        it was chosen under; what the policy believed of it), which its outcome settles.
         """
         facts = step.facts
         candidates = self.pool.candidates(
             facts.model, exclude, role=step.role, only=step.only, endpoint=step.endpoint
         )
-        choice = step.policy.choose(facts, candidates)
-        if choice is None:
+        decision = step.policy.choose(facts, candidates)
+        if decision is None:
             where = f"{step.role} backend" if step.role else "backend"
             raise NoBackendAvailable(
                 f"No {where} can take a request for `{facts.model}` right now.",
                 retry_after=self._retry_after,
             )
-        return self.pool.acquire(choice.id), candidates, choice
+        return self.pool.acquire(decision.backend.id), candidates, decision

@@ -234,7 +234,7 @@ async def test_each_ending_is_told_truthfully_an_internal_failure_is_not_a_clien
         def choose(self, facts: object, candidates: object) -> None:
             raise RuntimeError("a policy bug")
 
-        def on_result(self, facts: object, backend: str, outcome: object) -> None:
+        def on_result(self, facts: object, decision: object, outcome: object) -> None:
             pass
 
     fake = FakeBackend(behaviour=hang_before_headers)

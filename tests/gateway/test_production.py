@@ -134,6 +134,7 @@ async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix
             sim_config=FAST.replace(kv_events=events_on),
             policy="precise_prefix",
             tokenizers={"sim-model": "sim"},
+            rollout={"sticky_header": "x-context"},
         ) as prod,
         aiohttp.ClientSession() as s,
     ):
@@ -150,7 +151,7 @@ async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix
             return sum(index.blocks(b.id) for b in gw.app[POOL].all())
 
         for turn in range(3):
-            for ctx in contexts:
+            for g, ctx in enumerate(contexts):
                 body = {
                     "model": ALIAS,
                     "max_tokens": 2,
@@ -160,8 +161,12 @@ async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix
                     ],
                 }
                 indexed = indexed_blocks()
+                # The alias's split keyed by context sends its repeats to its pool (at random,
+                # 1 in 5 repeats would cross to the other pool, whose engines lack it); not a
+                # session, which would route the repeats before the prefix is looked at.
+                headers = {**auth("alice"), "x-context": f"ctx{g}"}
                 async with s.post(
-                    prod.url + "/v1/chat/completions", json=body, headers=auth("alice")
+                    prod.url + "/v1/chat/completions", json=body, headers=headers
                 ) as r:
                     assert r.status == 200, await r.text()
                     await r.read()

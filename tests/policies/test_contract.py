@@ -40,7 +40,6 @@ OFFERS: dict[PolicyName, set[str]] = {
     "prefix_affinity": {"affinity_tuned", "approximate_prefix"},
     "precise_prefix": {"affinity_tuned", "approximate_prefix", "exact_prefix"},
     "predicted_latency": {
-        "cached_tokens",
         "first_token_deadline",
         "hedging",
         "affinity_tuned",
@@ -101,7 +100,7 @@ class Bare:
     def choose(self, facts: object, candidates: list[object]) -> None:
         return None
 
-    def on_result(self, facts: object, backend: str, outcome: object) -> None:
+    def on_result(self, facts: object, decision: object, outcome: object) -> None:
         pass
 
 
@@ -223,7 +222,7 @@ from gateway.request.router import Step
 
 def f(step, policy, app, x, snap, event):
     getattr(step.policy, "hedges", False)
-    hasattr(policy, "cached_tokens")
+    hasattr(policy, "kv_index")
     getattr(app[ROUTER].prefill_policy, "x")
     isinstance(x, PA | int)
     isinstance(x, (int, policies.types.Hedging))

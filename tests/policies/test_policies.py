@@ -57,13 +57,13 @@ def test_least_load_picks_the_lowest_score() -> None:
         snap("mid", in_flight=0, queue_depth=2),
     ]
     # busy: 2 + 12 = 14, idle: 4, mid: 6
-    assert p.choose(FACTS, cands) == cands[1]
+    assert p.choose(FACTS, cands).backend == cands[1]  # type: ignore[union-attr]
 
 
 def test_queue_weight_changes_the_choice() -> None:
     cands = [snap("a", in_flight=2, queue_depth=0), snap("b", in_flight=0, queue_depth=2)]
-    assert LeastLoad(weights=Weights(active=2, queue=3)).choose(FACTS, cands).id == "a"  # type: ignore[union-attr]
-    assert LeastLoad(weights=Weights(active=2, queue=1)).choose(FACTS, cands).id == "b"  # type: ignore[union-attr]
+    assert LeastLoad(weights=Weights(active=2, queue=3)).choose(FACTS, cands).backend.id == "a"  # type: ignore[union-attr]
+    assert LeastLoad(weights=Weights(active=2, queue=1)).choose(FACTS, cands).backend.id == "b"  # type: ignore[union-attr]
 
 
 def test_requests_sent_since_the_scrape_count_as_queue() -> None:
@@ -72,13 +72,13 @@ def test_requests_sent_since_the_scrape_count_as_queue() -> None:
         snap("a", in_flight=0, queue_depth=0, sent_since_scrape=3),
         snap("b", in_flight=0, queue_depth=0),
     ]
-    assert LeastLoad().choose(FACTS, cands).id == "b"  # type: ignore[union-attr]
+    assert LeastLoad().choose(FACTS, cands).backend.id == "b"  # type: ignore[union-attr]
 
 
 def test_least_load_breaks_ties_at_random_never_first_in_list() -> None:
     p = LeastLoad(rng=random.Random(1))
     cands = [snap("a"), snap("b"), snap("c"), snap("d", in_flight=1)]
-    counts = Counter(p.choose(FACTS, cands).id for _ in range(3000))  # type: ignore[union-attr]
+    counts = Counter(p.choose(FACTS, cands).backend.id for _ in range(3000))  # type: ignore[union-attr]
     assert set(counts) == {"a", "b", "c"}
     for k in "abc":
         assert 850 < counts[k] < 1150, counts
@@ -92,13 +92,13 @@ def test_empty_candidates_give_none() -> None:
 def test_round_robin_cycles() -> None:
     p = RoundRobin()
     cands = [snap("a"), snap("b"), snap("c")]
-    assert [p.choose(FACTS, cands).id for _ in range(7)] == list("abcabca")  # type: ignore[union-attr]
+    assert [p.choose(FACTS, cands).backend.id for _ in range(7)] == list("abcabca")  # type: ignore[union-attr]
 
 
 def test_random_uses_every_candidate() -> None:
     p = RandomChoice(rng=random.Random(3))
     cands = [snap("a"), snap("b")]
-    counts = Counter(p.choose(FACTS, cands).id for _ in range(1000))  # type: ignore[union-attr]
+    counts = Counter(p.choose(FACTS, cands).backend.id for _ in range(1000))  # type: ignore[union-attr]
     assert 400 < counts["a"] < 600
 
 
@@ -106,9 +106,9 @@ def test_power_of_two_takes_the_lower_of_two_distinct_samples() -> None:
     p = PowerOfTwo(rng=random.Random(5))
     cands = [snap("idle"), snap("busy", in_flight=10)]
     # With two candidates both are always sampled: the idle one always wins.
-    assert {p.choose(FACTS, cands).id for _ in range(200)} == {"idle"}  # type: ignore[union-attr]
+    assert {p.choose(FACTS, cands).backend.id for _ in range(200)} == {"idle"}  # type: ignore[union-attr]
     three = [snap("a"), snap("b", in_flight=5), snap("c", in_flight=9)]
-    counts = Counter(p.choose(FACTS, three).id for _ in range(3000))  # type: ignore[union-attr]
+    counts = Counter(p.choose(FACTS, three).backend.id for _ in range(3000))  # type: ignore[union-attr]
     # "c" loses every pair it is in; "a" wins both of its pairs: 2/3 of the draws.
     assert "c" not in counts
     assert 1850 < counts["a"] < 2150
@@ -116,7 +116,7 @@ def test_power_of_two_takes_the_lower_of_two_distinct_samples() -> None:
 
 def test_power_of_two_single_candidate() -> None:
     only = snap("a", in_flight=100)
-    assert PowerOfTwo().choose(FACTS, [only]) is only
+    assert PowerOfTwo().choose(FACTS, [only]).backend is only  # type: ignore[union-attr]
 
 
 def test_make_policy_by_name() -> None:

@@ -10,6 +10,7 @@ import pytest
 from policies import (
     AffinityConfig,
     BackendSnapshot,
+    Decision,
     KvIndex,
     Outcome,
     PrecisePrefix,
@@ -17,6 +18,7 @@ from policies import (
     RouteFacts,
     Weights,
     make_policy,
+    precise_prefix,
 )
 from policies.kv_index import Removed, Stored, cacheable_blocks, chain_keys
 from policies.prefix_affinity import rendezvous
@@ -59,10 +61,14 @@ def hold(
     index.apply(backend, [Stored(hashes, None, list(tokens[: blocks * bs]), bs)])
 
 
+def decide(p: PrecisePrefix, f: RouteFacts, cands: list[BackendSnapshot]) -> Decision:
+    decision = p.choose(f, cands)
+    assert decision is not None
+    return decision
+
+
 def choose(p: PrecisePrefix, f: RouteFacts, cands: list[BackendSnapshot]) -> str:
-    choice = p.choose(f, cands)
-    assert choice is not None
-    return choice.id
+    return decide(p, f, cands).backend.id
 
 
 # -- the exact decision ----------------------------------------------------------------------
@@ -110,8 +116,9 @@ def test_ties_at_equal_load_are_broken_at_random() -> None:
     picks = set()
     for _ in range(60):
         f = facts()
-        picks.add(choice := choose(p, f, [snap("a"), snap("b"), snap("c")]))
-        p.on_result(f, choice, OK)  # settled: its tentative credit does not tip the next one
+        decision = decide(p, f, [snap("a"), snap("b"), snap("c")])
+        picks.add(decision.backend.id)
+        p.on_result(f, decision, OK)  # settled: its tentative credit does not tip the next one
     assert picks == {"a", "b", "c"}
 
 
@@ -313,8 +320,10 @@ def test_the_fallbacks_own_choice_is_settled_by_the_fallback() -> None:
     index = live("a")
     p = policy(index)
     f = facts(None)
-    first = choose(p, f, [snap("a"), snap("b")])
-    p.on_result(f, first, Outcome(ok=False, error="unreachable"))
+    decision = decide(p, f, [snap("a"), snap("b")])
+    first = decision.backend.id
+    assert p.approximate.index.match(HASHES, [first]) == {first: len(HASHES)}
+    p.on_result(f, decision, Outcome(ok=False, error="unreachable"))
     assert p.approximate.index.match(HASHES, [first]) == {first: 0}  # withdrawn
 
 
@@ -323,8 +332,9 @@ def test_a_failed_exact_choice_is_withdrawn_from_the_fallbacks_index() -> None:
     hold(index, "b", 3)
     p = policy(index)
     f = facts()
-    assert choose(p, f, [snap("a"), snap("b")]) == "b"
-    p.on_result(f, "b", Outcome(ok=False, error="unreachable"))
+    decision = decide(p, f, [snap("a"), snap("b")])
+    assert decision.backend.id == "b"
+    p.on_result(f, decision, Outcome(ok=False, error="unreachable"))
     assert p.approximate.index.match(HASHES, ["b"]) == {"b": 0}
 
 
@@ -338,21 +348,22 @@ def test_a_burst_of_a_new_prompt_follows_the_first_choice_until_its_outcome() ->
     p = policy(index)
     in_flight = dict.fromkeys("abc", 0)
 
-    def route(f: RouteFacts) -> str:
-        choice = choose(p, f, [snap(b, n) for b, n in in_flight.items()])
-        in_flight[choice] += 1
-        return choice
+    def route(f: RouteFacts) -> Decision:
+        decision = decide(p, f, [snap(b, n) for b, n in in_flight.items()])
+        in_flight[decision.backend.id] += 1
+        return decision
 
-    one, two, three = facts(), facts(), facts()
-    first = route(one)
+    one = route(facts())
+    first = one.backend.id
     assert p.decisions == {"load": 1}
     # No BlockStored yet: the chosen backend is credited with the prompt's blocks.
-    assert route(two) == first
+    assert route(facts()).backend.id == first
     assert p.decisions == {"load": 1, "prefix": 1}
-    p.on_result(one, first, OK)
-    assert route(three) == first  # the other attempts' credit is still there
-    p.on_result(facts(), first, OK)  # facts never chosen: ignored
-    assert route(facts()) == first
+    p.on_result(facts(), one, OK)
+    assert route(facts()).backend.id == first  # the other attempts' credit is still there
+    p.on_result(facts(), Decision(snap(first)), OK)  # a decision it never made: ignored
+    p.on_result(facts(), one, OK)  # settled already: nothing more taken back
+    assert route(facts()).backend.id == first
     assert p.decisions == {"load": 1, "prefix": 3}
 
 
@@ -361,13 +372,14 @@ def test_once_every_attempt_is_settled_the_credit_is_gone() -> None:
     for b in "abc":
         hold(index, b, 2, (ord(b),) * 8)
     p = policy(index)
-    burst = [facts() for _ in range(3)]
-    first = choose(p, burst[0], [snap("a"), snap("b"), snap("c")])
+    burst = [decide(p, facts(), [snap("a"), snap("b"), snap("c")])]
+    first = burst[0].backend.id
     cands = [snap(b, 1 if b == first else 0) for b in "abc"]
-    for f in burst[1:]:
-        assert choose(p, f, cands) == first
-    for f in burst:
-        p.on_result(f, first, OK)
+    for _ in range(2):
+        burst.append(decide(p, facts(), cands))
+        assert burst[-1].backend.id == first
+    for decision in burst:
+        p.on_result(facts(), decision, OK)
     # No event came: nobody holds the prompt, and first is busier than the others.
     assert choose(p, facts(), cands) != first
     assert p.decisions == {"load": 2, "prefix": 2}
@@ -379,8 +391,9 @@ def test_a_failed_attempt_takes_its_credit_back_too() -> None:
     hold(index, "b", 1, (6,) * 4)
     p = policy(index)
     f = facts()
-    first = choose(p, f, [snap("a"), snap("b")])
-    p.on_result(f, first, Outcome(ok=False, error="refused", status=503))
+    decision = decide(p, f, [snap("a"), snap("b")])
+    first = decision.backend.id
+    p.on_result(f, decision, Outcome(ok=False, error="refused", status=503))
     other = "b" if first == "a" else "a"
     assert choose(p, facts(), [snap(first, 1), snap(other)]) == other
 
@@ -405,11 +418,31 @@ def test_events_and_credit_combine_as_the_longer_of_the_two() -> None:
     hold(index, "b", 4)
     p = policy(index)
     f = facts()
-    assert choose(p, f, [snap("a"), snap("b")]) == "b"
+    decision = decide(p, f, [snap("a"), snap("b")])
+    assert decision.backend.id == "b"
     # b's engine evicted the blocks before reporting the new ones: the credit still counts.
     index.apply("b", [Removed([f"b/{PROMPT[0]}/{i}".encode() for i in range(4)])])
     assert choose(p, facts(), [snap("a", 1), snap("b", 1)]) == "b"
-    p.on_result(f, "b", OK)
+    p.on_result(f, decision, OK)
+
+
+def test_credit_whose_outcome_never_comes_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decisions dropped unsettled leave at most ``_TENTATIVE_MAX`` credits: the oldest
+    is taken back, and its late outcome takes back nothing more."""
+    monkeypatch.setattr(precise_prefix, "_TENTATIVE_MAX", 2)
+    index = live("a", "b")
+    p = policy(index)
+    prompts = [tuple(range(100 * i, 100 * i + 33)) for i in range(1, 4)]
+    dropped = [decide(p, facts(tokens), [snap("a")]) for tokens in prompts]
+
+    def credited() -> list[float]:
+        return [p.held_tokens(facts(tokens), [snap("a")])["a"] for tokens in prompts]
+
+    assert credited() == [0, 32, 32]  # the first prompt's credit is gone, the last two's stay
+    p.on_result(facts(prompts[0]), dropped[0], OK)
+    assert credited() == [0, 32, 32]
+    p.on_result(facts(prompts[1]), dropped[1], OK)
+    assert credited() == [0, 0, 32]
 
 
 def test_a_burst_of_a_new_prompt_follows_the_first_choice_before_any_event() -> None:

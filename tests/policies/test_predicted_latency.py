@@ -9,6 +9,7 @@ import pytest
 from policies import (
     AffinityConfig,
     BackendSnapshot,
+    KvIndex,
     LatencyTracker,
     Outcome,
     PredictedLatency,
@@ -99,7 +100,7 @@ def test_of_equally_loaded_backends_the_faster_is_chosen(mixed: LatencyTracker) 
     for _ in range(20):
         choice = p.choose(facts(), [snap("slow", queue=1), snap("fast", queue=1)])
         assert choice is not None
-        assert choice.id == "fast"
+        assert choice.backend.id == "fast"
 
 
 def test_the_slow_backend_gets_the_request_once_the_fast_one_is_queued_enough(
@@ -109,11 +110,11 @@ def test_the_slow_backend_gets_the_request_once_the_fast_one_is_queued_enough(
     # fast: 0.05 + 0.1 x 3 = 0.35 s; slow: 0.15 + 0.3 x 0 = 0.15 s
     choice = p.choose(facts(), [snap("fast", queue=3), snap("slow", queue=0)])
     assert choice is not None
-    assert choice.id == "slow"
+    assert choice.backend.id == "slow"
     # fast: 0.05 + 0.1 = 0.15 s against slow's 0.15 + 0.3 = 0.45 s
     choice = p.choose(facts(), [snap("fast", queue=1), snap("slow", queue=1)])
     assert choice is not None
-    assert choice.id == "fast"
+    assert choice.backend.id == "fast"
 
 
 def test_an_overloaded_backend_is_never_chosen_however_fast_it_is_predicted(
@@ -124,7 +125,7 @@ def test_an_overloaded_backend_is_never_chosen_however_fast_it_is_predicted(
     # puts it 10 above slow (more than 4) and 6 times over: guarded.
     choice = p.choose(facts(), [snap("fast", in_flight=5), snap("slow", in_flight=1)])
     assert choice is not None
-    assert choice.id == "slow"
+    assert choice.backend.id == "slow"
     assert p.decisions["guarded"] == 1
 
 
@@ -136,13 +137,13 @@ def test_e2e_weighs_the_answer_ttft_only_the_first_token() -> None:
     ttft = policy(t, objective="ttft").choose(facts(max_tokens=200), cands)
     e2e = policy(t, objective="e2e").choose(facts(max_tokens=200), cands)
     assert ttft is not None
-    assert ttft.id == "quick_start"
+    assert ttft.backend.id == "quick_start"
     assert e2e is not None
-    assert e2e.id == "quick_stream"
+    assert e2e.backend.id == "quick_stream"
     # A short answer is over sooner where it starts sooner.
     short = policy(t, objective="e2e").choose(facts(max_tokens=2), cands)
     assert short is not None
-    assert short.id == "quick_start"
+    assert short.backend.id == "quick_start"
 
 
 def test_the_requests_own_objective_overrides_the_policys() -> None:
@@ -153,7 +154,7 @@ def test_the_requests_own_objective_overrides_the_policys() -> None:
     p = policy(t, objective="ttft")
     batch = p.choose(facts(max_tokens=200, objective="e2e"), cands)
     assert batch is not None
-    assert batch.id == "quick_stream"
+    assert batch.backend.id == "quick_stream"
     assert p.decisions["e2e"] == 1
 
 
@@ -167,16 +168,65 @@ def test_a_backend_holding_the_prompts_prefix_is_predicted_faster_where_prefill_
     f = facts(chars=len(text), prefix_hashes=hashes)
     first = p.choose(f, [snap("a"), snap("b", queue=0)])
     assert first is not None
-    p.on_result(f, first.id, Outcome(ok=True, status=200))
-    other = "b" if first.id == "a" else "a"
+    assert first.cached_tokens == 0  # nobody held it yet
+    p.on_result(f, first, Outcome(ok=True, status=200))
+    held = first.backend.id
+    other = "b" if held == "a" else "a"
     # The same prompt again: the backend that has it is chosen even a little more loaded.
     again = facts(chars=len(text), prefix_hashes=hashes)
-    choice = p.choose(again, [snap(first.id, running=2), snap(other, running=0)])
+    choice = p.choose(again, [snap(held, running=2), snap(other, running=0)])
     assert choice is not None
-    assert choice.id == first.id
-    assert p.cached_tokens(again, first.id) == pytest.approx(1024)
-    assert p.cached_tokens(again, other) == 0
-    assert p.cached_tokens(facts(), first.id) == 0  # another request's facts: unknown
+    assert choice.backend.id == held
+    assert choice.cached_tokens == pytest.approx(1024)  # what it was chosen for, said with it
+
+
+def test_the_cached_tokens_a_decision_carries_are_those_its_choice_was_predicted_with() -> None:
+    """With prefix knowledge, the decision's ``cached_tokens`` is the chosen backend's share
+    of the prompt the policy weighed: its prediction for that backend is the one made with
+    them (checked by making the prediction decide between two otherwise equal backends)."""
+    t = LatencyTracker(clock=Clock())
+    teach(t, "a", base=0.05, per_ktok=0.5)
+    teach(t, "b", base=0.05, per_ktok=0.5, per_queued=0.1)
+    p = policy(t, prefix="approximate", balance_abs=100)
+    assert isinstance(p.prefix, PrefixAffinity)
+    text = "x" * 64 * 64  # about 1,000 tokens
+    hashes, _ = HASHER.facts("m", {"prompt": text})
+    f = facts(chars=len(text), prefix_hashes=hashes)
+    p.prefix.index.record("b", hashes[:32])  # b holds half the prompt, a none of it
+    decision = p.choose(f, [snap("a"), snap("b", queue=1)])
+    assert decision is not None
+    # b: 0.05 + 0.1 (queued) + 0.5 x 0.5 (half uncached) = 0.4 s, 0.65 s were it uncached;
+    # a: 0.05 + 0.5 = 0.55 s.
+    assert decision.backend.id == "b"
+    assert decision.cached_tokens == pytest.approx(512)
+    size = len(text) / 4
+    with_cache = t.predict("b", t.load(decision.backend, size, decision.cached_tokens))
+    assert with_cache.ttft < t.predict("a", t.load(snap("a"), size)).ttft
+    assert t.predict("b", t.load(decision.backend, size)).ttft > with_cache.ttft
+
+
+@pytest.mark.parametrize("prefix", ["approximate", "precise"])
+def test_its_prefix_knowledge_settles_the_record_its_decision_carries(prefix: str) -> None:
+    """The choice is recorded as its prefix policy would record it; a failed attempt's
+    decision hands that record back to it, which withdraws it."""
+    p = make_policy(
+        "predicted_latency",
+        tracker=LatencyTracker(clock=Clock()),
+        kv_index=KvIndex(),
+        prediction=PredictionConfig(prefix=prefix),  # type: ignore[arg-type]
+    )
+    assert isinstance(p, PredictedLatency)
+    source = p.prefix
+    assert source is not None
+    hashes = (11, 12, 13)
+    f = facts(prefix_hashes=hashes)
+    decision = p.choose(f, [snap("a"), snap("b")])
+    assert decision is not None
+    chosen = decision.backend.id
+    index = source.approximate.index
+    assert index.match(hashes, [chosen]) == {chosen: 3}
+    p.on_result(f, decision, Outcome(ok=False, error="unreachable"))
+    assert index.match(hashes, [chosen]) == {chosen: 0}
 
 
 def test_without_prefix_knowledge_the_policy_asks_only_for_the_prompts_size() -> None:
@@ -212,7 +262,7 @@ def test_switching_to_it_and_back_keeps_what_prefix_affinity_learned() -> None:
 def test_ties_are_broken_at_random_not_by_order() -> None:
     t = LatencyTracker(clock=Clock())
     p = policy(t)
-    chosen = {p.choose(facts(), [snap("a"), snap("b"), snap("c")]).id for _ in range(60)}  # type: ignore[union-attr]
+    chosen = {p.choose(facts(), [snap("a"), snap("b"), snap("c")]).backend.id for _ in range(60)}  # type: ignore[union-attr]
     assert chosen == {"a", "b", "c"}
 
 
@@ -241,19 +291,19 @@ def test_a_backend_not_chosen_lately_is_tried_again_one_known_much_slower_is_not
     explorer = policy(t)
     choice = explorer.choose(facts(), cands)
     assert choice is not None
-    assert choice.id == "rested"  # what is known of it is a minute old: tried again
+    assert choice.backend.id == "rested"  # what is known of it is a minute old: tried again
     certain = make_policy(
         "predicted_latency", tracker=t, prediction=PredictionConfig(prefix="none", explore=0.0)
     )
     choice = certain.choose(facts(), cands)
     assert choice is not None
-    assert choice.id == "busy"
+    assert choice.backend.id == "busy"
     teach(t, "slug", base=0.6, n=200)  # four times slower, a minute ago
     clock.t += 60.0
     teach(t, "busy", base=0.1, n=200)
     choice = explorer.choose(facts(), [snap("busy"), snap("slug")])
     assert choice is not None
-    assert choice.id == "busy"  # optimism does not make a known slow backend look fast
+    assert choice.backend.id == "busy"  # optimism does not make a known slow backend look fast
 
 
 def test_the_rescue_deadline_is_a_multiple_of_the_prediction_for_a_backend_it_knows() -> None:

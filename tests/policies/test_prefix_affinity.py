@@ -10,6 +10,8 @@ import pytest
 from policies import (
     AffinityConfig,
     BackendSnapshot,
+    Decision,
+    Outcome,
     PrefixAffinity,
     PrefixIndex,
     RouteFacts,
@@ -39,7 +41,7 @@ def test_when_load_is_balanced_the_longest_cached_prefix_wins() -> None:
     p.index.record("b", PROMPT[:4])
     p.index.record("c", PROMPT[:2])
     cands = [snap("a", 1), snap("b", 2), snap("c", 0)]
-    assert p.choose(facts(), cands).id == "b"  # type: ignore[union-attr]
+    assert p.choose(facts(), cands).backend.id == "b"  # type: ignore[union-attr]
     assert p.decisions["prefix"] == 1
 
 
@@ -50,8 +52,32 @@ def test_the_choice_is_remembered_so_the_next_request_follows_it() -> None:
     assert first is not None
     assert p.decisions["load"] == 1  # nobody held anything: least load, then chance
     for _ in range(10):
-        assert p.choose(facts(), cands) == first
-    assert p.index.match(PROMPT, [first.id]) == {first.id: len(PROMPT)}
+        assert p.choose(facts(), cands).backend == first.backend  # type: ignore[union-attr]
+    assert p.index.match(PROMPT, [first.backend.id]) == {first.backend.id: len(PROMPT)}
+
+
+def test_a_failed_attempt_withdraws_what_its_decision_recorded() -> None:
+    """The decision carries the tentative record: settling it needs no lookup by the facts
+    (here an equal but distinct object, as another request for the same prompt would be)."""
+    p = policy()
+    decision = p.choose(facts(), [snap("a"), snap("b")])
+    assert decision is not None
+    chosen = decision.backend.id
+    assert p.index.match(PROMPT, [chosen]) == {chosen: len(PROMPT)}  # tentatively
+    p.on_result(facts(), decision, Outcome(ok=False, error="unreachable"))
+    assert p.index.match(PROMPT, [chosen]) == {chosen: 0}
+    assert p.index.footprint(chosen) == 0
+
+
+def test_a_successful_attempt_keeps_its_record_and_a_foreign_failure_withdraws_nothing() -> None:
+    p = policy()
+    decision = p.choose(facts(), [snap("a"), snap("b")])
+    assert decision is not None
+    chosen = decision.backend.id
+    p.on_result(facts(), decision, Outcome(ok=True, status=200))
+    # A decision this policy did not record (nothing tentative in it) fails: nothing to undo.
+    p.on_result(facts(), Decision(decision.backend), Outcome(ok=False, error="unreachable"))
+    assert p.index.match(PROMPT, [chosen]) == {chosen: len(PROMPT)}
 
 
 def test_load_wins_past_both_thresholds() -> None:
@@ -60,7 +86,7 @@ def test_load_wins_past_both_thresholds() -> None:
     # One more would put b 5 above the floor of 2 (> 4) and 7 > 2 x 1.5: overloaded, it
     # loses its affinity.
     cands = [snap("a", 2), snap("b", 6), snap("c", 3)]
-    assert p.choose(facts(), cands).id == "a"  # type: ignore[union-attr]
+    assert p.choose(facts(), cands).backend.id == "a"  # type: ignore[union-attr]
     assert p.decisions["balance"] == 1
 
 
@@ -77,7 +103,7 @@ def test_affinity_holds_until_both_thresholds_are_passed(
     p = policy(balance_abs=4.0, balance_rel=1.5)
     p.index.record("b", PROMPT)
     cands = [snap(i, n) for i, n in zip("abc", loads, strict=True)]
-    assert p.choose(facts(), cands).id == "b", why  # type: ignore[union-attr]
+    assert p.choose(facts(), cands).backend.id == "b", why  # type: ignore[union-attr]
 
 
 def test_the_guard_can_run_on_the_load_score() -> None:
@@ -85,7 +111,7 @@ def test_the_guard_can_run_on_the_load_score() -> None:
     p.index.record("b", PROMPT)
     # In-flight counts are equal, but b's scraped queue puts its score 12 above a's.
     cands = [snap("a", 1, queue_depth=0), snap("b", 1, queue_depth=4)]
-    assert p.choose(facts(), cands).id == "a"  # type: ignore[union-attr]
+    assert p.choose(facts(), cands).backend.id == "a"  # type: ignore[union-attr]
     assert p.decisions["balance"] == 1
 
 
@@ -94,7 +120,7 @@ def test_among_equal_matches_the_least_loaded_wins() -> None:
     for b in "abc":
         p.index.record(b, PROMPT)
     cands = [snap("a", 3), snap("b", 1), snap("c", 2)]
-    assert p.choose(facts(), cands).id == "b"  # type: ignore[union-attr]
+    assert p.choose(facts(), cands).backend.id == "b"  # type: ignore[union-attr]
 
 
 def test_a_prefix_one_backend_can_carry_stays_with_the_first_to_get_it() -> None:
@@ -106,7 +132,7 @@ def test_a_prefix_one_backend_can_carry_stays_with_the_first_to_get_it() -> None
     p.index.record("b", PROMPT)  # say, a request the guard sent to b while a was busy
     cands = [snap("a", 3), snap("b", 1), snap("c", 2)]
     for _ in range(5):
-        assert p.choose(facts(), cands).id == "a"  # type: ignore[union-attr]
+        assert p.choose(facts(), cands).backend.id == "a"  # type: ignore[union-attr]
     assert p.decisions["prefix"] == 5
 
 
@@ -117,7 +143,7 @@ def test_a_prefix_with_more_traffic_than_one_backend_spreads_over_its_holders() 
     cands = [snap("a", 3), snap("b", 1), snap("c", 2)]
     # Every decision so far is this prompt: more than a third of the traffic of three.
     for _ in range(5):
-        assert p.choose(facts(), cands).id == "b"  # type: ignore[union-attr]
+        assert p.choose(facts(), cands).backend.id == "b"  # type: ignore[union-attr]
 
 
 def test_a_new_prefix_goes_to_the_least_loaded_then_to_the_most_cache_room() -> None:
@@ -125,11 +151,11 @@ def test_a_new_prefix_goes_to_the_least_loaded_then_to_the_most_cache_room() -> 
     p.index.record("a", (101, 102, 103))
     p.index.record("c", (201,))
     new = facts((7, 8, 9))
-    assert p.choose(new, [snap("a"), snap("b", 1), snap("c")]).id == "c"  # type: ignore[union-attr]
+    assert p.choose(new, [snap("a"), snap("b", 1), snap("c")]).backend.id == "c"  # type: ignore[union-attr]
     assert p.decisions["load"] == 1
     # Load first: the emptiest cache does not take a request it is busier for.
     other = facts((17, 18))
-    assert p.choose(other, [snap("a"), snap("b", 1), snap("c", 1)]).id == "a"  # type: ignore[union-attr]
+    assert p.choose(other, [snap("a"), snap("b", 1), snap("c", 1)]).backend.id == "a"  # type: ignore[union-attr]
 
 
 def test_hash_placement_puts_a_new_prefix_where_every_replica_would() -> None:
@@ -141,7 +167,7 @@ def test_hash_placement_puts_a_new_prefix_where_every_replica_would() -> None:
     second = two.choose(keyed, [snap("a", 0), snap("b", 3), snap("c", 0)])
     assert first is not None
     assert second is not None
-    assert first.id == second.id == max("abc", key=lambda b: rendezvous("12345", b))
+    assert first.backend.id == second.backend.id == max("abc", key=lambda b: rendezvous("12345", b))
     # Different prefixes spread over the backends.
     cands = [snap("a"), snap("b"), snap("c")]
     picks = {
@@ -149,7 +175,7 @@ def test_hash_placement_puts_a_new_prefix_where_every_replica_would() -> None:
         .choose(  # type: ignore[union-attr]
             RouteFacts(model="m", prefix_hashes=(k,), prefix_key=k), cands
         )
-        .id
+        .backend.id
         for k in range(30)
     }
     assert picks == {"a", "b", "c"}
@@ -162,7 +188,7 @@ def test_hash_placement_respects_the_guard() -> None:
     cands = [snap(b, 6 if b == winner else 1) for b in "abc"]
     choice = p.choose(keyed, cands)
     assert choice is not None
-    assert choice.id != winner
+    assert choice.backend.id != winner
 
 
 def test_ties_are_broken_at_random() -> None:
@@ -170,7 +196,7 @@ def test_ties_are_broken_at_random() -> None:
     for b in "abc":
         p.index.record(b, PROMPT)
     cands = [snap("a"), snap("b"), snap("c")]
-    picks = Counter(p.choose(facts(), cands).id for _ in range(300))  # type: ignore[union-attr]
+    picks = Counter(p.choose(facts(), cands).backend.id for _ in range(300))  # type: ignore[union-attr]
     assert set(picks) == {"a", "b", "c"}
     assert min(picks.values()) > 60
 
@@ -178,7 +204,7 @@ def test_ties_are_broken_at_random() -> None:
 def test_without_a_prompt_it_is_least_load() -> None:
     p = policy()
     cands = [snap("a", 2), snap("b", 0), snap("c", 1)]
-    assert p.choose(facts(()), cands).id == "b"  # type: ignore[union-attr]
+    assert p.choose(facts(()), cands).backend.id == "b"  # type: ignore[union-attr]
     assert len(p.index) == 0
     assert p.choose(facts(), []) is None
 
@@ -190,7 +216,7 @@ def test_a_hot_prefix_spreads_once_its_backend_is_loaded() -> None:
     for _ in range(30):  # every request has the same prefix, none finishes
         choice = p.choose(facts(), [snap(b, n) for b, n in in_flight.items()])
         assert choice is not None
-        in_flight[choice.id] += 1
+        in_flight[choice.backend.id] += 1
         assert max(in_flight.values()) - min(in_flight.values()) <= 3
     assert min(in_flight.values()) >= 8
     assert p.decisions["balance"] > 0
@@ -202,9 +228,9 @@ def test_the_least_loaded_backend_is_never_overloaded() -> None:
     p = policy(balance_abs=0.0, balance_rel=1.0)
     p.index.record("b", PROMPT)
     cands = [snap("a", 3), snap("b", 3), snap("c", 4)]
-    assert p.choose(facts(), cands).id == "b"  # type: ignore[union-attr]
+    assert p.choose(facts(), cands).backend.id == "b"  # type: ignore[union-attr]
     cands = [snap("a", 2), snap("b", 3)]
-    assert p.choose(facts(), cands).id == "a"  # type: ignore[union-attr]
+    assert p.choose(facts(), cands).backend.id == "a"  # type: ignore[union-attr]
     assert p.decisions["balance"] == 1
 
 
@@ -225,8 +251,8 @@ def test_no_choice_ever_takes_a_backend_past_the_spread() -> None:
         floor = min(in_flight.values())
         choice = p.choose(facts(prompt), [snap(b, n) for b, n in in_flight.items()])
         assert choice is not None
-        in_flight[choice.id] += 1
-        after = in_flight[choice.id]
+        in_flight[choice.backend.id] += 1
+        after = in_flight[choice.backend.id]
         assert after - floor <= 3 or after <= floor * 1.5
     assert p.decisions["prefix"] > 0
     assert p.decisions["balance"] > 0
@@ -238,14 +264,14 @@ def test_a_session_sticks_to_its_rendezvous_backend() -> None:
     expected = max("abc", key=lambda b: rendezvous("s-42", b))
     p.index.record("a" if expected != "a" else "b", PROMPT)  # a prefix elsewhere does not win
     for _ in range(5):
-        assert p.choose(facts(session="s-42"), cands).id == expected  # type: ignore[union-attr]
+        assert p.choose(facts(session="s-42"), cands).backend.id == expected  # type: ignore[union-attr]
     assert p.decisions["session"] == 5
 
 
 def test_sessions_spread_over_backends() -> None:
     p = policy(session_header="x-session-id")
     cands = [snap("a"), snap("b"), snap("c")]
-    picks = Counter(p.choose(facts((), f"s{i}"), cands).id for i in range(300))  # type: ignore[union-attr]
+    picks = Counter(p.choose(facts((), f"s{i}"), cands).backend.id for i in range(300))  # type: ignore[union-attr]
     assert set(picks) == {"a", "b", "c"}
 
 
@@ -255,10 +281,10 @@ def test_a_session_falls_back_when_its_backend_is_gone_or_overloaded() -> None:
     first, second = order[0], order[1]
     # Gone: the next rendezvous choice among the candidates, the same one every time.
     rest = [snap(b) for b in "abc" if b != first]
-    assert p.choose(facts(session="s-1"), rest).id == second  # type: ignore[union-attr]
+    assert p.choose(facts(session="s-1"), rest).backend.id == second  # type: ignore[union-attr]
     # Overloaded: routed like any other request (here by least load).
     cands = [snap(b, 5 if b == first else (1 if b == second else 0)) for b in "abc"]
-    assert p.choose(facts((), "s-1"), cands).id == order[2]  # type: ignore[union-attr]
+    assert p.choose(facts((), "s-1"), cands).backend.id == order[2]  # type: ignore[union-attr]
     assert p.decisions["session_overflow"] == 1
 
 
@@ -266,7 +292,7 @@ def test_sessions_are_ignored_unless_a_header_is_configured() -> None:
     p = policy()
     p.index.record("c", PROMPT)
     cands = [snap("a"), snap("b"), snap("c")]
-    assert p.choose(facts(session="s-1"), cands).id == "c"  # type: ignore[union-attr]
+    assert p.choose(facts(session="s-1"), cands).backend.id == "c"  # type: ignore[union-attr]
     assert p.decisions["session"] == 0
 
 

@@ -142,6 +142,14 @@ class NotFound(GatewayError):
     type = "not_found_error"
 
 
+class Conflict(GatewayError):
+    """409: an admin change that cannot follow the state it would change (a rollout already
+    under way, a step that is not the next one)."""
+
+    status = 409
+    type = "conflict_error"
+
+
 class ModelNotFound(GatewayError):
     status = 404
     type = "invalid_request_error"

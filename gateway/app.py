@@ -24,11 +24,14 @@ from backends.supervise import Supervisor
 from backends.upstream.client import Transport, UpstreamClient
 from gateway.admin.actions import ActionApplier
 from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
+from gateway.admin.rollouts import submit_decision
 from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
+from gateway.fleet.figures import Figures
 from gateway.fleet.figures import read as read_figures
 from gateway.fleet.files import FileLog, FileRegistry
+from gateway.fleet.lease import Lease
 from gateway.fleet.log import ChangeLog, LogKeys, RedisLog
 from gateway.fleet.member import Description, Member, MemberSettings, replica_id
 from gateway.fleet.registry import RedisRegistry, Registry
@@ -36,6 +39,8 @@ from gateway.http import Request, Response, Routes
 from gateway.keys import (
     ADAPTERS,
     ADMISSION,
+    CLAIMS,
+    DRIVER,
     FLEET,
     GATEWAY,
     GENERATIONS,
@@ -52,6 +57,7 @@ from gateway.keys import (
     RELAY_FAST,
     RESPONSE_HOMES,
     RETRY,
+    ROLLOUTS,
     ROUTER,
     ROUTES,
     SETTINGS,
@@ -82,6 +88,8 @@ from gateway.request.rollout import ROLLOUT, Rollout
 from gateway.request.router import Router
 from gateway.request.services import hand_in
 from gateway.request.slo import CHANGES, ChangeSignal
+from gateway.rollouts.driver import Driver, Never, Sole
+from gateway.rollouts.state import RolloutBook
 from gateway.workers.shared_reads import READ_PATH, ReadCache, SharedReads, read_handler
 from gateway.workers.supervisor import Worker
 from policies import KvIndex, LatencyTracker
@@ -282,6 +290,9 @@ def _describe_replica(app: web.Application) -> Description:
         *metrics.requests.collect(),
         *metrics.ttft.collect(),
         *metrics.pool_requests.collect(),
+        *metrics.pool_errors.collect(),  # the pools' figures a rollout's gates judge
+        *metrics.pool_ttft.collect(),
+        *metrics.pool_itl.collect(),
     ]
     return Description(
         address=f"{s.host}:{s.port}",
@@ -316,6 +327,10 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
             stack.push_async_callback(redis.aclose)
             changes = RedisLog(redis, LogKeys.of(r.key_prefix, f.name))
             registry = RedisRegistry(redis, r.key_prefix, f.name, f.report_ttl)
+            leases = f"{r.key_prefix}{f.name}:rollout-lease:"
+            holder = replica_id(f.replica, None if worker is None else worker.index)
+            ttl = s.rollout.lease_ttl
+            app[CLAIMS] = lambda alias: Lease(redis, leases + alias, holder, ttl)
         else:
             if f.dir is not None:
                 directory = f.dir
@@ -324,6 +339,8 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                 directory = worker.sockets / "fleet"
             changes = FileLog(directory, f.name)
             registry = FileRegistry(directory, f.name, f.report_ttl)
+            first = worker is None or worker.index == 0
+            app[CLAIMS] = lambda _alias: Sole() if first else Never()  # one host: worker 0
         member = Member(
             changes,
             registry,
@@ -344,6 +361,32 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
         stack.push_async_callback(member.stop)
         app[FLEET] = member
         yield
+
+
+async def _rollouts_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The driver of progressive rollouts (``gateway.rollouts.driver``): on every replica, each
+    rollout driven by the one holding its lease."""
+
+    async def figures() -> dict[str, Figures]:
+        member = app[FLEET]
+        if member is None:
+            return {"self": _describe_replica(app).figures}
+        return {r.id: r.figures for r in await member.registry.replicas()}
+
+    driver = Driver(
+        app[ROLLOUTS],
+        figures,
+        lambda alias, body: submit_decision(app, alias, body),
+        app[CLAIMS],
+        every=app[SETTINGS].rollout.drive_every,
+        on_abort=lambda alias, verdict: app[METRICS].rollout_aborted(alias, verdict.breaches),
+    )
+    app[DRIVER] = driver
+    task = app[SUPERVISOR].spawn("rollout_driver", "rollout-driver", driver.run)
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def _version() -> str:
@@ -400,6 +443,14 @@ def worker_private_app(gateway: web.Application) -> web.Application:
     if gateway[WORKER].index == 0:
         app.router.add_get(READ_PATH, read_handler(gateway[READ_CACHE]))
     return app
+
+
+def _admin_state(app: web.Application) -> None:
+    """What only admin changes move (the fleet's log, or this replica's admin API): LoRA
+    adapters loaded, progressive rollouts."""
+    app[ADAPTERS] = {}
+    app[ROLLOUTS] = RolloutBook()
+    app[CLAIMS] = lambda _alias: Sole()  # one process drives its rollouts (a fleet: a lease)
 
 
 def create_app(
@@ -489,8 +540,9 @@ def create_app(
         app.on_cleanup.append(lambda _: _shutdown_tracing(provider))
     app.cleanup_ctx.append(_backends_ctx(resolver, transport))
     app[FLEET] = None
-    app[ADAPTERS] = {}
-    app.cleanup_ctx.append(_fleet_ctx)  # last: it applies changes to all of the above
+    _admin_state(app)
+    # Last: the fleet applies changes to all of the above; rollouts are driven through it.
+    app.cleanup_ctx.extend((_fleet_ctx, _rollouts_ctx))
     _add_routes(app)
     app.on_startup.append(hand_in)  # after every cleanup context: the services they made
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
@@ -22,6 +23,8 @@ from gateway.request.hedge import HedgeBudget
 from gateway.request.responses import ResponseHomes
 from gateway.request.retry import RetryPolicy
 from gateway.request.router import Router
+from gateway.rollouts.driver import Claim, Driver
+from gateway.rollouts.state import RolloutBook
 from gateway.workers.shared_reads import ReadCache
 from gateway.workers.supervisor import Worker
 from policies.kv_index import KvIndex
@@ -71,5 +74,9 @@ GENERATIONS: Final = web.AppKey[Generations]("generations")  # /inference/v1/gen
 FLEET: Final = web.AppKey["Member | None"]("fleet")
 # LoRA adapters loaded at run time: name -> its path, base model and backends (the fleet's log)
 ADAPTERS: Final = web.AppKey[dict[str, dict[str, object]]]("adapters")
+ROLLOUTS: Final = web.AppKey("rollouts", RolloutBook)  # progressive rollouts (gateway.rollouts)
+# A rollout's lease by alias (the fleet's, on Redis; or standing for one), and its driver
+CLAIMS: Final = web.AppKey[Callable[[str], Claim]]("claims")
+DRIVER: Final = web.AppKey("driver", Driver)
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -12,11 +12,9 @@ value these actions change.
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
@@ -24,6 +22,8 @@ import structlog
 from aiohttp import web
 
 from backends.errors import GatewayError, InvalidRequest, NotFound
+from gateway.admin import rollouts
+from gateway.admin.action import Action, Doc, Params
 from gateway.admin.reload import (
     change_policy,
     describe_policy,
@@ -42,30 +42,6 @@ from gateway.request.rollout import ROLLOUT
 log = structlog.get_logger("gateway.admin.api")
 
 KEY_PREFIX: Final = "sk-gw-"  # keys the gateway makes: recognisable in a leaked file
-
-Params = Mapping[str, str]
-Doc = Any  # a JSON document
-
-
-@dataclass(frozen=True, slots=True)
-class Action:
-    """``routed``: False for a change only the gateway itself appends (a record of what was
-    done once for the fleet, such as a LoRA adapter loaded on the backends)."""
-
-    method: str
-    pattern: str  # aiohttp's form: /admin/backends/{backend_id}/drain
-    check: Callable[[web.Application, Params, Doc], Doc]  # what it would set; raises if bad
-    apply: Callable[[web.Application, Params, Doc], Doc]  # the answer's document
-    before: Callable[[web.Application, Params], Doc]  # what it replaces (the audit's ``old``)
-    json_body: bool = False
-    # Run once, where the change is made, before anything else: the body to log and apply in
-    # its place, and what to add to the answer there (a key made by the gateway: its secret
-    # goes to the caller once, only its hash to the log)
-    prepare: Callable[[web.Application, Params, Doc], tuple[Doc, dict[str, Any]]] | None = None
-    routed: bool = True
-
-    def matcher(self) -> re.Pattern[str]:
-        return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", self.pattern) + "$")
 
 
 def _backend(app: web.Application, params: Params) -> Any:
@@ -417,6 +393,7 @@ ACTIONS: Final = (
         lambda app, p, _b: _auth(app).revoke(p["name"]),
         _key_before,
     ),
+    *rollouts.ROLLOUT_ACTIONS,
 )
 _MATCHERS: Final = [(a, a.matcher()) for a in ACTIONS]
 
@@ -456,6 +433,7 @@ def state(app: web.Application) -> dict[str, Any]:
         "rollout": app[ROLLOUT].state(),
         "keys": _auth(app).state(),
         "adapters": {name: dict(held) for name, held in app[ADAPTERS].items()},
+        "rollouts": rollouts.state(app),
     }
 
 
@@ -476,6 +454,7 @@ def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
     if isinstance(adapters, dict):
         held = {str(k): dict(v) for k, v in adapters.items() if isinstance(v, dict)}
     app[ADAPTERS] = held
+    rollouts.restore(app, doc.get("rollouts", {}))
 
 
 class ActionApplier:

@@ -19,7 +19,7 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from backends.errors import GatewayError, error_envelope
-from gateway.admin import lora
+from gateway.admin import lora, rollouts
 from gateway.admin.actions import ACTIONS
 from gateway.admin.console import PUBLIC_PATHS, add_console_routes
 from gateway.admin.fleet import (
@@ -199,6 +199,8 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_get("/admin/kv-events", kv_events)
     app.router.add_get("/admin/aliases", list_aliases)
     app.router.add_get("/admin/aliases/{alias}", get_alias)
+    app.router.add_get("/admin/rollouts", rollouts.list_rollouts)
+    app.router.add_get("/admin/rollouts/{alias}", rollouts.get_rollout)
     for action in ACTIONS:
         if action.routed:
             app.router.add_route(action.method, action.pattern, change_handler(action))

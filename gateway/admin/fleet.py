@@ -23,7 +23,8 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from backends.errors import FleetLogUnavailable, InvalidRequest
-from gateway.admin.actions import Action, find, parse_body
+from gateway.admin.action import Action
+from gateway.admin.actions import find, parse_body
 from gateway.fleet.changes import Change
 from gateway.fleet.member import Member
 from gateway.fleet.registry import summary

@@ -112,3 +112,17 @@ class RolloutSettings(BaseModel):
         None, description="header keeping a client on one pool (e.g. x-session-id); None: off"
     )
     expose_pools: bool = Field(False, description="pool names are model names clients may use")
+    drive_every: float = Field(
+        1.0,
+        gt=0,
+        le=60,
+        description="seconds between a progressive rollout's looks at its gates "
+        "(POST /admin/rollouts/{alias})",
+    )
+    lease_ttl: float = Field(
+        10.0,
+        gt=0,
+        le=600,
+        description="seconds a replica driving a rollout holds it without renewing; "
+        "another takes over after that",
+    )

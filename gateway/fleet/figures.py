@@ -58,8 +58,11 @@ class PoolCounts:
     itl: tuple[Bucket, ...] = ()
 
     def since(self, then: PoolCounts) -> PoolCounts:
-        """What was counted after ``then``, an earlier reading: the window's counts. A count
-        that went back (a replica restarted, its counters with it) counts from zero."""
+        """What was counted after ``then``, an earlier reading of the same replica: the
+        window's counts. Counts that went back (the replica restarted, its counters with it)
+        are all the window's."""
+        if self.requests < then.requests:
+            return self
         return PoolCounts(
             requests=max(self.requests - then.requests, 0),
             errors=max(self.errors - then.errors, 0),
@@ -365,11 +368,13 @@ def total(figures: Iterable[Figures]) -> Figures:
         rejections=capped(refused, MAX_KEYS),
         canary=split,
         decisions=capped(decisions, MAX_BACKENDS),
-        pools=_pools_of(split, {k: _sum_counts(cs) for k, cs in per_pool.items()}),
+        pools=_pools_of(split, {k: summed(cs) for k, cs in per_pool.items()}),
     )
 
 
-def _sum_counts(counts: Sequence[PoolCounts]) -> PoolCounts:
+def summed(counts: Iterable[PoolCounts]) -> PoolCounts:
+    """Counts of one pool added up (over replicas)."""
+    counts = list(counts)
     return PoolCounts(
         requests=sum(c.requests for c in counts),
         errors=sum(c.errors for c in counts),

@@ -168,6 +168,18 @@ class Member:
         spread = await self.spread(position, deadline)
         return Submitted(position, outcome, spread)
 
+    async def append(self, change: Change) -> Outcome | None:
+        """Append ``change`` and wait until it is applied here only (None: not within the
+        wait): for a change the gateway makes itself, which waits for no other replica."""
+        try:
+            position = await self.changes.append(change)
+        except _FAILURES as exc:
+            raise FleetLogUnavailable(
+                f"The fleet's change log cannot be reached ({str(exc) or type(exc).__name__})",
+                retry_after=1,
+            ) from exc
+        return await self.follower.reached(position, self.settings.wait)
+
     async def spread(self, position: Position, deadline: float) -> Spread:
         """How many replicas applied ``position``, waiting for all of them until ``deadline``."""
         loop = asyncio.get_running_loop()

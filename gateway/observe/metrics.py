@@ -7,7 +7,7 @@ by a collector, so they cost the request path nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
 from typing import Final
 
@@ -436,6 +436,26 @@ class GatewayMetrics:
             buckets=ITL_BUCKETS,
             registry=r,
         )
+
+        # Progressive rollouts (gateway.rollouts): where each stands, and why one was aborted.
+        self.rollout_share = Gauge(
+            "llm_gateway_rollout_canary_share",
+            "The share of an alias's requests its rollout sends to the canary pool, in per "
+            "cent (100 once promoted, 0 once aborted).",
+            ["alias"],
+            registry=r,
+        )
+        self.rollout_aborts = Counter(
+            "llm_gateway_rollout_aborts",
+            "Rollouts aborted by the driver on this replica, by alias and failed gate.",
+            ["alias", "gate"],
+            registry=r,
+        )
+
+    def rollout_aborted(self, alias: str, gates: Iterable[object]) -> None:
+        """The driver here aborted ``alias``'s rollout: one count per failed gate."""
+        for reading in gates:
+            self.rollout_aborts.labels(alias, str(getattr(reading, "gate", reading))).inc()
 
     def known_pools(self, pairs: list[tuple[str, str]]) -> None:
         """Export each configured (alias, pool)'s error count at 0 before its first error, so a

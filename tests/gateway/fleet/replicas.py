@@ -47,9 +47,11 @@ def config(
     *,
     auth: bool = False,
     files: Path | None = None,
+    rollout: dict[str, float] | None = None,
     **fleet: object,
 ) -> str:
-    """With ``redis_url`` None, no Redis: the fleet's log in files under ``files``."""
+    """With ``redis_url`` None, no Redis: the fleet's log in files under ``files``;
+    ``rollout``: the ``[rollout]`` section's settings (progressive rollouts)."""
     store = (
         f'store = "redis", redis = {{ url = "{redis_url}", key_prefix = "{prefix}", '
         + "timeout = 1.0 }"
@@ -88,6 +90,8 @@ def config(
         + " }",
         f"aliases = {{ {ALIAS} = {{ stable = 100, canary = 0 }} }}",
     ]
+    if rollout:
+        lines.append("rollout = { " + ", ".join(f"{k} = {v}" for k, v in rollout.items()) + " }")
     for name, url in backends.items():
         lines += ["[[backends]]", f'url = "{url}"', f'name = "{name}"']
     lines += [
@@ -270,6 +274,7 @@ async def running_fleet(
     n: int = 3,
     workers: tuple[int, ...] = (),
     auth: bool = False,
+    rollout: dict[str, float] | None = None,
     **fleet: object,
 ) -> AsyncIterator[Fleet]:
     """``n`` replicas; ``workers``: each one's ``serve --workers`` (1 where not given);
@@ -286,6 +291,7 @@ async def running_fleet(
                 prefix,
                 auth=auth,
                 files=tmp_path / "fleet",
+                rollout=rollout,
                 **fleet,
             )
         )

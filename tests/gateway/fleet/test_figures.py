@@ -183,10 +183,11 @@ def test_a_window_is_the_difference_of_two_readings_even_where_bounds_were_left_
         assert quantile(window.ttft, q) == pytest.approx(quantile(alone.ttft, q))
 
 
-def test_a_count_that_went_back_counts_from_zero_and_stays_cumulative() -> None:
+def test_counts_that_went_back_are_all_the_windows() -> None:
     then = PoolCounts(100, 10, ((0.05, 50), (0.5, 100), (INF, 100)))
-    now = PoolCounts(7, 2, ((0.5, 2), (INF, 2)))  # a replica restarted: the fleet's sum fell
-    window = now.since(then)
-    assert (window.requests, window.errors) == (0, 0)
-    counts = [c for _, c in window.ttft]
-    assert counts == sorted(counts)
+    now = PoolCounts(7, 2, ((0.5, 2), (INF, 2)))  # the replica restarted: counting from 0
+    assert now.since(then) == now
+    grown = PoolCounts(130, 10, ((0.05, 50), (0.5, 100), (INF, 130)))  # 30 more, all slow
+    window = grown.since(then)
+    assert (window.requests, window.errors) == (30, 0)
+    assert dict(window.ttft) == {0.05: 0, 0.5: 0, INF: 30}

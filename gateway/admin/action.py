@@ -1,0 +1,35 @@
+"""What an admin change is: one row of the table of changes the gateway can make at run time
+(``gateway.admin.actions``), checked, then applied, the same way on every replica."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+Params = Mapping[str, str]
+Doc = Any  # a JSON document
+
+
+@dataclass(frozen=True, slots=True)
+class Action:
+    """``routed``: False for a change only the gateway itself appends (a record of what was
+    done once for the fleet, such as a LoRA adapter loaded on the backends)."""
+
+    method: str
+    pattern: str  # aiohttp's form: /admin/backends/{backend_id}/drain
+    check: Callable[[web.Application, Params, Doc], Doc]  # what it would set; raises if bad
+    apply: Callable[[web.Application, Params, Doc], Doc]  # the answer's document
+    before: Callable[[web.Application, Params], Doc]  # what it replaces (the audit's ``old``)
+    json_body: bool = False
+    # Run once, where the change is made, before anything else: the body to log and apply in
+    # its place, and what to add to the answer there (a key made by the gateway: its secret
+    # goes to the caller once, only its hash to the log)
+    prepare: Callable[[web.Application, Params, Doc], tuple[Doc, dict[str, Any]]] | None = None
+    routed: bool = True
+
+    def matcher(self) -> re.Pattern[str]:
+        return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", self.pattern) + "$")

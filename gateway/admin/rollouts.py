@@ -1,0 +1,272 @@
+"""The admin changes of progressive rollouts (``gateway.rollouts``), rows of the table of
+changes (``gateway.admin.actions``): applied the same way on every replica, from the log.
+
+- ``POST /admin/rollouts/{alias}``: start one (the body is its plan); the alias goes to the
+  plan's first step at once, the canary pool undrained.
+- ``POST /admin/rollouts/{alias}/pause``, ``/resume``: hold it where it is, go on.
+- ``POST /admin/rollouts/{alias}/abort``: back to stable, the canary pool drained (a body
+  ``{"why": ...}`` says why).
+- ``POST /admin/rollouts/{alias}/decision``: the driver's (``gateway.rollouts.driver``), not
+  routed: a step's window begun (``window``, the fleet's counts then), ``advance``,
+  ``promote`` or ``abort``, with the gates' figures, under its lease's token.
+
+Times come in the body, stamped where the change was made (``prepare``), so every replica
+records the same. A change that cannot follow the rollout's state is refused (409) and
+changes nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Final
+
+import structlog
+from aiohttp import web
+
+from backends.errors import Conflict, InvalidRequest, NotFound
+from gateway.admin.action import Action, Doc, Params
+from gateway.fleet.changes import Change
+from gateway.keys import DRIVER, FLEET, GATEWAY, METRICS, ROLLOUTS
+from gateway.request.rollout import ROLLOUT
+from gateway.rollouts.plan import PlanError
+from gateway.rollouts.state import RolloutError, Rollouts, parse_baseline, parse_plan
+
+log = structlog.get_logger("gateway.rollouts")
+
+DECISION_PATH: Final = "/admin/rollouts/{alias}/decision"
+_ACTIONS: Final = ("window", "advance", "promote", "abort")
+
+
+def _stamped(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
+    body = dict(body) if isinstance(body, dict) else {}
+    body["at"] = time.time()
+    return body, {}
+
+
+def _at(body: Doc) -> float:
+    at = body.get("at") if isinstance(body, dict) else None
+    return float(at) if isinstance(at, int | float) and not isinstance(at, bool) else time.time()
+
+
+def _after(app: web.Application, change: Any) -> Rollouts:
+    """The rollouts once ``change`` (a function of the current ones) is made; 409 if it
+    cannot follow them."""
+    try:
+        after: Rollouts = change(app[ROLLOUTS].now)
+    except RolloutError as exc:
+        raise Conflict(str(exc)) from None
+    return after
+
+
+def _set(app: web.Application, alias: str, after: Rollouts) -> dict[str, Any]:
+    """Make ``after`` the rollouts, and the alias's weights and the canary's drain theirs."""
+    run = after.get(alias)
+    assert run is not None
+    rollout = app[ROLLOUT]
+    app[ROLLOUTS].now = after
+    app[METRICS].rollout_share.labels(alias).set(run.weights.get(run.plan.canary, 0.0))
+    canary = run.plan.canary
+    if run.status == "aborted":
+        rollout.set_weights(alias, run.weights)
+        try:
+            rollout.set_drained(canary, True)  # until someone acts
+        except InvalidRequest as exc:  # another alias has only the canary left: it stays
+            log.warning("rollout_canary_kept", alias=alias, pool=canary, why=exc.message)
+    else:
+        if canary in rollout.drained:
+            rollout.set_drained(canary, False)
+        rollout.set_weights(alias, run.weights)
+    return run.doc()
+
+
+def _plan(app: web.Application, params: Params, body: Doc) -> Any:
+    alias = params["alias"]
+    rollout = app[ROLLOUT]
+    if alias not in rollout.aliases:
+        raise NotFound(f"No alias {alias!r}.")
+    doc = {k: v for k, v in body.items() if k != "at"} if isinstance(body, dict) else body
+    try:
+        return parse_plan(doc, alias).check(rollout.pools)
+    except PlanError as exc:
+        raise InvalidRequest(f"Invalid rollout plan for {alias!r}: {exc}.") from None
+
+
+def _start_check(app: web.Application, params: Params, body: Doc) -> Doc:
+    plan = _plan(app, params, body)
+    _after(app, lambda r: r.start(plan, _at(body)))
+    return {"step": 0, "weights": plan.weights(0)}
+
+
+def _start(app: web.Application, params: Params, body: Doc) -> Doc:
+    plan = _plan(app, params, body)
+    return _set(app, params["alias"], _after(app, lambda r: r.start(plan, _at(body))))
+
+
+def _before(app: web.Application, params: Params) -> Doc:
+    run = app[ROLLOUTS].now.get(params["alias"])
+    return None if run is None else {"status": run.status, "step": run.step}
+
+
+def _operator(verb: str) -> Action:
+    def change(app: web.Application, params: Params, body: Doc) -> Rollouts:
+        alias, at = params["alias"], _at(body)
+        why = str(body.get("why", "")) if isinstance(body, dict) else ""
+        if verb == "pause":
+            return _after(app, lambda r: r.pause(alias, at))
+        if verb == "resume":
+            return _after(app, lambda r: r.resume(alias, at))
+        return _after(app, lambda r: r.abort(alias, at, why or "aborted by an operator"))
+
+    def check(app: web.Application, params: Params, body: Doc) -> Doc:
+        run = change(app, params, body).get(params["alias"])
+        assert run is not None
+        return {"status": run.status, "step": run.step}
+
+    def apply(app: web.Application, params: Params, body: Doc) -> Doc:
+        return _set(app, params["alias"], change(app, params, body))
+
+    return Action(
+        "POST",
+        f"/admin/rollouts/{{alias}}/{verb}",
+        check,
+        apply,
+        _before,
+        json_body=verb == "abort",
+        prepare=_stamped,
+    )
+
+
+def _decided(app: web.Application, params: Params, body: Doc) -> Rollouts:
+    if not isinstance(body, dict) or body.get("action") not in _ACTIONS:
+        raise InvalidRequest(f"A decision is one of {', '.join(_ACTIONS)}.")
+    alias, at, action = params["alias"], _at(body), body["action"]
+    try:
+        token = int(body["token"])
+        why = str(body.get("why", ""))
+        readings = tuple(dict(r) for r in body.get("readings", ()))
+        to = int(body.get("step", -1))
+        baseline = parse_baseline(body.get("baseline"))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        raise InvalidRequest(
+            "A decision has a token, readings and a baseline as objects."
+        ) from None
+    if action == "window":
+        if baseline is None:
+            raise InvalidRequest("A window decision has a baseline.")
+        return _after(app, lambda r: r.window(alias, to, token=token, baseline=baseline))
+    if action == "advance":
+        return _after(
+            app,
+            lambda r: r.advance(
+                alias, to, at, token=token, why=why, readings=readings, baseline=baseline
+            ),
+        )
+    if action == "promote":
+        return _after(app, lambda r: r.promote(alias, at, token=token, why=why, readings=readings))
+    return _after(app, lambda r: r.abort(alias, at, why, readings, token=token))
+
+
+def _decision_check(app: web.Application, params: Params, body: Doc) -> Doc:
+    run = _decided(app, params, body).get(params["alias"])
+    assert run is not None
+    return {"status": run.status, "step": run.step}
+
+
+def _decision(app: web.Application, params: Params, body: Doc) -> Doc:
+    return _set(app, params["alias"], _decided(app, params, body))
+
+
+ROLLOUT_ACTIONS: Final = (
+    Action(
+        "POST",
+        "/admin/rollouts/{alias}",
+        _start_check,
+        _start,
+        _before,
+        json_body=True,
+        prepare=_stamped,
+    ),
+    _operator("pause"),
+    _operator("resume"),
+    _operator("abort"),
+    Action(
+        "POST", DECISION_PATH, _decision_check, _decision, _before, json_body=True, routed=False
+    ),
+)
+
+
+def state(app: web.Application) -> dict[str, Any]:
+    """The rollouts, for a snapshot of the fleet's log."""
+    return app[ROLLOUTS].now.doc()
+
+
+def restore(app: web.Application, doc: Any) -> None:
+    app[ROLLOUTS].now = Rollouts.parse(doc)
+
+
+async def submit_decision(app: web.Application, alias: str, body: dict[str, Any]) -> None:
+    """The driver's decision for ``alias`` made for the fleet: appended to its log and applied
+    by every replica (this one's answer awaited), or, without a fleet, applied here. Raises
+    the refusal (``GatewayError``: a step already made, a driver succeeded) or the log's
+    failure."""
+    path = DECISION_PATH.format(alias=alias)
+    body = {**body, "at": time.time()}
+    found = find_action("POST", path)
+    member = app[FLEET]
+    if member is None:
+        found.apply(app, {"alias": alias}, body)
+        return
+    params = {"alias": alias}
+    change = Change(
+        method="POST",
+        path=path,
+        body=json.dumps(body).encode(),
+        replica=member.id,
+        caller="rollout driver",
+        at=body["at"],
+        old=found.before(app, params),
+        new=found.check(app, params, body),
+    )
+    # Applied here is enough: the driver renews its lease each turn, so it must not wait for
+    # every replica (a dead one stays in the registry until its report expires).
+    outcome = await member.append(change)
+    if outcome is not None and outcome.status >= 400:
+        raise Conflict(f"the fleet refused the decision: {outcome.body[:200]!r}")
+
+
+def find_action(method: str, path: str) -> Action:
+    for action in ROLLOUT_ACTIONS:
+        if action.method == method and action.matcher().match(path):
+            return action
+    raise LookupError(path)
+
+
+def view(app: web.Application, alias: str) -> dict[str, Any]:
+    """A rollout as ``GET /admin/rollouts/{alias}`` shows it: its record, and where this
+    replica drives it, the driver's last look (the gates' figures, the hold left, why)."""
+    run = app[ROLLOUTS].now.get(alias)
+    if run is None:
+        raise NotFound(f"No rollout of {alias!r}.")
+    verdict = app[DRIVER].progress.get(alias) if DRIVER in app else None
+    doc = {"alias": alias, **run.doc(), "driven_here": verdict is not None}
+    if verdict is not None and run.active:
+        doc["now"] = {
+            "verdict": verdict.action,
+            "why": verdict.why,
+            "hold_left_s": round(verdict.hold_left_s, 3),
+            "readings": [r.doc() for r in verdict.readings],
+        }
+    return doc
+
+
+async def list_rollouts(request: web.Request) -> web.Response:
+    """``GET /admin/rollouts``: every alias's rollout (the last one of each)."""
+    app = request.app[GATEWAY]
+    aliases = sorted(app[ROLLOUTS].now.runs)
+    return web.json_response({"rollouts": [view(app, a) for a in aliases]})
+
+
+async def get_rollout(request: web.Request) -> web.Response:
+    """``GET /admin/rollouts/{alias}``."""
+    return web.json_response(view(request.app[GATEWAY], request.match_info["alias"]))

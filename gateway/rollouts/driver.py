@@ -1,0 +1,179 @@
+"""Drives the fleet's progressive rollouts: one replica at a time per rollout (a lease), each
+turn judging the canary on the fleet's figures and, when the plan says so, appending the
+decision to the fleet's log, which every replica applies (``gateway.admin.rollouts``).
+
+Each turn, for every rollout under way: take (or keep) its lease; read the fleet's counts of
+both pools; if the step's window has no start yet (a new rollout), record one (the fleet's
+counts now); else judge the window (``gateway.rollouts.plan.decide``) and hold, advance,
+promote or abort. A decision carries the lease's fencing token and the step it is for, so a
+driver that lost its lease, or a decision made twice, is refused where it is applied: each
+step happens once, whoever drives. A replica that dies stops renewing; the next turn of
+another replica after ``lease_ttl`` takes over from the step the log records.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import structlog
+
+from gateway.fleet.figures import Figures, PoolCounts, summed
+from gateway.rollouts.plan import Verdict, decide
+from gateway.rollouts.state import Baseline, RolloutBook, Run, baseline_doc
+
+log = structlog.get_logger("gateway.rollouts")
+
+
+class Claim(Protocol):
+    """A rollout's lease (``gateway.fleet.lease.Lease``), or what stands for one."""
+
+    async def acquire(self) -> int | None: ...
+
+    async def release(self) -> bool: ...
+
+
+class Sole:
+    """The only driver there is (one process, or the first worker of a host): always held."""
+
+    async def acquire(self) -> int | None:
+        return 1
+
+    async def release(self) -> bool:
+        return True
+
+
+class Never:
+    """Another process drives (the other workers of a host whose fleet is in files)."""
+
+    async def acquire(self) -> int | None:
+        return None
+
+    async def release(self) -> bool:
+        return False
+
+
+# A decision for ``alias`` (the body of POST /admin/rollouts/{alias}/decision), appended to the
+# fleet's log and applied; raises if it could not be.
+Submit = Callable[[str, dict[str, Any]], Awaitable[None]]
+
+
+def window(counted: Baseline, began: Baseline, pool: str) -> PoolCounts:
+    """``pool``'s counts since the window began, summed over the replicas: each one's since its
+    own reading then (all of a replica's that joined since; none of one that left)."""
+    zero = PoolCounts()
+    return summed(
+        pools.get(pool, zero).since(began.get(replica, {}).get(pool, zero))
+        for replica, pools in counted.items()
+    )
+
+
+class Driver:
+    def __init__(
+        self,
+        book: RolloutBook,
+        figures: Callable[[], Awaitable[dict[str, Figures]]],  # each replica's
+        submit: Submit,
+        claim: Callable[[str], Claim],
+        *,
+        every: float,
+        clock: Callable[[], float] = time.time,
+        on_abort: Callable[[str, Verdict], None] | None = None,
+    ) -> None:
+        self._book = book
+        self._figures = figures
+        self._submit = submit
+        self._claim = claim
+        self._every = every
+        self._clock = clock
+        self._on_abort = on_abort
+        self._claims: dict[str, Claim] = {}
+        self.progress: dict[str, Verdict] = {}  # the last verdict of each rollout driven here
+
+    async def run(self) -> None:
+        """Turn every ``every`` seconds until cancelled; a failed turn is logged, not fatal."""
+        try:
+            while True:
+                try:
+                    await self.turn()
+                except Exception as exc:  # Redis down, a change refused...: the next turn again
+                    log.warning("rollout_turn_failed", error=str(exc) or type(exc).__name__)
+                await asyncio.sleep(self._every)  # sleep-ok: the driver's period
+        finally:
+            for claim in self._claims.values():
+                with contextlib.suppress(Exception):
+                    await claim.release()
+
+    async def turn(self) -> None:
+        """One look at every rollout under way (and the leases of those that ended given up)."""
+        active = {run.plan.alias: run for run in self._book.now.active()}
+        for alias in [a for a in self._claims if a not in active]:
+            self.progress.pop(alias, None)
+            await self._claims.pop(alias).release()
+        for alias, run in active.items():
+            await self._drive(alias, run)
+
+    async def _drive(self, alias: str, run: Run) -> None:
+        claim = self._claims.get(alias)
+        if claim is None:
+            claim = self._claims[alias] = self._claim(alias)
+        token = await claim.acquire()
+        if token is None:  # another replica drives it
+            self.progress.pop(alias, None)
+            return
+        plan = run.plan
+        pools = (plan.stable, plan.canary)
+        counted = {
+            replica: {p: f.pools.get(alias, {}).get(p, PoolCounts()) for p in pools}
+            for replica, f in (await self._figures()).items()
+        }
+        base = baseline_doc(counted)
+        if run.baseline is None:  # the step's window begins now
+            await self._submit(
+                alias, {"action": "window", "step": run.step, "token": token, "baseline": base}
+            )
+            return
+        canary, stable = (window(counted, run.baseline, p) for p in (plan.canary, plan.stable))
+        verdict = decide(
+            plan,
+            run.step,
+            self._clock() - run.step_began,
+            canary,
+            stable,
+            paused=run.status == "paused",
+        )
+        self.progress[alias] = verdict
+        if verdict.action == "hold":
+            return
+        body: dict[str, Any] = {
+            "action": verdict.action,
+            "step": verdict.step,
+            "token": token,
+            "why": verdict.why,
+            "readings": [r.doc() for r in verdict.readings],
+        }
+        if verdict.action == "advance":
+            body["baseline"] = base  # the next step's window begins as it does
+        await self._submit(alias, body)
+        if verdict.action == "abort":
+            log.warning(
+                "rollout_aborted",
+                alias=alias,
+                step=run.step,
+                share=plan.steps[run.step],
+                why=verdict.why,
+                gates=[r.doc() for r in verdict.breaches],
+            )
+            if self._on_abort is not None:
+                self._on_abort(alias, verdict)
+        else:
+            log.info(
+                "rollout_promoted" if verdict.action == "promote" else "rollout_advanced",
+                alias=alias,
+                step=verdict.step,
+                share=plan.steps[verdict.step],
+                why=verdict.why,
+            )

@@ -1,0 +1,185 @@
+"""A progressive rollout driven by the gateway itself, on simulators: started through the admin
+API, promoted step by step while the canary keeps to its gates, rolled back and drained at once
+when it errs, held while paused; each step made once and recorded."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
+
+import aiohttp
+
+from gateway.keys import METRICS, ROLLOUTS
+from gateway.request.rollout import ROLLOUT
+from tests.helpers import RunningGateway, running_gateway, wait_for
+from tools.sim import FAST, RunningSim, running_sim
+from tools.sim.faults import Faults
+
+TOKEN = "admin-secret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+ALIAS = "llama"
+# Latency gates wide open: two simulators of one speed on a busy test machine differ by chance;
+# the error gate and the steps are what these tests are about.
+PLAN: dict[str, Any] = {
+    "stable": "v1",
+    "canary": "v2",
+    "steps": [10, 50, 100],
+    "hold_s": 0.2,
+    "min_requests": 3,
+    "gates": {"error_margin": 0.05, "ttft_p99_factor": 1000, "itl_p50_factor": 1000},
+}
+
+
+@asynccontextmanager
+async def fleet() -> AsyncIterator[tuple[RunningGateway, RunningSim, RunningSim]]:
+    """One simulator per version, pools v1 (stable) and v2 (canary) behind ``llama``."""
+    async with AsyncExitStack() as stack:
+        s1 = await stack.enter_async_context(running_sim(FAST.replace(model="m-v1")))
+        s2 = await stack.enter_async_context(running_sim(FAST.replace(model="m-v2")))
+        gw = await stack.enter_async_context(
+            running_gateway(
+                [{"url": s1.url, "name": "v1a"}, {"url": s2.url, "name": "v2a"}],
+                pools=[
+                    {"name": "v1", "model": "m-v1", "backends": ["v1a"]},
+                    {"name": "v2", "model": "m-v2", "backends": ["v2a"]},
+                ],
+                aliases={ALIAS: {"v1": 100, "v2": 0}},
+                admin={"token": TOKEN, "port": 0},
+                rollout={"drive_every": 0.02},
+            )
+        )
+        yield gw, s1, s2
+
+
+@asynccontextmanager
+async def traffic(gw: RunningGateway) -> AsyncIterator[list[int]]:
+    """Requests for the alias, one after another, until the block ends; their statuses."""
+    statuses: list[int] = []
+    body = {"model": ALIAS, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+    async def send(http: aiohttp.ClientSession) -> None:
+        while True:
+            async with http.post(gw.url + "/v1/chat/completions", json=body) as r:
+                await r.read()
+                statuses.append(r.status)
+
+    async with aiohttp.ClientSession() as http:
+        task = asyncio.create_task(send(http))
+        try:
+            yield statuses
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+def status(gw: RunningGateway) -> str | None:
+    run = gw.app[ROLLOUTS].now.get(ALIAS)
+    return None if run is None else run.status
+
+
+async def start(http: aiohttp.ClientSession, gw: RunningGateway, plan: dict[str, Any]) -> Any:
+    async with http.post(f"{gw.admin_url}/admin/rollouts/{ALIAS}", json=plan, headers=AUTH) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def test_a_healthy_canary_is_promoted_through_every_step_once() -> None:
+    async with fleet() as (gw, _s1, _s2), aiohttp.ClientSession() as http:
+        started = await start(http, gw, PLAN)
+        assert started["weights"] == {"v1": 90.0, "v2": 10.0}
+        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
+        async with traffic(gw) as statuses:
+            await wait_for(lambda: status(gw) == "promoted", within=60, what="promoted")
+        assert set(statuses) == {200}
+        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        assert run is not None
+        assert [(e.action, e.step) for e in run.history] == [
+            ("start", 0),
+            ("advance", 1),
+            ("advance", 2),
+            ("promote", 2),
+        ]
+        last = run.history[-1]
+        assert all(r["passed"] for r in last.readings)
+        assert {r["gate"] for r in last.readings} >= {"errors", "ttft_p99", "itl_p50"}
+        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v2": 100.0}
+        assert gw.app[METRICS].rollout_share.labels(ALIAS)._value.get() == 100.0
+        async with http.get(f"{gw.admin_url}/admin/rollouts/{ALIAS}", headers=AUTH) as r:
+            view = await r.json()
+        assert view["status"] == "promoted"
+        assert [e["action"] for e in view["history"]] == ["start", "advance", "advance", "promote"]
+
+
+async def test_a_canary_that_errs_is_rolled_back_and_drained_at_once() -> None:
+    async with fleet() as (gw, _s1, s2), aiohttp.ClientSession() as http:
+        s2.faults = Faults(error_rate=0.5, error_status=500)
+        await start(http, gw, PLAN)
+        async with traffic(gw):
+            await wait_for(lambda: status(gw) == "aborted", within=60, what="aborted")
+        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        assert run is not None
+        assert run.step == 0  # it never left the first step
+        abort = run.history[-1]
+        assert abort.action == "abort"
+        assert abort.why == "gate(s) failed: errors"
+        [errors] = [r for r in abort.readings if r["gate"] == "errors"]
+        assert not errors["passed"]
+        assert errors["canary"] > errors["limit"]
+        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
+        assert "v2" in gw.app[ROLLOUT].drained  # until someone acts
+        aborts = gw.app[METRICS].rollout_aborts.labels(ALIAS, "errors")._value.get()
+        assert aborts == 1
+        async with traffic(gw) as statuses:  # the alias is the stable pool's alone again
+            await wait_for(lambda: len(statuses) >= 10, what="ten requests")
+        assert set(statuses) == {200}
+
+
+async def test_a_paused_rollout_holds_its_step_and_goes_on_when_resumed() -> None:
+    async with fleet() as (gw, _s1, _s2), aiohttp.ClientSession() as http:
+        await start(http, gw, PLAN)
+        async with http.post(f"{gw.admin_url}/admin/rollouts/{ALIAS}/pause", headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+        async with traffic(gw) as statuses:
+            await wait_for(lambda: len(statuses) >= 60, within=30, what="sixty requests")
+            run = gw.app[ROLLOUTS].now.get(ALIAS)
+            assert run is not None
+            assert (run.status, run.step) == ("paused", 0)  # enough requests, held anyway
+            async with http.post(
+                f"{gw.admin_url}/admin/rollouts/{ALIAS}/resume", headers=AUTH
+            ) as r:
+                assert r.status == 200, await r.text()
+            await wait_for(lambda: status(gw) == "promoted", within=60, what="promoted")
+
+
+async def test_bad_rollouts_are_refused_and_change_nothing() -> None:
+    async with fleet() as (gw, _s1, _s2), aiohttp.ClientSession() as http:
+        url = f"{gw.admin_url}/admin/rollouts/{ALIAS}"
+        for plan, code, says in (
+            ({**PLAN, "canary": "v3"}, 400, "unknown pool(s): v3"),
+            ({**PLAN, "steps": [50, 10]}, 400, "must rise"),
+            ({**PLAN, "hold_s": "long"}, 400, "hold_s must be a number"),
+            ({**PLAN, "surprise": 1}, 400, "unknown field(s): surprise"),
+        ):
+            async with http.post(url, json=plan, headers=AUTH) as r:
+                assert r.status == code
+                assert says in (await r.json())["error"]["message"]
+        async with http.post(f"{gw.admin_url}/admin/rollouts/nope", json=PLAN, headers=AUTH) as r:
+            assert r.status == 404
+        assert gw.app[ROLLOUTS].now.get(ALIAS) is None
+        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
+        await start(http, gw, {**PLAN, "hold_s": 3600})
+        async with http.post(url, json=PLAN, headers=AUTH) as r:
+            assert r.status == 409  # one under way already
+        async with http.post(f"{url}/resume", headers=AUTH) as r:
+            assert r.status == 409  # not paused
+        async with http.post(f"{url}/decision", json={"action": "promote"}, headers=AUTH) as r:
+            assert r.status in (404, 405)  # the driver's alone: not an admin route
+        async with http.post(url, json=PLAN) as r:
+            assert r.status == 401  # admin functions are never open
+        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        assert run is not None
+        assert (run.status, run.step) == ("running", 0)

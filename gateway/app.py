@@ -89,6 +89,7 @@ from gateway.request.router import Router
 from gateway.request.services import hand_in
 from gateway.request.slo import CHANGES, ChangeSignal
 from gateway.rollouts.driver import Driver, Never, Sole
+from gateway.rollouts.probes import probe_pools
 from gateway.rollouts.state import RolloutBook
 from gateway.workers.shared_reads import READ_PATH, ReadCache, SharedReads, read_handler
 from gateway.workers.supervisor import Worker
@@ -380,6 +381,7 @@ async def _rollouts_ctx(app: web.Application) -> AsyncIterator[None]:
         app[CLAIMS],
         every=app[SETTINGS].rollout.drive_every,
         on_abort=lambda alias, verdict: app[METRICS].rollout_aborted(alias, verdict.breaches),
+        probe=lambda plan: probe_pools(plan, app[ROLLOUT].pools, app[POOL], app[UPSTREAM]),
     )
     app[DRIVER] = driver
     task = app[SUPERVISOR].spawn("rollout_driver", "rollout-driver", driver.run)

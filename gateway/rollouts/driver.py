@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import structlog
 
 from gateway.fleet.figures import Figures, PoolCounts, summed
-from gateway.rollouts.plan import Verdict, decide
+from gateway.rollouts.plan import Plan, Verdict, decide
 from gateway.rollouts.state import Baseline, RolloutBook, Run, baseline_doc
 
 log = structlog.get_logger("gateway.rollouts")
@@ -56,6 +56,9 @@ class Never:
         return False
 
 
+# The share of identical tokens in both pools' answers to the plan's probes (``gates.agreement``)
+Probe = Callable[[Plan], Awaitable[float]]
+
 # A decision for ``alias`` (the body of POST /admin/rollouts/{alias}/decision), appended to the
 # fleet's log and applied; raises if it could not be.
 Submit = Callable[[str, dict[str, Any]], Awaitable[None]]
@@ -82,6 +85,7 @@ class Driver:
         every: float,
         clock: Callable[[], float] = time.time,
         on_abort: Callable[[str, Verdict], None] | None = None,
+        probe: Probe | None = None,
     ) -> None:
         self._book = book
         self._figures = figures
@@ -91,6 +95,8 @@ class Driver:
         self._clock = clock
         self._on_abort = on_abort
         self._claims: dict[str, Claim] = {}
+        self._probe = probe
+        self._agreement: dict[tuple[str, float], float] = {}  # (alias, step began): once a step
         self.progress: dict[str, Verdict] = {}  # the last verdict of each rollout driven here
 
     async def run(self) -> None:
@@ -124,6 +130,21 @@ class Driver:
         if token is None:  # another replica drives it
             self.progress.pop(alias, None)
             return
+        keeper = asyncio.create_task(self._keep(claim))  # a turn may outlast the lease (probes)
+        try:
+            await self._judge(alias, run, token)
+        finally:
+            keeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await keeper
+
+    async def _keep(self, claim: Claim) -> None:
+        """Renew the lease every ``every`` seconds while a turn's work goes on."""
+        while True:
+            await asyncio.sleep(self._every)  # sleep-ok: the renewal period
+            await claim.acquire()
+
+    async def _judge(self, alias: str, run: Run, token: int) -> None:
         plan = run.plan
         pools = (plan.stable, plan.canary)
         counted = {
@@ -137,14 +158,24 @@ class Driver:
             )
             return
         canary, stable = (window(counted, run.baseline, p) for p in (plan.canary, plan.stable))
+        elapsed, paused = self._clock() - run.step_began, run.status == "paused"
+        key = (alias, run.step_began)
+        agreement = self._agreement.get(key)
         verdict = decide(
-            plan,
-            run.step,
-            self._clock() - run.step_began,
-            canary,
-            stable,
-            paused=run.status == "paused",
+            plan, run.step, elapsed, canary, stable, agreement=agreement, paused=paused
         )
+        # The probes, once a step, once its requests are in: not before an abort they cannot
+        # prevent (another gate failed), and never to advance without them.
+        wanted = plan.probes and self._probe is not None and agreement is None
+        if wanted and verdict.action != "abort" and canary.requests >= plan.min_requests:
+            assert self._probe is not None
+            agreement = self._agreement[key] = await self._probe(plan)
+            self._agreement = {
+                k: v for k, v in self._agreement.items() if k[0] != alias or k == key
+            }
+            verdict = decide(
+                plan, run.step, elapsed, canary, stable, agreement=agreement, paused=paused
+            )
         self.progress[alias] = verdict
         if verdict.action == "hold":
             return

@@ -26,6 +26,9 @@ from gateway.rollouts.gates import Gates, Reading, certain_error_breach, judge
 
 Action = Literal["hold", "advance", "promote", "abort"]
 DEFAULT_STEPS = (1.0, 5.0, 25.0, 50.0, 100.0)
+MAX_PROBES = 16
+MAX_PROBE_CHARS = 4000
+MAX_PROBE_TOKENS = 256
 
 
 class PlanError(ValueError):
@@ -41,6 +44,10 @@ class Plan:
     hold_s: float = 300.0  # the least time at a step
     min_requests: int = 100  # canary requests answered at a step before it is judged
     gates: Gates = field(default_factory=Gates)
+    # Prompts sent to both pools once a step (greedy, ``probe_tokens`` each), their answers
+    # compared by the share of identical tokens (the ``probes`` gate, ``min_agreement``)
+    probes: tuple[str, ...] = ()
+    probe_tokens: int = 16
 
     def check(self, pools: Mapping[str, object] | None = None) -> Plan:
         """This plan, or ``PlanError`` saying what is wrong (``pools``: the known ones)."""
@@ -60,6 +67,16 @@ class Plan:
             problems.append("hold_s must be a number of seconds > 0")
         if self.min_requests < 0:
             problems.append("min_requests must be >= 0")
+        if len(self.probes) > MAX_PROBES or any(
+            not p or len(p) > MAX_PROBE_CHARS for p in self.probes
+        ):
+            problems.append(
+                f"probes: at most {MAX_PROBES} prompts of 1 to {MAX_PROBE_CHARS} characters"
+            )
+        if not 1 <= self.probe_tokens <= MAX_PROBE_TOKENS:
+            problems.append(f"probe_tokens must be between 1 and {MAX_PROBE_TOKENS}")
+        if (self.gates.min_agreement is None) != (not self.probes):
+            problems.append("probes and gates.min_agreement go together")
         problems += self.gates.problems()
         if problems:
             raise PlanError("; ".join(problems))

@@ -26,6 +26,10 @@ Baseline = Mapping[str, Mapping[str, PoolCounts]]
 HISTORY: Final = 64  # events kept per rollout (the log keeps them all)
 _GATE_FIELDS: Final = tuple(Gates.__dataclass_fields__)
 _OPTIONAL_GATES: Final = frozenset({"ttft_p99_slo", "itl_p50_slo", "min_agreement"})
+_PLAN_FIELDS: Final = frozenset(
+    {"alias", "stable", "canary", "steps", "hold_s", "min_requests", "gates", "probes",
+     "probe_tokens"}
+)  # fmt: skip
 
 
 class RolloutError(ValueError):
@@ -151,6 +155,8 @@ def plan_doc(plan: Plan) -> dict[str, Any]:
         "hold_s": plan.hold_s,
         "min_requests": plan.min_requests,
         "gates": {name: getattr(gates, name) for name in _GATE_FIELDS},
+        "probes": list(plan.probes),
+        "probe_tokens": plan.probe_tokens,
     }
 
 
@@ -159,9 +165,7 @@ def parse_plan(doc: Any, alias: str | None = None) -> Plan:
     ``PlanError`` saying what is wrong with it."""
     if not isinstance(doc, Mapping):
         raise PlanError("a rollout's plan is a JSON object")
-    unknown = sorted(
-        set(doc) - {"alias", "stable", "canary", "steps", "hold_s", "min_requests", "gates"}
-    )
+    unknown = sorted(set(doc) - _PLAN_FIELDS)
     if unknown:
         raise PlanError(f"unknown field(s): {', '.join(unknown)}")
     gates_doc = doc.get("gates", {})
@@ -180,10 +184,14 @@ def parse_plan(doc: Any, alias: str | None = None) -> Plan:
             alias=_text(named, "alias"),
             stable=_text(doc.get("stable"), "stable"),
             canary=_text(doc.get("canary"), "canary"),
-            steps=tuple(_number(s, "steps") for s in _list(doc.get("steps", DEFAULT_STEPS))),
+            steps=tuple(
+                _number(s, "steps") for s in _list(doc.get("steps", DEFAULT_STEPS), "steps")
+            ),
             hold_s=_number(doc.get("hold_s", 300.0), "hold_s"),
             min_requests=_whole(doc.get("min_requests", 100), "min_requests"),
             gates=gates,
+            probes=tuple(_prompt(p) for p in _list(doc.get("probes", []), "probes")),
+            probe_tokens=_whole(doc.get("probe_tokens", 16), "probe_tokens"),
         )
     except (TypeError, ValueError) as exc:
         if isinstance(exc, PlanError):
@@ -191,9 +199,9 @@ def parse_plan(doc: Any, alias: str | None = None) -> Plan:
         raise PlanError(f"a plan's numbers must be numbers: {exc}") from None
 
 
-def _list(value: Any) -> list[Any]:
+def _list(value: Any, name: str) -> list[Any]:
     if not isinstance(value, list | tuple):
-        raise PlanError("steps must be a list of shares in per cent")
+        raise PlanError(f"{name} must be a list")
     return list(value)
 
 
@@ -201,6 +209,12 @@ def _number(value: Any, name: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise PlanError(f"{name} must be a number")
     return float(value)
+
+
+def _prompt(value: Any) -> str:
+    if not isinstance(value, str):
+        raise PlanError("probes must be prompts (strings)")
+    return value
 
 
 def _text(value: Any, name: str) -> str:

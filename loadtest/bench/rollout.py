@@ -6,6 +6,8 @@ Cases (``--cases``, default every one):
 - ``slow``: the canary at twice the simulator's step cost (``--slowdown 2``: twice the TTFT):
   rolled back by the TTFT gate;
 - ``errors``: 5 % of the canary's requests answered 500: rolled back by the error gate;
+- ``different``: the canary's answers from another seed (as fast, no error): rolled back by
+  the probes (three prompts sent to both pools once a step, compared token by token);
 - ``failover``: the replica driving the rollout SIGKILLed after the first step: another
   finishes it, every step made once.
 
@@ -50,12 +52,20 @@ PLAN: Final[dict[str, Any]] = {
     "steps": [5, 25, 50, 100],
     "hold_s": 15,
     "min_requests": 30,  # about what 5 % of this load brings in one hold
-    "gates": {"error_margin": 0.02, "ttft_p99_factor": 1.5, "itl_p50_factor": 1.5},
+    "gates": {
+        "error_margin": 0.02,
+        "ttft_p99_factor": 1.5,
+        "itl_p50_factor": 1.5,
+        "min_agreement": 0.9,
+    },
+    "probes": ["Tell me about the sea.", "Count to ten.", "What is a gateway?"],
+    "probe_tokens": 16,
 }
 CANARY_ARGS: Final = {
     "healthy": [],
     "slow": ["--slowdown", "2"],
     "errors": ["--error-rate", "0.05", "--error-status", "500"],
+    "different": ["--seed", "7"],
     "failover": [],
 }
 SAMPLE_EVERY: Final = 0.5
@@ -301,11 +311,22 @@ def plot(result: dict[str, Any], path: Path) -> None:
     low.set_ylabel("TTFT ms")
     low.set_xlabel("seconds since the rollout began")
     low.legend(loc="upper left")
+    agree = None
+    probes = gate("probes", "canary")
+    if any(p is not None for p in probes) or any(
+        r["gate"] == "probes" for e in result["history"] or [] for r in e["readings"]
+    ):
+        agree = mid.twinx()
+        agree.plot(ts, drawn(probes, 100), label="probes agree", color="tab:purple", ls="-.")
+        agree.set_ylabel("probes agree %")
+        agree.set_ylim(-5, 105)
+        agree.legend(loc="upper right")
+    marks = {"errors": (mid, 100), "ttft_p99": (low, 1000), "probes": (agree, 100)}
     # Each decision, with the figures it was made on (samples may fall between them).
     for e in result["history"] or []:
         t = e["at"] - result["t0_unix"]
         for r in e["readings"]:
-            ax, scale = {"errors": (mid, 100), "ttft_p99": (low, 1000)}.get(r["gate"], (None, 1))
+            ax, scale = marks.get(r["gate"], (None, 1))
             if ax is not None and r["canary"] is not None:
                 ax.scatter([t], [r["canary"] * scale], marker="x" if r["passed"] else "X",
                            color="tab:red", s=30 if r["passed"] else 80, zorder=3)  # fmt: skip

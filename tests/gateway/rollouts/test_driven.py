@@ -34,11 +34,17 @@ PLAN: dict[str, Any] = {
 
 
 @asynccontextmanager
-async def fleet() -> AsyncIterator[tuple[RunningGateway, RunningSim, RunningSim]]:
-    """One simulator per version, pools v1 (stable) and v2 (canary) behind ``llama``."""
+async def fleet(
+    canary_seed: int | None = None,
+) -> AsyncIterator[tuple[RunningGateway, RunningSim, RunningSim]]:
+    """One simulator per version, pools v1 (stable) and v2 (canary) behind ``llama``;
+    ``canary_seed``: the canary's answers from another seed (fast, and wrong)."""
     async with AsyncExitStack() as stack:
         s1 = await stack.enter_async_context(running_sim(FAST.replace(model="m-v1")))
-        s2 = await stack.enter_async_context(running_sim(FAST.replace(model="m-v2")))
+        v2 = FAST.replace(model="m-v2")
+        if canary_seed is not None:
+            v2 = v2.replace(seed=canary_seed)
+        s2 = await stack.enter_async_context(running_sim(v2))
         gw = await stack.enter_async_context(
             running_gateway(
                 [{"url": s1.url, "name": "v1a"}, {"url": s2.url, "name": "v2a"}],
@@ -136,6 +142,42 @@ async def test_a_canary_that_errs_is_rolled_back_and_drained_at_once() -> None:
         async with traffic(gw) as statuses:  # the alias is the stable pool's alone again
             await wait_for(lambda: len(statuses) >= 10, what="ten requests")
         assert set(statuses) == {200}
+
+
+PROBED: dict[str, Any] = {
+    **PLAN,
+    "probes": ["Tell me about the sea.", "Count to ten."],
+    "probe_tokens": 12,
+    "gates": {**PLAN["gates"], "min_agreement": 0.9},
+}
+
+
+async def test_a_canary_that_answers_differently_is_rolled_back_by_the_probes() -> None:
+    async with fleet(canary_seed=7) as (gw, _s1, _s2), aiohttp.ClientSession() as http:
+        await start(http, gw, PROBED)
+        async with traffic(gw) as statuses:
+            await wait_for(lambda: status(gw) == "aborted", within=60, what="aborted")
+        assert set(statuses) == {200}  # fast and without an error: only the probes tell
+        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        assert run is not None
+        abort = run.history[-1]
+        assert abort.why == "gate(s) failed: probes"
+        [probes] = [r for r in abort.readings if r["gate"] == "probes"]
+        assert probes["canary"] < 0.5  # another seed: hardly a word in common
+        assert probes["limit"] == 0.9
+
+
+async def test_a_canary_that_answers_alike_passes_the_probes() -> None:
+    async with fleet() as (gw, _s1, _s2), aiohttp.ClientSession() as http:
+        await start(http, gw, PROBED)
+        async with traffic(gw):
+            await wait_for(lambda: status(gw) == "promoted", within=60, what="promoted")
+        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        assert run is not None
+        for event in run.history[1:]:  # every step judged on the probes too, and passed
+            [probes] = [r for r in event.readings if r["gate"] == "probes"]
+            assert probes["canary"] == 1.0
+            assert probes["passed"]
 
 
 async def test_a_paused_rollout_holds_its_step_and_goes_on_when_resumed() -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from typing import Any, Final
 
 import structlog
@@ -118,14 +119,7 @@ def _operator(verb: str) -> Action:
             return _after(app, lambda r: r.resume(alias, at))
         return _after(app, lambda r: r.abort(alias, at, why or "aborted by an operator"))
 
-    def check(app: web.Application, params: Params, body: Doc) -> Doc:
-        run = change(app, params, body).get(params["alias"])
-        assert run is not None
-        return {"status": run.status, "step": run.step}
-
-    def apply(app: web.Application, params: Params, body: Doc) -> Doc:
-        return _set(app, params["alias"], change(app, params, body))
-
+    check, apply = _made(change)
     return Action(
         "POST",
         f"/admin/rollouts/{{alias}}/{verb}",
@@ -167,14 +161,25 @@ def _decided(app: web.Application, params: Params, body: Doc) -> Rollouts:
     return _after(app, lambda r: r.abort(alias, at, why, readings, token=token))
 
 
-def _decision_check(app: web.Application, params: Params, body: Doc) -> Doc:
-    run = _decided(app, params, body).get(params["alias"])
-    assert run is not None
-    return {"status": run.status, "step": run.step}
+Making = Callable[[web.Application, Params, Doc], Rollouts]  # the rollouts a change makes
+Made = Callable[[web.Application, Params, Doc], Doc]
 
 
-def _decision(app: web.Application, params: Params, body: Doc) -> Doc:
-    return _set(app, params["alias"], _decided(app, params, body))
+def _made(change: Making) -> tuple[Made, Made]:
+    """An action's check (what it would set) and apply, from the rollouts it makes."""
+
+    def check(app: web.Application, params: Params, body: Doc) -> Doc:
+        run = change(app, params, body).get(params["alias"])
+        assert run is not None
+        return {"status": run.status, "step": run.step}
+
+    def apply(app: web.Application, params: Params, body: Doc) -> Doc:
+        return _set(app, params["alias"], change(app, params, body))
+
+    return check, apply
+
+
+_decision_check, _decision = _made(_decided)
 
 
 ROLLOUT_ACTIONS: Final = (

@@ -182,6 +182,10 @@ def _made(change: Making) -> tuple[Made, Made]:
 _decision_check, _decision = _made(_decided)
 
 
+# The driver's (not routed: only the gateway appends it)
+DECISION: Final = Action(
+    "POST", DECISION_PATH, _decision_check, _decision, _before, json_body=True, routed=False
+)
 ROLLOUT_ACTIONS: Final = (
     Action(
         "POST",
@@ -195,9 +199,7 @@ ROLLOUT_ACTIONS: Final = (
     _operator("pause"),
     _operator("resume"),
     _operator("abort"),
-    Action(
-        "POST", DECISION_PATH, _decision_check, _decision, _before, json_body=True, routed=False
-    ),
+    DECISION,
 )
 
 
@@ -217,10 +219,9 @@ async def submit_decision(app: web.Application, alias: str, body: dict[str, Any]
     failure."""
     path = DECISION_PATH.format(alias=alias)
     body = {**body, "at": time.time()}
-    found = find_action("POST", path)
     member = app[FLEET]
     if member is None:
-        found.apply(app, {"alias": alias}, body)
+        DECISION.apply(app, {"alias": alias}, body)
         return
     params = {"alias": alias}
     change = Change(
@@ -230,21 +231,14 @@ async def submit_decision(app: web.Application, alias: str, body: dict[str, Any]
         replica=member.id,
         caller="rollout driver",
         at=body["at"],
-        old=found.before(app, params),
-        new=found.check(app, params, body),
+        old=DECISION.before(app, params),
+        new=DECISION.check(app, params, body),
     )
     # Applied here is enough: the driver renews its lease each turn, so it must not wait for
     # every replica (a dead one stays in the registry until its report expires).
     outcome = await member.append(change)
     if outcome is not None and outcome.status >= 400:
         raise Conflict(f"the fleet refused the decision: {outcome.body[:200]!r}")
-
-
-def find_action(method: str, path: str) -> Action:
-    for action in ROLLOUT_ACTIONS:
-        if action.method == method and action.matcher().match(path):
-            return action
-    raise LookupError(path)
 
 
 def view(app: web.Application, alias: str) -> dict[str, Any]:

@@ -153,15 +153,7 @@ class Member:
 
     async def submit(self, change: Change) -> Submitted:
         """Append ``change``; wait until it is applied here and, within the wait, everywhere."""
-        try:
-            position = await self.changes.append(change)
-        except _FAILURES as exc:
-            raise FleetLogUnavailable(
-                "Admin changes are refused while the fleet's change log cannot be "
-                f"reached ({str(exc) or type(exc).__name__}): nothing was changed on any "
-                "replica. Requests are still served on the last state applied.",
-                retry_after=1,
-            ) from exc
+        position = await self._appended(change)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.wait
         outcome = await self.follower.reached(position, self.settings.wait)
@@ -171,14 +163,19 @@ class Member:
     async def append(self, change: Change) -> Outcome | None:
         """Append ``change`` and wait until it is applied here only (None: not within the
         wait): for a change the gateway makes itself, which waits for no other replica."""
+        position = await self._appended(change)
+        return await self.follower.reached(position, self.settings.wait)
+
+    async def _appended(self, change: Change) -> Position:
         try:
-            position = await self.changes.append(change)
+            return await self.changes.append(change)
         except _FAILURES as exc:
             raise FleetLogUnavailable(
-                f"The fleet's change log cannot be reached ({str(exc) or type(exc).__name__})",
+                "Admin changes are refused while the fleet's change log cannot be "
+                f"reached ({str(exc) or type(exc).__name__}): nothing was changed on any "
+                "replica. Requests are still served on the last state applied.",
                 retry_after=1,
             ) from exc
-        return await self.follower.reached(position, self.settings.wait)
 
     async def spread(self, position: Position, deadline: float) -> Spread:
         """How many replicas applied ``position``, waiting for all of them until ``deadline``."""

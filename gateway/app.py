@@ -300,6 +300,7 @@ def _describe_replica(app: web.Application) -> Description:
         in_flight={b.id: b.in_flight for b in backends},
         health={b.id: b.health.state.value for b in backends},
         figures=read_figures(families, limiter.rejections if limiter is not None else {}),
+        driving=dict(app[DRIVER].progress) if DRIVER in app else {},
     )
 
 

@@ -3,7 +3,8 @@
 Starts two replicas of the gateway (one fleet, on the local Redis) with the shipped production
 configuration in front of three simulators (``tests/gateway/admin/console/fleet.py``), streams
 through both, makes a key with a budget, drains one backend half-way and shifts the canary
-through the second replica, then photographs the first one's page in headless Chromium.
+through the second replica, starts a progressive rollout of the canary through it, then
+photographs the first one's page in headless Chromium (and its rollouts card alone, beside).
 
     .venv/bin/python scripts/console_screenshot.py [--seconds 90] [--out docs/img/console.png]
 """
@@ -29,6 +30,16 @@ from tests.gateway.admin.console.fleet import (  # noqa: E402
     another_replica,
     running_fleet,
 )
+
+# Held at its first step for the picture: a step's hold outlasts the run
+ROLLOUT = {
+    "stable": "stable",
+    "canary": "canary",
+    "steps": [5, 25, 50, 100],
+    "hold_s": 600,
+    "min_requests": 20,
+    "gates": {"ttft_p99_factor": 3.0, "itl_p50_factor": 3.0},
+}
 
 
 def main() -> int:
@@ -73,11 +84,13 @@ def main() -> int:
             if not drained and elapsed > args.seconds / 2:
                 second.admin("POST", "/admin/backends/gpu-b/drain")
                 drained = True
-            if not shifted and elapsed > args.seconds * 0.7:
-                second.admin("PUT", "/admin/aliases/chat", json={"stable": 70, "canary": 30})
+            if not shifted and elapsed > args.seconds * 0.3:
+                second.admin("POST", "/admin/rollouts/chat", json=ROLLOUT)
                 shifted = True
             time.sleep(1)  # sleep-ok: letting traffic run for the picture
         page.screenshot(path=str(args.out), full_page=True)
+        card = args.out.with_name(args.out.stem + "-rollout" + args.out.suffix)
+        page.locator("#rollouts-card").screenshot(path=str(card))
         traffic.stop()
         more.stop()
         browser.close()
@@ -86,7 +99,7 @@ def main() -> int:
     if stale:
         client.delete(*stale)
     client.close()
-    print(f"wrote {args.out}")
+    print(f"wrote {args.out} and {card}")
     return 0
 
 

@@ -31,5 +31,9 @@ class Action:
     prepare: Callable[[web.Application, Params, Doc], tuple[Doc, dict[str, Any]]] | None = None
     routed: bool = True
 
+    def __post_init__(self) -> None:
+        # What ``prepare`` makes is logged as JSON: read back as such where it is applied
+        assert self.prepare is None or self.json_body, f"{self.pattern}: prepare needs json_body"
+
     def matcher(self) -> re.Pattern[str]:
         return re.compile("^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", self.pattern) + "$")

@@ -24,6 +24,7 @@ from typing import Any, Final
 
 import structlog
 from aiohttp import web
+from redis.exceptions import RedisError
 
 from backends.errors import Conflict, InvalidRequest, NotFound
 from gateway.admin.action import Action, Doc, Params
@@ -31,7 +32,7 @@ from gateway.fleet.changes import Change
 from gateway.keys import DRIVER, FLEET, GATEWAY, METRICS, ROLLOUTS
 from gateway.request.rollout import ROLLOUT
 from gateway.rollouts.plan import PlanError
-from gateway.rollouts.state import RolloutError, Rollouts, parse_baseline, parse_plan
+from gateway.rollouts.state import RolloutError, Rollouts, Run, parse_baseline, parse_plan
 
 log = structlog.get_logger("gateway.rollouts")
 
@@ -126,7 +127,7 @@ def _operator(verb: str) -> Action:
         check,
         apply,
         _before,
-        json_body=verb == "abort",
+        json_body=True,  # the time it was made, stamped by ``prepare``; ``why`` for an abort
         prepare=_stamped,
     )
 
@@ -241,31 +242,57 @@ async def submit_decision(app: web.Application, alias: str, body: dict[str, Any]
         raise Conflict(f"the fleet refused the decision: {outcome.body[:200]!r}")
 
 
-def view(app: web.Application, alias: str) -> dict[str, Any]:
-    """A rollout as ``GET /admin/rollouts/{alias}`` shows it: its record, and where this
-    replica drives it, the driver's last look (the gates' figures, the hold left, why)."""
-    run = app[ROLLOUTS].now.get(alias)
-    if run is None:
-        raise NotFound(f"No rollout of {alias!r}.")
-    verdict = app[DRIVER].progress.get(alias) if DRIVER in app else None
-    doc = {"alias": alias, **run.doc(), "driven_here": verdict is not None}
-    if verdict is not None and run.active:
-        doc["now"] = {
-            "verdict": verdict.action,
-            "why": verdict.why,
-            "hold_left_s": round(verdict.hold_left_s, 3),
-            "readings": [r.doc() for r in verdict.readings],
-        }
+Look = tuple[str, dict[str, Any]]  # the replica driving a rollout, and its last look
+
+
+async def _looks(app: web.Application) -> tuple[str, dict[str, Look]]:
+    """This replica's id, and each rollout's driver's last look: this replica's own where it
+    drives, else from the fleet's reports (the newest, should two claim one while the lease
+    passes; ``fleet.report_interval`` old at most, nothing while the registry is out of reach)."""
+    member = app[FLEET]
+    me = "self" if member is None else member.id
+    looks: dict[str, Look] = {}
+    if member is not None:
+        try:
+            reports = await member.registry.replicas()
+        except (RedisError, OSError, TimeoutError):
+            reports = []
+        for report in sorted(reports, key=lambda r: r.reported_at):
+            for alias, look in report.driving.items():
+                looks[alias] = (report.id, look)
+    if DRIVER in app:
+        looks.update((alias, (me, look)) for alias, look in app[DRIVER].progress.items())
+    return me, looks
+
+
+def view(run: Run, alias: str, me: str, look: Look | None, now: float) -> dict[str, Any]:
+    """A rollout as ``GET /admin/rollouts[/{alias}]`` shows it: its record and, while it is
+    under way, its driver's last look (the gates' figures, the hold left, why), with its age."""
+    by = None if look is None or not run.active else look[0]
+    doc = {"alias": alias, **run.doc(), "driven_by": by, "driven_here": by == me}
+    if look is not None and run.active:
+        seen = dict(look[1])
+        age = max(0.0, now - float(seen.pop("at", now)))
+        left = max(0.0, float(seen.get("hold_left_s", 0.0)) - age)
+        doc["now"] = {**seen, "hold_left_s": round(left, 3), "age_s": round(age, 3)}
     return doc
 
 
 async def list_rollouts(request: web.Request) -> web.Response:
     """``GET /admin/rollouts``: every alias's rollout (the last one of each)."""
     app = request.app[GATEWAY]
-    aliases = sorted(app[ROLLOUTS].now.runs)
-    return web.json_response({"rollouts": [view(app, a) for a in aliases]})
+    runs = app[ROLLOUTS].now.runs
+    me, looks = await _looks(app)
+    now = time.time()
+    docs = [view(runs[a], a, me, looks.get(a), now) for a in sorted(runs)]
+    return web.json_response({"rollouts": docs})
 
 
 async def get_rollout(request: web.Request) -> web.Response:
     """``GET /admin/rollouts/{alias}``."""
-    return web.json_response(view(request.app[GATEWAY], request.match_info["alias"]))
+    app, alias = request.app[GATEWAY], request.match_info["alias"]
+    run = app[ROLLOUTS].now.get(alias)
+    if run is None:
+        raise NotFound(f"No rollout of {alias!r}.")
+    me, looks = await _looks(app)
+    return web.json_response(view(run, alias, me, looks.get(alias), time.time()))

@@ -21,7 +21,7 @@ import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import structlog
 from redis.exceptions import RedisError
@@ -65,6 +65,7 @@ class Description:
     in_flight: dict[str, int]  # per backend id
     health: dict[str, str]  # per backend id: its view
     figures: Figures = field(default_factory=Figures)  # what it served since it started
+    driving: dict[str, dict[str, Any]] = field(default_factory=dict)  # rollouts it drives
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +211,7 @@ class Member:
             in_flight=now.in_flight,
             health=now.health,
             figures=now.figures,
+            driving=now.driving,
         )
 
     async def _report_loop(self) -> None:

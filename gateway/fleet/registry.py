@@ -40,6 +40,8 @@ class Report:
     in_flight: dict[str, int] = field(default_factory=dict)  # per backend id
     health: dict[str, str] = field(default_factory=dict)  # per backend id: its view
     figures: Figures = field(default_factory=Figures)  # since it started
+    # The rollouts it drives: alias -> its driver's last look (``gateway.rollouts.driver``)
+    driving: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def _doc(self) -> dict[str, Any]:
         return {**asdict(self), "figures": self.figures.doc()}
@@ -61,6 +63,7 @@ class Report:
                 in_flight={str(k): int(v) for k, v in doc.get("in_flight", {}).items()},
                 health={str(k): str(v) for k, v in doc.get("health", {}).items()},
                 figures=Figures.parse(doc.get("figures")),  # none from an older replica
+                driving={str(k): dict(v) for k, v in doc.get("driving", {}).items()},
             )
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise InvalidRequest(f"an unreadable replica report: {exc}") from None

@@ -97,7 +97,9 @@ class Driver:
         self._claims: dict[str, Claim] = {}
         self._probe = probe
         self._agreement: dict[tuple[str, float], float] = {}  # (alias, step began): once a step
-        self.progress: dict[str, Verdict] = {}  # the last verdict of each rollout driven here
+        # The last look at each rollout driven here (``Verdict.doc``, and ``at``: when), which
+        # this replica's reports carry to the fleet's consoles
+        self.progress: dict[str, dict[str, Any]] = {}
 
     async def run(self) -> None:
         """Turn every ``every`` seconds until cancelled; a failed turn is logged, not fatal."""
@@ -176,7 +178,7 @@ class Driver:
             verdict = decide(
                 plan, run.step, elapsed, canary, stable, agreement=agreement, paused=paused
             )
-        self.progress[alias] = verdict
+        self.progress[alias] = {**verdict.doc(), "at": self._clock()}
         if verdict.action == "hold":
             return
         body: dict[str, Any] = {
@@ -184,7 +186,7 @@ class Driver:
             "step": verdict.step,
             "token": token,
             "why": verdict.why,
-            "readings": [r.doc() for r in verdict.readings],
+            "readings": verdict.doc()["readings"],
         }
         if verdict.action == "advance":
             body["baseline"] = base  # the next step's window begins as it does

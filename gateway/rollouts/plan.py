@@ -19,7 +19,7 @@ import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from gateway.fleet.figures import PoolCounts
 from gateway.rollouts.gates import Gates, Reading, certain_error_breach, judge
@@ -103,10 +103,23 @@ class Verdict:
     readings: tuple[Reading, ...]
     why: str
     hold_left_s: float = 0.0
+    requests: tuple[int, int] = (0, 0)  # the canary's and the stable pool's in the window
 
     @property
     def breaches(self) -> tuple[Reading, ...]:
         return tuple(r for r in self.readings if not r.passed)
+
+    def doc(self) -> dict[str, Any]:
+        """As the admin API and the driver's replica report show it."""
+        return {
+            "verdict": self.action,
+            "step": self.step,
+            "why": self.why,
+            "hold_left_s": round(self.hold_left_s, 3),
+            "canary_requests": self.requests[0],
+            "stable_requests": self.requests[1],
+            "readings": [r.doc() for r in self.readings],
+        }
 
 
 def decide(
@@ -122,18 +135,24 @@ def decide(
     """What to do at ``step``, ``elapsed_s`` after it began, from both pools' counts over the
     window since then (and the probes' ``agreement``, if sent)."""
     readings = judge(canary, stable, plan.gates, agreement)
+    counted = (canary.requests, stable.requests)
+
+    def verdict(action: Action, at: int, why: str, left: float = 0.0) -> Verdict:
+        return Verdict(action, at, readings, why, left, counted)
+
     failed = [r.gate for r in readings if not r.passed]
     enough = canary.requests >= plan.min_requests
     if failed and (enough or certain_error_breach(canary, stable, plan.gates, plan.min_requests)):
-        return Verdict("abort", step, readings, f"gate(s) failed: {', '.join(failed)}")
+        return verdict("abort", step, f"gate(s) failed: {', '.join(failed)}")
     left = max(plan.hold_s - elapsed_s, 0.0)
     if paused:
-        return Verdict("hold", step, readings, "paused", left)
+        return verdict("hold", step, "paused", left)
     if not enough:
-        why = f"{canary.requests} of {plan.min_requests} canary requests"
-        return Verdict("hold", step, readings, why, left)
+        return verdict(
+            "hold", step, f"{canary.requests} of {plan.min_requests} canary requests", left
+        )
     if left > 0:
-        return Verdict("hold", step, readings, "holding", left)
+        return verdict("hold", step, "holding", left)
     if step + 1 >= len(plan.steps):
-        return Verdict("promote", step, readings, "every step passed")
-    return Verdict("advance", step + 1, readings, f"step {step + 1} of {len(plan.steps)} passed")
+        return verdict("promote", step, "every step passed")
+    return verdict("advance", step + 1, f"step {step + 1} of {len(plan.steps)} passed")

@@ -16,9 +16,10 @@ let token = null;
 let timer = null;
 let polling = false; // one poll at a time
 let history = []; // [{at, backends, stats, derived}]
-let latest = { policy: null, aliases: null, backends: null, replicas: null, changes: null, keys: null };
+let latest = { policy: null, aliases: null, backends: null, replicas: null, changes: null, keys: null, rollouts: null };
 let policyFormDoc = null; // the policy document the form was last built from
 let rolloutShape = ""; // aliases and pools the rollout section was built for
+let startShape = ""; // aliases and pools the form starting a rollout was built for
 const colors = new Map();
 
 const $ = (id) => document.getElementById(id);
@@ -138,6 +139,8 @@ function signOut(message) {
   latest = { policy: null, aliases: null, backends: null };
   policyFormDoc = null;
   rolloutShape = "";
+  startShape = "";
+  $("rollouts").replaceChildren();
   $("console").hidden = true;
   $("sign-out").hidden = true;
   $("policy-name").hidden = true;
@@ -170,7 +173,7 @@ async function poll() {
   polling = true;
   clearTimeout(timer);
   try {
-    const [backends, stats, policy, aliases, replicas, changes, keys] = await Promise.all([
+    const [backends, stats, policy, aliases, replicas, changes, keys, rollouts] = await Promise.all([
       api("GET", "/admin/backends"),
       api("GET", "/admin/stats"),
       api("GET", "/admin/policy"),
@@ -178,9 +181,10 @@ async function poll() {
       api("GET", "/admin/replicas"),
       api("GET", `/admin/changes?limit=${CHANGES_SHOWN}`),
       api("GET", "/admin/keys"),
+      api("GET", "/admin/rollouts"),
     ]);
     if (token === null) return;
-    latest = { policy, aliases, backends, replicas, changes, keys };
+    latest = { policy, aliases, backends, replicas, changes, keys, rollouts };
     record(backends, stats);
     render();
     setStatus(`live · ${new Date(stats.at * 1000).toLocaleTimeString()}`, "ok");
@@ -298,6 +302,7 @@ function render() {
   renderBackends(last);
   refreshPolicyForm(policy);
   renderRollout(last);
+  renderRollouts();
   renderRejections(last);
   renderDecisions(last);
   renderFleet();
@@ -742,6 +747,207 @@ async function drainPool(pool, drained) {
   await act(`${verb}ed pool ${pool}.`, () => api("POST", `/admin/pools/${encodeURIComponent(pool)}/${drained ? "drain" : "undrain"}`));
 }
 
+// ---- progressive rollouts ------------------------------------------------------------------
+// Each rollout's record (every replica holds it, from the fleet's log) and its driver's last
+// look (the gates' figures, the hold left), which any replica's GET /admin/rollouts shows.
+
+const EVENTS_SHOWN = 6;
+
+function fmtDuration(s) {
+  if (s === null || s === undefined || !Number.isFinite(s)) return "–";
+  const whole = Math.ceil(s);
+  if (whole < 60) return `${whole} s`;
+  const m = Math.floor(whole / 60);
+  return whole % 60 ? `${m} min ${whole % 60} s` : `${m} min`;
+}
+
+function fmtGate(gate, x) {
+  if (x === null || x === undefined) return "–";
+  if (gate === "errors") return `${(x * 100).toFixed(1)} %`;
+  if (gate === "probes") return fmtPct(x);
+  return fmtSeconds(x);
+}
+
+function renderRollouts() {
+  const runs = latest.rollouts.rollouts;
+  const container = $("rollouts");
+  const seen = new Set(runs.map((r) => r.alias));
+  for (const block of [...container.children]) if (!seen.has(block.dataset.alias)) block.remove();
+  if (runs.length === 0) {
+    if (!container.querySelector("p.none")) container.replaceChildren(el("p", { class: "quiet none" }, "None yet: start one below, or POST /admin/rollouts/{alias}."));
+  } else {
+    container.querySelector("p.none")?.remove();
+  }
+  for (const run of runs) renderRun(container, run);
+  buildStartForm();
+}
+
+function rolloutBlock(container, alias) {
+  // Built once per alias and updated in place: its buttons are never replaced under a click.
+  let block = container.querySelector(`div.rollout[data-alias="${CSS.escape(alias)}"]`);
+  if (block) return block;
+  const button = (cls, text, onclick) => el("button", { type: "button", class: cls, onclick }, text);
+  block = el("div", { class: "rollout", dataset: { alias } },
+    el("div", { class: "title" }, el("strong", { class: "name" }), el("span", { class: "state" }), el("span", { class: "quiet driver" })),
+    el("ol", { class: "steps" }),
+    el("p", { class: "summary" }),
+    el("table", { class: "gates" }, el("thead", {}, el("tr", {}, ...["gate", "canary", "stable", "limit", ""].map((h) => el("th", {}, h)))), el("tbody")),
+    el("h3", {}, "Events"),
+    el("table", { class: "events" }, el("thead", {}, el("tr", {}, ...["when", "event", "step", "why", "by"].map((h) => el("th", {}, h)))), el("tbody")),
+    el("div", { class: "actions" },
+      button("pause quiet", "Pause", () => rolloutAction(alias, "pause")),
+      button("resume", "Resume", () => rolloutAction(alias, "resume")),
+      button("abort drain", "Abort", () => rolloutAction(alias, "abort")),
+    ));
+  container.append(block);
+  return block;
+}
+
+function renderRun(container, run) {
+  const block = rolloutBlock(container, run.alias);
+  const { plan } = run;
+  const active = run.status === "running" || run.status === "paused";
+  const last = run.history[run.history.length - 1];
+  block.querySelector(".name").textContent = `${run.alias}: ${plan.stable} → ${plan.canary}`;
+  const state = block.querySelector(".state");
+  state.textContent = run.status;
+  state.className = `state ${run.status}`;
+  block.querySelector(".driver").textContent = active
+    ? run.driven_by ? `driven by ${run.driven_by}${run.driven_here ? " (this one)" : ""}` : "no driver has looked yet"
+    : "";
+  const steps = block.querySelector("ol.steps");
+  steps.replaceChildren(...plan.steps.map((share, i) => {
+    let cls = i < run.step || run.status === "promoted" ? "done" : i === run.step ? "current" : "";
+    if (i === run.step && run.status === "aborted") cls = "failed";
+    return el("li", { class: cls, dataset: { step: i } }, `${fmtNumber(share)} %`);
+  }));
+  const now = active ? run.now : null;
+  const summary = block.querySelector(".summary");
+  summary.className = `summary${run.status === "aborted" ? " bad" : ""}`;
+  summary.textContent = summaryOf(run, now, last);
+  // The gates' figures: the driver's last look while it runs; the final ones after.
+  const readings = now?.readings ?? (active ? [] : last?.readings ?? []);
+  const gates = block.querySelector("table.gates");
+  gates.hidden = readings.length === 0;
+  const tbody = gates.tBodies[0];
+  for (const r of readings) {
+    const verdict = r.passed ? (r.canary === null || r.limit === null ? "no figure yet" : "passes") : "FAILED";
+    upsertRow(tbody, r.gate, [r.gate, fmtGate(r.gate, r.canary), fmtGate(r.gate, r.stable), fmtGate(r.gate, r.limit), { text: verdict, cls: r.passed ? "ok" : "bad" }]);
+  }
+  prune(tbody, new Set(readings.map((r) => r.gate)));
+  const events = block.querySelector("table.events").tBodies[0];
+  const shown = run.history.slice(-EVENTS_SHOWN).reverse();
+  events.replaceChildren(...shown.map((e) => el("tr", { dataset: { action: e.action } },
+    el("td", {}, new Date(e.at * 1000).toLocaleTimeString()),
+    el("td", {}, e.action),
+    el("td", {}, `${e.step + 1} (${fmtNumber(plan.steps[e.step])} %)`),
+    el("td", {}, e.why || "–"),
+    el("td", {}, e.by || "–"))));
+  block.querySelector("button.pause").hidden = run.status !== "running";
+  block.querySelector("button.resume").hidden = run.status !== "paused";
+  block.querySelector("button.abort").hidden = !active;
+}
+
+function summaryOf(run, now, last) {
+  const { plan } = run;
+  const n = plan.steps.length;
+  const at = `step ${run.step + 1} of ${n} (${fmtNumber(plan.steps[run.step])} % to ${plan.canary})`;
+  if (run.status === "promoted") return `Promoted: ${plan.canary} serves all of ${run.alias}.`;
+  if (run.status === "aborted") {
+    return `Rolled back to ${plan.stable} at ${at}: ${last?.why || "aborted"}. ${plan.canary} stays drained until someone acts.`;
+  }
+  const paused = run.status === "paused" ? "Paused at " : "At ";
+  if (!now) return `${paused}${at}; waiting for the driver's first look.`;
+  // The least time left: this step's hold, then each later step's.
+  const left = now.hold_left_s + plan.hold_s * (n - 1 - run.step);
+  const requests = `${now.canary_requests} of ${plan.min_requests} canary requests`;
+  let doing = run.status === "paused" ? requests : `${now.why} (${requests})`;
+  if (run.status !== "paused" && now.canary_requests < plan.min_requests) doing = `waiting for canary requests (${requests})`;
+  return `${paused}${at}: ${doing}; this step's hold ${fmtDuration(now.hold_left_s)} more, the rollout at least ${fmtDuration(left)}.`;
+}
+
+async function rolloutAction(alias, verb) {
+  const run = latest.rollouts.rollouts.find((r) => r.alias === alias);
+  if (!run) return;
+  const share = run.weights[run.plan.canary] ?? 0;
+  const texts = {
+    pause: [`Pause ${alias}'s rollout`, "It holds at this step (a failing gate still rolls it back).", []],
+    resume: [`Resume ${alias}'s rollout`, "The driver judges the step again: on when its hold and requests are in.", []],
+    abort: [`Abort ${alias}'s rollout`, `Back to ${run.plan.stable} at once, on every replica; ${run.plan.canary} is drained.`, [[`${alias} → ${run.plan.canary}`, share, 0]]],
+  };
+  const [title, text, rows] = texts[verb];
+  if (!(await confirmChange(title, text, rows))) return;
+  const body = verb === "abort" ? { why: "aborted from the console" } : undefined;
+  const done = { pause: "paused", resume: "resumed", abort: "aborted" }[verb];
+  await act(`${alias}'s rollout ${done}.`, () => api("POST", `/admin/rollouts/${encodeURIComponent(alias)}/${verb}`, body));
+}
+
+function buildStartForm() {
+  const { aliases, pools } = latest.aliases;
+  const shape = JSON.stringify([aliases.map((a) => a.alias), Object.keys(pools)]);
+  if (shape === startShape) return;
+  startShape = shape;
+  const alias = $("rollout-alias");
+  const kept = alias.value;
+  alias.replaceChildren(...aliases.map((a) => el("option", { value: a.alias }, a.alias)));
+  for (const id of ["rollout-stable", "rollout-canary"]) {
+    $(id).replaceChildren(...Object.keys(pools).map((p) => el("option", { value: p }, p)));
+  }
+  $("rollout-review").disabled = aliases.length === 0;
+  if (aliases.some((a) => a.alias === kept)) alias.value = kept;
+  pickPools(alias.value);
+}
+
+function pickPools(alias) {
+  // From the pool serving most of the alias now, to another of its pools.
+  const doc = latest.aliases.aliases.find((a) => a.alias === alias);
+  if (!doc) return;
+  const ranked = Object.entries(doc.weights).sort((a, b) => b[1] - a[1]).map(([p]) => p);
+  const others = Object.keys(latest.aliases.pools).filter((p) => p !== ranked[0]);
+  if (ranked[0]) $("rollout-stable").value = ranked[0];
+  const canary = ranked.find((p) => p !== ranked[0]) ?? others[0];
+  if (canary) $("rollout-canary").value = canary;
+}
+
+function startPlan() {
+  // Sent as typed: the gateway checks the plan and says what is wrong with it.
+  const number = (id) => {
+    const raw = $(id).value.trim();
+    const n = Number(raw);
+    return raw !== "" && Number.isFinite(n) ? n : raw;
+  };
+  const steps = $("rollout-steps").value.split(/[\s,]+/).filter(Boolean).map((x) => (Number.isFinite(Number(x)) ? Number(x) : x));
+  return {
+    stable: $("rollout-stable").value,
+    canary: $("rollout-canary").value,
+    steps,
+    hold_s: number("rollout-hold"),
+    min_requests: number("rollout-min"),
+    gates: {
+      error_margin: number("rollout-error-margin"),
+      ttft_p99_factor: number("rollout-ttft-factor"),
+      itl_p50_factor: number("rollout-itl-factor"),
+    },
+  };
+}
+
+async function reviewStart(event) {
+  event.preventDefault();
+  const alias = $("rollout-alias").value;
+  if (!alias) return;
+  const plan = startPlan();
+  const rows = [
+    ["pools", null, `${plan.stable} → ${plan.canary}`],
+    ["steps, %", null, plan.steps.join(", ")],
+    ["hold, s", null, plan.hold_s],
+    ["min requests", null, plan.min_requests],
+    ...Object.entries(plan.gates).map(([k, v]) => [`gates.${k}`, null, v]),
+  ];
+  const text = `${alias} goes to its first step at once, on every replica; the gateway moves it on, or back, by its gates.`;
+  if (!(await confirmChange(`Start a rollout of ${alias}`, text, rows))) return;
+  await act(`${alias}'s rollout started.`, () => api("POST", `/admin/rollouts/${encodeURIComponent(alias)}`, plan));
+}
+
 // ---- limits and decisions -----------------------------------------------------------------
 
 function renderRejections(last) {
@@ -922,5 +1128,7 @@ document.addEventListener("DOMContentLoaded", () => {
   $("policy-reset").addEventListener("click", () => latest.policy && buildPolicyForm(latest.policy));
   $("reload").addEventListener("click", reload);
   $("key-form").addEventListener("submit", makeKey);
+  $("rollout-form").addEventListener("submit", reviewStart);
+  $("rollout-alias").addEventListener("change", () => pickPools($("rollout-alias").value));
   $("token").focus();
 });

@@ -31,8 +31,12 @@ def report(rid: str, applied: str | None = "5-0", **kw: object) -> Report:
 
 
 def test_a_report_survives_its_encoding_and_an_unreadable_one_is_refused() -> None:
-    r = report("r1", in_flight={"b0": 2}, health={"b0": "healthy"})
+    look = {"verdict": "hold", "why": "holding", "hold_left_s": 3.5, "readings": [], "at": 1.0}
+    r = report("r1", in_flight={"b0": 2}, health={"b0": "healthy"}, driving={"chat": look})
     assert Report.decode(r.encode()) == r
+    older = json.loads(r.encode())
+    del older["driving"]  # a replica of a version from before rollouts drives none
+    assert Report.decode(json.dumps(older)).driving == {}
     assert r.view(now=190.0)["uptime_s"] == 90.0
     with pytest.raises(InvalidRequest):
         Report.decode('{"id": "r1"}')

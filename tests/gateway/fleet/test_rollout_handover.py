@@ -75,9 +75,32 @@ async def test_the_driver_killed_mid_way_another_finishes_every_step_once(
                 within=60,
                 what="the rollout past its first step, driven by one replica",
             )
+            # Held where it is while every replica is looked at
+            status, _, doc = await fleet.change(fleet[2], "POST", f"/admin/rollouts/{ALIAS}/pause")
+            assert status == 200, doc
         drivers = [r for r, v in zip(fleet, views, strict=True) if v["driven_here"]]
         assert len(drivers) == 1  # exactly one replica drives it
         [driver] = drivers
+        # Every replica shows the driver's last look (its report carries it), not only the
+        # driver: the gates' figures, the canary's requests, the hold left.
+        views = await poll(
+            lambda: asyncio.gather(*(rollout(fleet, r) for r in fleet)),
+            lambda vs: all(
+                v.get("now", {}).get("why") == "paused" and v["driven_by"] == driver.name
+                for v in vs
+            ),
+            within=30,
+            what="the driver's look at the paused rollout on every replica",
+        )
+        for v in views:
+            gates = {r["gate"] for r in v["now"]["readings"]}
+            assert {"errors", "ttft_p99", "itl_p50"} <= gates, gates
+            assert v["now"]["verdict"] == "hold"
+            assert v["now"]["canary_requests"] >= 0
+            assert 0 <= v["now"]["hold_left_s"] <= PLAN["hold_s"]
+        assert sum(v["driven_here"] for v in views) == 1
+        status, _, doc = await fleet.change(fleet[0], "POST", f"/admin/rollouts/{ALIAS}/resume")
+        assert status == 200, doc
         await driver.kill()
         survivors = [r for r in fleet if r is not driver]
         async with traffic(fleet, survivors) as statuses:
@@ -89,7 +112,14 @@ async def test_the_driver_killed_mid_way_another_finishes_every_step_once(
             )
         assert set(statuses) == {200}
         steps = [(e["action"], e["step"]) for e in done["history"]]
-        assert steps == [("start", 0), ("advance", 1), ("advance", 2), ("promote", 2)]
+        assert steps == [
+            ("start", 0),
+            ("advance", 1),
+            ("pause", 1),
+            ("resume", 1),
+            ("advance", 2),
+            ("promote", 2),
+        ]
         # Two drivers made them: the killed one's token, then its successor's, greater.
         tokens = [int(e["by"].split()[1]) for e in done["history"] if e["by"].startswith("driver")]
         assert tokens == sorted(tokens)

@@ -341,3 +341,105 @@ FLEET_TOTAL_IS_THE_SUM = """([second, sent]) => {
   const summed = Object.values(own).reduce((a, b) => a + b, 0);
   return rows.length === 2 && own[second] === sent && total === summed && total > sent;
 }"""
+
+
+def start_rollout_on_page(page: Page, steps: str, hold_s: str, min_requests: str) -> None:
+    """Fill the page's form for a rollout of ``chat`` from stable to canary, and review it."""
+    expect(page.locator("#rollout-alias")).to_have_value("chat")
+    expect(page.locator("#rollout-stable")).to_have_value("stable")  # the most weight now
+    expect(page.locator("#rollout-canary")).to_have_value("canary")
+    page.fill("#rollout-steps", steps)
+    page.fill("#rollout-hold", hold_s)
+    page.fill("#rollout-min", min_requests)
+    page.fill("#rollout-ttft-factor", "100")  # the simulators' latency varies on two cores
+    page.fill("#rollout-itl-factor", "100")
+    page.click("#rollout-review")
+
+
+def test_a_rollout_started_on_the_page_shows_its_gates_and_is_paused_and_aborted_there(
+    page: Page, fleet: Fleet
+) -> None:
+    signed_in(page, fleet)
+    expect(page.locator("#rollouts")).to_contain_text("None yet")
+    # A plan the gateway refuses: its reason on the page, nothing started.
+    start_rollout_on_page(page, "10, 5", "600", "2")
+    dialog = page.locator("#confirm")
+    expect(dialog.locator("#confirm-diff")).to_contain_text("10, 5")
+    page.click("#confirm-apply")
+    expect(page.locator("#banner")).to_contain_text("steps must rise")
+    assert fleet.admin("GET", "/admin/rollouts").json() == {"rollouts": []}
+    # A long hold: it stays at its first step while the page is looked at.
+    start_rollout_on_page(page, "10, 50, 100", "600", "2")
+    page.click("#confirm-apply")
+    expect(page.locator("#banner")).to_have_text("chat's rollout started.")
+    block = page.locator('#rollouts div.rollout[data-alias="chat"]')
+    expect(block.locator(".name")).to_have_text("chat: stable → canary")
+    expect(block.locator(".state")).to_have_text("running")
+    expect(block.locator("ol.steps li")).to_have_text(["10 %", "50 %", "100 %"])
+    expect(block.locator("ol.steps li.current")).to_have_text("10 %")
+    run = fleet.admin("GET", "/admin/rollouts/chat").json()
+    assert (run["status"], run["step"], run["weights"]) == (
+        "running",
+        0,
+        {"stable": 90.0, "canary": 10.0},
+    )
+    # The driver's look: who drives, the gates' figures once canary requests are in, the
+    # requests against the plan's least, the hold and the whole rollout's time left.
+    expect(block.locator(".driver")).to_contain_text("(this one)", timeout=15_000)
+    errors = block.locator('table.gates tr[data-key="errors"] td')
+    expect(errors.nth(4)).to_have_text("passes", timeout=30_000)
+    expect(errors.nth(1)).to_have_text("0.0 %")
+    for gate in ("ttft_p99", "itl_p50"):
+        expect(block.locator(f'table.gates tr[data-key="{gate}"] td').nth(4)).to_have_text("passes")
+    summary = block.locator(".summary")
+    expect(summary).to_contain_text("At step 1 of 3 (10 % to canary): holding (")
+    expect(summary).to_contain_text("this step's hold")
+    expect(summary).to_contain_text("the rollout at least 2")  # 20-30 min: 600 s a step
+    # Paused on the page: held where it is, on the admin API too.
+    block.locator("button.pause").click()
+    apply_in_dialog(page, [])
+    expect(page.locator("#banner")).to_have_text("chat's rollout paused.")
+    expect(block.locator(".state")).to_have_text("paused")
+    assert fleet.admin("GET", "/admin/rollouts/chat").json()["status"] == "paused"
+    expect(summary).to_contain_text("Paused at step 1 of 3", timeout=15_000)
+    expect(block.locator("button.pause")).to_be_hidden()
+    block.locator("button.resume").click()
+    apply_in_dialog(page, [])
+    expect(block.locator(".state")).to_have_text("running")
+    # Aborted on the page: back to stable at once, the canary drained, the page says why.
+    block.locator("button.abort").click()
+    apply_in_dialog(page, [("chat → canary", "10", "0")])
+    expect(page.locator("#banner")).to_have_text("chat's rollout aborted.")
+    expect(block.locator(".state")).to_have_text("aborted")
+    expect(block.locator("ol.steps li.failed")).to_have_text("10 %")
+    expect(summary).to_contain_text("Rolled back to stable at step 1 of 3")
+    expect(summary).to_contain_text("aborted from the console")
+    expect(block.locator("button.abort")).to_be_hidden()
+    events = block.locator("table.events tbody tr")
+    expect(events).to_have_count(4)
+    expect(events.first.locator("td").nth(1)).to_have_text("abort")
+    assert fleet.admin("GET", "/admin/aliases/chat").json()["weights"] == {
+        "stable": 100.0,
+        "canary": 0.0,
+    }
+    expect(page.locator('#pools tr[data-key="canary"] td').nth(3)).to_have_text("drained")
+
+
+def test_a_healthy_rollout_started_on_the_page_is_promoted_step_by_step(
+    page: Page, fleet: Fleet
+) -> None:
+    signed_in(page, fleet)
+    start_rollout_on_page(page, "20, 100", "1", "2")
+    page.click("#confirm-apply")
+    block = page.locator('#rollouts div.rollout[data-alias="chat"]')
+    expect(block.locator(".state")).to_have_text("promoted", timeout=60_000)
+    expect(block.locator("ol.steps li.done")).to_have_count(2)
+    expect(block.locator(".summary")).to_have_text("Promoted: canary serves all of chat.")
+    actions = block.locator("table.events tbody tr td:nth-child(2)")
+    expect(actions).to_have_text(["promote", "advance", "start"])  # newest first
+    # The step's final figures stay on the page: every gate passed.
+    expect(block.locator("table.gates tbody tr td:nth-child(5)")).to_have_text(["passes"] * 3)
+    assert fleet.admin("GET", "/admin/aliases/chat").json()["weights"] == {"canary": 100.0}
+    expect(
+        page.locator('#aliases tr[data-alias="chat"][data-pool="canary"] td').nth(1)
+    ).to_have_text("100")

@@ -24,7 +24,7 @@ from backends.supervise import Supervisor
 from backends.upstream.client import Transport, UpstreamClient
 from gateway.admin.actions import ActionApplier
 from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
-from gateway.admin.rollouts import submit_decision
+from gateway.admin.rollouts import start_configured, submit_decision
 from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
@@ -383,6 +383,8 @@ async def _rollouts_ctx(app: web.Application) -> AsyncIterator[None]:
         every=app[SETTINGS].rollout.drive_every,
         on_abort=lambda alias, verdict: app[METRICS].rollout_aborted(alias, verdict.breaches),
         probe=lambda plan: probe_pools(plan, app[ROLLOUT].pools, app[POOL], app[UPSTREAM]),
+        configured=lambda: app[CONFIG].current.rollout_plans(),  # noqa: PLW0108 - reloads
+        start=lambda plan: start_configured(app, plan),
     )
     app[DRIVER] = driver
     task = app[SUPERVISOR].spawn("rollout_driver", "rollout-driver", driver.run)

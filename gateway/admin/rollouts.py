@@ -9,6 +9,8 @@ changes (``gateway.admin.actions``): applied the same way on every replica, from
 - ``POST /admin/rollouts/{alias}/decision``: the driver's (``gateway.rollouts.driver``), not
   routed: a step's window begun (``window``, the fleet's counts then), ``advance``,
   ``promote`` or ``abort``, with the gates' figures, under its lease's token.
+- ``POST /admin/rollouts/{alias}/configured``: the driver's too, not routed: the
+  configuration file's plan (``[rollout.plans.<alias>]``) started, once for the fleet.
 
 Times come in the body, stamped where the change was made (``prepare``), so every replica
 records the same. A change that cannot follow the rollout's state is refused (409) and
@@ -31,8 +33,15 @@ from gateway.admin.action import Action, Doc, Params
 from gateway.fleet.changes import Change
 from gateway.keys import DRIVER, FLEET, GATEWAY, METRICS, ROLLOUTS
 from gateway.request.rollout import ROLLOUT
-from gateway.rollouts.plan import PlanError
-from gateway.rollouts.state import RolloutError, Rollouts, Run, parse_baseline, parse_plan
+from gateway.rollouts.plan import Plan, PlanError
+from gateway.rollouts.state import (
+    RolloutError,
+    Rollouts,
+    Run,
+    parse_baseline,
+    parse_plan,
+    plan_doc,
+)
 
 log = structlog.get_logger("gateway.rollouts")
 
@@ -103,6 +112,11 @@ def _start_check(app: web.Application, params: Params, body: Doc) -> Doc:
 def _start(app: web.Application, params: Params, body: Doc) -> Doc:
     plan = _plan(app, params, body)
     return _set(app, params["alias"], _after(app, lambda r: r.start(plan, _at(body))))
+
+
+def _configured(app: web.Application, params: Params, body: Doc) -> Rollouts:
+    plan = _plan(app, params, body)
+    return _after(app, lambda r: r.start(plan, _at(body), "configuration", configured=True))
 
 
 def _before(app: web.Application, params: Params) -> Doc:
@@ -181,11 +195,22 @@ def _made(change: Making) -> tuple[Made, Made]:
 
 
 _decision_check, _decision = _made(_decided)
+_configured_check, _configured_apply = _made(_configured)
 
 
 # The driver's (not routed: only the gateway appends it)
 DECISION: Final = Action(
     "POST", DECISION_PATH, _decision_check, _decision, _before, json_body=True, routed=False
+)
+# The configuration file's plan, started once for the fleet by the replica holding its lease
+CONFIGURED: Final = Action(
+    "POST",
+    "/admin/rollouts/{alias}/configured",
+    _configured_check,
+    _configured_apply,
+    _before,
+    json_body=True,
+    routed=False,
 )
 ROLLOUT_ACTIONS: Final = (
     Action(
@@ -201,6 +226,7 @@ ROLLOUT_ACTIONS: Final = (
     _operator("resume"),
     _operator("abort"),
     DECISION,
+    CONFIGURED,
 )
 
 
@@ -214,32 +240,43 @@ def restore(app: web.Application, doc: Any) -> None:
 
 
 async def submit_decision(app: web.Application, alias: str, body: dict[str, Any]) -> None:
-    """The driver's decision for ``alias`` made for the fleet: appended to its log and applied
-    by every replica (this one's answer awaited), or, without a fleet, applied here. Raises
-    the refusal (``GatewayError``: a step already made, a driver succeeded) or the log's
-    failure."""
-    path = DECISION_PATH.format(alias=alias)
+    """The driver's decision for ``alias`` made for the fleet (``_submit``)."""
+    await _submit(app, DECISION, alias, body, "rollout driver")
+
+
+async def start_configured(app: web.Application, plan: Plan) -> None:
+    """The configuration file's plan started for the fleet, once (``_submit``)."""
+    await _submit(app, CONFIGURED, plan.alias, plan_doc(plan), "configuration")
+
+
+async def _submit(
+    app: web.Application, action: Action, alias: str, body: dict[str, Any], caller: str
+) -> None:
+    """A change the gateway makes (``action``, not routed) appended to the fleet's log and
+    applied by every replica (this one's answer awaited), or, without a fleet, applied here.
+    Raises the refusal (``GatewayError``: a step already made, a driver succeeded, a plan
+    started already) or the log's failure."""
+    params = {"alias": alias}
     body = {**body, "at": time.time()}
     member = app[FLEET]
     if member is None:
-        DECISION.apply(app, {"alias": alias}, body)
+        action.apply(app, params, body)
         return
-    params = {"alias": alias}
     change = Change(
-        method="POST",
-        path=path,
+        method=action.method,
+        path=action.pattern.format(alias=alias),
         body=json.dumps(body).encode(),
         replica=member.id,
-        caller="rollout driver",
+        caller=caller,
         at=body["at"],
-        old=DECISION.before(app, params),
-        new=DECISION.check(app, params, body),
+        old=action.before(app, params),
+        new=action.check(app, params, body),
     )
     # Applied here is enough: the driver renews its lease each turn, so it must not wait for
     # every replica (a dead one stays in the registry until its report expires).
     outcome = await member.append(change)
     if outcome is not None and outcome.status >= 400:
-        raise Conflict(f"the fleet refused the decision: {outcome.body[:200]!r}")
+        raise Conflict(f"the fleet refused the change: {outcome.body[:200]!r}")
 
 
 Look = tuple[str, dict[str, Any]]  # the replica driving a rollout, and its last look

@@ -5,6 +5,8 @@ prediction, model pools and their rollout, prefill/decode pools. Part of ``gatew
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.config.declared import Section, declared
@@ -125,4 +127,10 @@ class RolloutSettings(BaseModel):
         le=600,
         description="seconds a replica driving a rollout holds it without renewing; "
         "another takes over after that",
+    )
+    plans: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="alias -> a progressive rollout's plan ([rollout.plans.<alias>]: stable, "
+        "canary, steps, hold_s, min_requests, gates, probes), started once for the fleet "
+        "(again only once changed), as POST /admin/rollouts/{alias} would",
     )

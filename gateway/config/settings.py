@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -35,6 +36,8 @@ from gateway.config.routing import (
 )
 from gateway.limits.settings import LimitsSettings
 from gateway.request.retry import RetryPolicy
+from gateway.rollouts.plan import Plan, PlanError
+from gateway.rollouts.state import parse_plan
 from policies import PolicyName
 from policies.kv_index import KV_CAPACITY
 from policies.precise_prefix import PrecisePrefix
@@ -524,7 +527,20 @@ class Settings(BaseSettings):
                 check_weights(weights, names)
             except WeightsError as exc:
                 raise ValueError(f"alias {alias!r}: {exc}") from None
+        self.rollout_plans(names)
         return self
+
+    def rollout_plans(self, pools: Collection[str] | None = None) -> tuple[Plan, ...]:
+        """``[rollout.plans]``, each checked (against ``pools``, the known ones, if given)."""
+        plans = []
+        for alias, doc in self.rollout.plans.items():
+            if alias not in self.aliases:
+                raise ValueError(f"rollout.plans.{alias}: no alias {alias!r} in [aliases]")
+            try:
+                plans.append(parse_plan(doc, alias).check(pools))
+            except PlanError as exc:
+                raise ValueError(f"rollout.plans.{alias}: {exc}") from None
+        return tuple(plans)
 
     @classmethod
     def settings_customise_sources(

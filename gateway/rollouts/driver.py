@@ -16,14 +16,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import structlog
 
+from backends.errors import GatewayError
 from gateway.fleet.figures import Figures, PoolCounts, summed
 from gateway.rollouts.plan import Plan, Verdict, decide
-from gateway.rollouts.state import Baseline, RolloutBook, Run, baseline_doc
+from gateway.rollouts.state import Baseline, RolloutBook, Run, baseline_doc, plan_fingerprint
 
 log = structlog.get_logger("gateway.rollouts")
 
@@ -86,6 +87,8 @@ class Driver:
         clock: Callable[[], float] = time.time,
         on_abort: Callable[[str, Verdict], None] | None = None,
         probe: Probe | None = None,
+        configured: Callable[[], Sequence[Plan]] = tuple,
+        start: Callable[[Plan], Awaitable[None]] | None = None,
     ) -> None:
         self._book = book
         self._figures = figures
@@ -96,6 +99,9 @@ class Driver:
         self._on_abort = on_abort
         self._claims: dict[str, Claim] = {}
         self._probe = probe
+        self._configured = configured  # the configuration file's plans, as it reads now
+        self._start = start
+        self._refused: set[str] = set()  # configured plans refused: said once each
         self._agreement: dict[tuple[str, float], float] = {}  # (alias, step began): once a step
         # The last look at each rollout driven here (``Verdict.doc``, and ``at``: when), which
         # this replica's reports carry to the fleet's consoles
@@ -116,7 +122,11 @@ class Driver:
                     await claim.release()
 
     async def turn(self) -> None:
-        """One look at every rollout under way (and the leases of those that ended given up)."""
+        """One look at every rollout under way (and the leases of those that ended given up),
+        once the configuration file's plans not started yet are."""
+        for plan in self._configured():
+            if self._start is not None and self._book.now.unstarted(plan):
+                await self._start_configured(plan, self._start)
         active = {run.plan.alias: run for run in self._book.now.active()}
         for alias in [a for a in self._claims if a not in active]:
             self.progress.pop(alias, None)
@@ -139,6 +149,25 @@ class Driver:
             keeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await keeper
+
+    async def _start_configured(self, plan: Plan, start: Callable[[Plan], Awaitable[None]]) -> None:
+        """Start ``plan`` for the fleet if this replica holds its alias's lease (once: the
+        record refuses a plan started already, whoever asks)."""
+        alias = plan.alias
+        claim = self._claims.get(alias)
+        if claim is None:
+            claim = self._claims[alias] = self._claim(alias)
+        if await claim.acquire() is None:  # another replica starts it
+            return
+        fingerprint = plan_fingerprint(plan)
+        try:
+            await start(plan)
+        except GatewayError as exc:  # it cannot be started now (a pool gone since): said once
+            if fingerprint not in self._refused:
+                self._refused.add(fingerprint)
+                log.warning("rollout_configured_refused", alias=alias, why=exc.message)
+            return
+        log.info("rollout_started", alias=alias, by="configuration", fingerprint=fingerprint)
 
     async def _keep(self, claim: Claim) -> None:
         """Renew the lease every ``every`` seconds while a turn's work goes on."""

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -49,7 +49,7 @@ class Plan:
     probes: tuple[str, ...] = ()
     probe_tokens: int = 16
 
-    def check(self, pools: Mapping[str, object] | None = None) -> Plan:
+    def check(self, pools: Collection[str] | None = None) -> Plan:
         """This plan, or ``PlanError`` saying what is wrong (``pools``: the known ones)."""
         problems: list[str] = []
         if self.stable == self.canary:

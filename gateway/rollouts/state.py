@@ -11,6 +11,8 @@ so is a step that is not the next one, so a step is applied once, whoever drives
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Final, Literal
@@ -24,6 +26,7 @@ Status = Literal["running", "paused", "aborted", "promoted"]
 # sums each replica's counts since its own (a replica that left takes its counts with it).
 Baseline = Mapping[str, Mapping[str, PoolCounts]]
 HISTORY: Final = 64  # events kept per rollout (the log keeps them all)
+CONFIGURED_KEPT: Final = 16  # configured plans remembered per alias, as started
 _GATE_FIELDS: Final = tuple(Gates.__dataclass_fields__)
 _OPTIONAL_GATES: Final = frozenset({"ttft_p99_slo", "itl_p50_slo", "min_agreement"})
 _PLAN_FIELDS: Final = frozenset(
@@ -229,11 +232,20 @@ def _whole(value: Any, name: str) -> int:
     return value
 
 
+def plan_fingerprint(plan: Plan) -> str:
+    """What tells one plan from another (a plan of the configuration file, started once)."""
+    canonical = json.dumps(plan_doc(plan), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True, slots=True)
 class Rollouts:
-    """Every alias's rollout (the last one, while it is kept), as the log made them."""
+    """Every alias's rollout (the last one, while it is kept), as the log made them, and the
+    configuration file's plans started for each alias (their fingerprints, the last
+    ``CONFIGURED_KEPT``): each started once, whichever replica's file names it."""
 
     runs: Mapping[str, Run] = field(default_factory=dict)
+    configured: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
 
     def get(self, alias: str) -> Run | None:
         return self.runs.get(alias)
@@ -242,7 +254,7 @@ class Rollouts:
         return [r for r in self.runs.values() if r.active]
 
     def _with(self, run: Run) -> Rollouts:
-        return Rollouts({**self.runs, run.plan.alias: run})
+        return replace(self, runs={**self.runs, run.plan.alias: run})
 
     def _running(self, alias: str, *, paused_too: bool = False) -> Run:
         run = self.runs.get(alias)
@@ -252,12 +264,26 @@ class Rollouts:
             raise RolloutError(f"The rollout of {alias!r} is paused.")
         return run
 
-    def start(self, plan: Plan, at: float, by: str = "") -> Rollouts:
+    def start(self, plan: Plan, at: float, by: str = "", *, configured: bool = False) -> Rollouts:
+        """``configured``: the configuration file's plan, started once (refused if it was)."""
         run = self.runs.get(plan.alias)
         if run is not None and run.active:
             raise RolloutError(f"A rollout of {plan.alias!r} is under way already.")
-        event = Event(at, 0, "start", by=by)
-        return self._with(Run(plan, "running", 0, at, 0, (event,)))
+        started = self._with(Run(plan, "running", 0, at, 0, (Event(at, 0, "start", by=by),)))
+        if not configured:
+            return started
+        fingerprint, before = plan_fingerprint(plan), self.configured.get(plan.alias, ())
+        if fingerprint in before:
+            raise RolloutError(f"The configured rollout of {plan.alias!r} was started already.")
+        kept = (*before, fingerprint)[-CONFIGURED_KEPT:]
+        return replace(started, configured={**self.configured, plan.alias: kept})
+
+    def unstarted(self, plan: Plan) -> bool:
+        """Whether ``plan`` (the configuration file's) is to be started now: not started yet,
+        and no other rollout of its alias under way."""
+        run = self.runs.get(plan.alias)
+        started = plan_fingerprint(plan) in self.configured.get(plan.alias, ())
+        return not started and (run is None or not run.active)
 
     def advance(
         self,
@@ -338,13 +364,23 @@ class Rollouts:
         return run
 
     def doc(self) -> dict[str, Any]:
-        return {alias: run.doc() for alias, run in sorted(self.runs.items())}
+        runs = {alias: run.doc() for alias, run in sorted(self.runs.items())}
+        configured = {alias: list(f) for alias, f in sorted(self.configured.items())}
+        return {"runs": runs, "configured": configured}
 
     @classmethod
     def parse(cls, doc: Any) -> Rollouts:
         if not isinstance(doc, Mapping):
             return cls()
-        return cls({str(alias): Run.parse(run) for alias, run in doc.items()})
+        runs = doc.get("runs")
+        if not isinstance(runs, Mapping) or "plan" in runs:  # a snapshot of alias -> run only
+            runs, configured = doc, {}
+        else:
+            configured = doc.get("configured", {})
+        return cls(
+            {str(alias): Run.parse(run) for alias, run in runs.items()},
+            {str(alias): tuple(str(x) for x in f) for alias, f in dict(configured).items()},
+        )
 
 
 class RolloutBook:

@@ -82,3 +82,37 @@ def test_an_empty_admin_token_is_refused_not_taken_for_one() -> None:
     with pytest.raises(ValidationError, match=r"admin\.token is empty"):
         Settings.model_validate({"admin": {"token": " "}})
     assert Settings.model_validate({"admin": {}}).admin.token is None
+
+
+ROLLOUT_FILE = """
+backends = [{ url = "http://a:1", name = "a" }, { url = "http://b:1", name = "b" }]
+pools = [
+  { name = "v1", model = "m", backends = ["a"] },
+  { name = "v2", model = "m", backends = ["b"] },
+]
+aliases = { chat = { v1 = 100 } }
+[rollout.plans.chat]
+stable = "v1"
+canary = "%s"
+steps = [%s]
+hold_s = 60
+gates = { ttft_p99_slo = 2.0 }
+"""
+
+
+def test_a_rollout_plan_in_the_file_is_checked_as_the_admin_api_would(tmp_path: Path) -> None:
+    cfg = tmp_path / "gw.toml"
+    cfg.write_text(ROLLOUT_FILE % ("v2", "10, 100"))
+    [plan] = load_settings(cfg).rollout_plans()
+    assert (plan.alias, plan.canary, plan.steps, plan.hold_s) == ("chat", "v2", (10, 100), 60)
+    assert plan.gates.ttft_p99_slo == 2.0
+    for canary, steps, why in (
+        ("v3", "10, 100", "unknown pool"),
+        ("v2", "50, 10", "steps must rise"),
+    ):
+        cfg.write_text(ROLLOUT_FILE % (canary, steps))
+        with pytest.raises(ValidationError, match=f"rollout.plans.chat: .*{why}"):
+            load_settings(cfg)
+    cfg.write_text((ROLLOUT_FILE % ("v2", "100")).replace("plans.chat", "plans.other"))
+    with pytest.raises(ValidationError, match="no alias 'other'"):
+        load_settings(cfg)

@@ -40,6 +40,15 @@ def chat(model: str = "m") -> dict[str, Any]:
     return {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
+def toml_value(value: object) -> str:
+    """``value`` as a TOML value (inline tables and arrays)."""
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
+    return json.dumps(value)  # strings, numbers and booleans are written alike
+
+
 def config(
     backends: dict[str, str],
     redis_url: str | None,
@@ -47,7 +56,7 @@ def config(
     *,
     auth: bool = False,
     files: Path | None = None,
-    rollout: dict[str, float] | None = None,
+    rollout: dict[str, object] | None = None,
     **fleet: object,
 ) -> str:
     """With ``redis_url`` None, no Redis: the fleet's log in files under ``files``;
@@ -91,7 +100,7 @@ def config(
         f"aliases = {{ {ALIAS} = {{ stable = 100, canary = 0 }} }}",
     ]
     if rollout:
-        lines.append("rollout = { " + ", ".join(f"{k} = {v}" for k, v in rollout.items()) + " }")
+        lines.append(f"rollout = {toml_value(rollout)}")
     for name, url in backends.items():
         lines += ["[[backends]]", f'url = "{url}"', f'name = "{name}"']
     lines += [
@@ -274,7 +283,7 @@ async def running_fleet(
     n: int = 3,
     workers: tuple[int, ...] = (),
     auth: bool = False,
-    rollout: dict[str, float] | None = None,
+    rollout: dict[str, object] | None = None,
     **fleet: object,
 ) -> AsyncIterator[Fleet]:
     """``n`` replicas; ``workers``: each one's ``serve --workers`` (1 where not given);

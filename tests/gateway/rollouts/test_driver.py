@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import structlog
+
+from backends.errors import Conflict
 from gateway.fleet.figures import Figures, PoolCounts
 from gateway.rollouts.driver import Driver
 from gateway.rollouts.gates import Gates
@@ -85,3 +88,63 @@ async def test_a_rollout_another_replica_drives_is_left_alone() -> None:
     await driver.turn()
     assert sent == []
     assert driver.progress == {}
+
+
+async def test_a_configured_plan_is_started_by_the_lease_holder_once() -> None:
+    book = RolloutBook()
+    started: list[Plan] = []
+
+    async def start(plan: Plan) -> None:  # as the log applies it here
+        started.append(plan)
+        book.now = book.now.start(plan, 0.0, "configuration", configured=True)
+
+    async def submit(_alias: str, _body: dict[str, Any]) -> None:
+        return None
+
+    async def read() -> dict[str, Figures]:
+        return {"self": figures(canary=0)}
+
+    # Another replica holds the alias's lease: it starts the plan, not this one.
+    elsewhere = Driver(
+        book, read, submit, lambda _a: Claim(ours=False), every=0.001,
+        configured=lambda: (PLAN,), start=start,
+    )  # fmt: skip
+    await elsewhere.turn()
+    assert started == []
+    here = Driver(
+        book, read, submit, lambda _a: Claim(), every=0.001, configured=lambda: (PLAN,), start=start
+    )
+    for _ in range(3):
+        await here.turn()
+    assert started == [PLAN]
+    run = book.now.get("chat")
+    assert run is not None
+    assert run.history[0].by == "configuration"
+    book.now = book.now.abort("chat", 1.0, "aborted by an operator")
+    await here.turn()
+    assert started == [PLAN]  # ended, and not started again
+
+
+async def test_a_configured_plan_that_cannot_start_is_said_once() -> None:
+    book = RolloutBook()
+    tries: list[Plan] = []
+
+    async def start(plan: Plan) -> None:
+        tries.append(plan)
+        raise Conflict("unknown pool(s): v2")
+
+    async def read() -> dict[str, Figures]:
+        return {}
+
+    async def submit(_alias: str, _body: dict[str, Any]) -> None:
+        return None
+
+    driver = Driver(
+        book, read, submit, lambda _a: Claim(), every=0.001, configured=lambda: (PLAN,), start=start
+    )
+    with structlog.testing.capture_logs() as logs:
+        for _ in range(3):
+            await driver.turn()
+    assert len(tries) == 3  # tried each turn (a reload may mend it)
+    refused = [e for e in logs if e["event"] == "rollout_configured_refused"]
+    assert [(e["alias"], e["why"]) for e in refused] == [("chat", "unknown pool(s): v2")]

@@ -9,7 +9,7 @@ import pytest
 
 from gateway.fleet.figures import PoolCounts
 from gateway.rollouts.plan import Plan, PlanError
-from gateway.rollouts.state import RolloutError, Rollouts, Run, parse_plan
+from gateway.rollouts.state import RolloutError, Rollouts, Run, parse_plan, plan_fingerprint
 
 PLAN = Plan("chat", "v1", "v2", steps=(10.0, 50.0, 100.0), hold_s=60.0, min_requests=10)
 BASE = {"r0": {"v1": PoolCounts(100, 1, ((0.1, 90), (float("inf"), 100))), "v2": PoolCounts()}}
@@ -124,3 +124,30 @@ def test_a_window_sums_each_replicas_counts_since_its_own_reading() -> None:
     assert (w.requests, w.errors) == (30 + 12, 1 + 1)
     restarted = {"r0": {"v2": PoolCounts(9, 0)}}  # r0 restarted: counting from 0 again
     assert window(restarted, began, "v2").requests == 9
+
+
+def test_a_configured_plan_is_started_once_and_each_of_a_files_plans_once() -> None:
+    r = Rollouts().start(PLAN, 1000.0, "configuration", configured=True)
+    assert not r.unstarted(PLAN)
+    r = r.abort("chat", 1010.0, "aborted by an operator")
+    assert not r.unstarted(PLAN)  # ended: still not again
+    with pytest.raises(RolloutError, match="started already"):
+        r.start(PLAN, 1020.0, configured=True)
+    r = r.start(PLAN, 1020.0)  # an operator may run it again through the API
+    changed = Plan("chat", "v1", "v2", steps=(50.0, 100.0))  # the file changed since
+    assert not r.unstarted(changed)  # not while another rollout of the alias is under way
+    r = r.abort("chat", 1030.0, "aborted by an operator")
+    assert r.unstarted(changed)
+    r = r.start(changed, 1040.0, "configuration", configured=True)
+    assert r.configured["chat"] == (plan_fingerprint(PLAN), plan_fingerprint(changed))
+    # A replica whose file still has the first plan does not start it again.
+    r = r.abort("chat", 1050.0, "aborted by an operator")
+    assert not r.unstarted(PLAN)
+    again = Rollouts.parse(json.loads(json.dumps(r.doc())))
+    assert again == r
+
+
+def test_a_snapshot_of_runs_alone_still_reads() -> None:
+    r = started()
+    older = r.doc()["runs"]  # a snapshot from before configured plans: alias -> run
+    assert Rollouts.parse(json.loads(json.dumps(older))) == r

@@ -25,7 +25,7 @@ from gateway.config.policies import (
 )
 from gateway.config.routing import AffinitySettings, LatencySettings, WeightSettings
 from gateway.config.settings import Settings
-from gateway.keys import KV_FEEDS, KV_INDEX, LATENCY, METRICS, MONITOR, POOL, ROUTER
+from gateway.keys import KV_FEEDS, KV_INDEX, LATENCY, METRICS, MONITOR, POOL, ROLLOUTS, ROUTER
 from gateway.request.rollout import ROLLOUT
 from policies import AffinityConfig, PolicyName, PredictionConfig, Weights
 from policies.types import Capabilities
@@ -220,8 +220,14 @@ def reload_settings(app: web.Application) -> ReloadResult:
         )
     if "backends" in result.applied:
         _apply_backends(app, new)
-    if {"pools", "aliases", "rollout"} & set(result.applied):
-        app[ROLLOUT].reconfigure(new)
+    # A change of [rollout.plans] alone is the driver's to read (``gateway.rollouts``); the
+    # weights of an alias a rollout is moving stay the rollout's.
+    routing = {"pools", "aliases"} & set(result.applied) or old.rollout.model_dump(
+        exclude={"plans"}
+    ) != new.rollout.model_dump(exclude={"plans"})
+    if routing:
+        owned = [run.plan.alias for run in app[ROLLOUTS].now.active()] if ROLLOUTS in app else []
+        app[ROLLOUT].reconfigure(new, owned)
         app[METRICS].known_pools(app[ROLLOUT].pairs())
     # What needs a restart keeps its running value until then.
     app[CONFIG].current = old.model_copy(update={k: getattr(new, k) for k in result.applied})

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -220,9 +220,15 @@ class Rollout:
         self.previous = kept(state.get("previous", {}))
         self.drained = {str(p) for p in state.get("drained", ())} & known
 
-    def reconfigure(self, settings: Settings) -> None:
-        """Take pools and aliases from a reloaded (already validated) configuration."""
+    def reconfigure(self, settings: Settings, owned: Collection[str] = ()) -> None:
+        """Take pools and aliases from a reloaded (already validated) configuration; the
+        aliases in ``owned`` (a progressive rollout under way moves them) keep the weights
+        they have, while their pools remain."""
         fresh = Rollout.from_settings(settings, self._rng)
+        for alias in owned:
+            now = self.aliases.get(alias)
+            if now is not None and alias in fresh.aliases and set(now) <= fresh.pools.keys():
+                fresh.aliases[alias] = now
         for alias, new in fresh.aliases.items():
             old = self.aliases.get(alias)
             if old is not None and old != new:

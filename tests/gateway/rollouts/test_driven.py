@@ -8,10 +8,12 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
+from gateway.config.settings import Settings, load_settings
 from gateway.keys import METRICS, ROLLOUTS
 from gateway.request.rollout import ROLLOUT
 from tests.helpers import RunningGateway, running_gateway, wait_for
@@ -225,3 +227,83 @@ async def test_bad_rollouts_are_refused_and_change_nothing() -> None:
         run = gw.app[ROLLOUTS].now.get(ALIAS)
         assert run is not None
         assert (run.status, run.step) == ("running", 0)
+
+
+async def test_a_plan_in_the_file_starts_itself_and_a_reload_leaves_its_weights(
+    tmp_path: Path,
+) -> None:
+    """The configuration file's plan is started by the gateway itself; a reload of a file whose
+    weights and plan changed meanwhile moves neither the rollout's weights nor starts the new
+    plan while the first runs; once that one ends, the new plan starts (once)."""
+    config = tmp_path / "gateway.toml"
+    slow = {**PLAN, "hold_s": 600}  # held at its first step while the test looks
+
+    def write(weights: str, plan: dict[str, Any]) -> None:
+        gates = ", ".join(f"{k} = {v}" for k, v in plan["gates"].items())
+        config.write_text(
+            f"""
+backends = [{{url = "{urls[0]}", name = "v1a"}}, {{url = "{urls[1]}", name = "v2a"}}]
+pools = [
+  {{ name = "v1", model = "m-v1", backends = ["v1a"] }},
+  {{ name = "v2", model = "m-v2", backends = ["v2a"] }},
+]
+aliases = {{ {ALIAS} = {weights} }}
+[rollout]
+drive_every = 0.02
+[rollout.plans.{ALIAS}]
+stable = "v1"
+canary = "v2"
+steps = {plan["steps"]}
+hold_s = {plan["hold_s"]}
+min_requests = {plan["min_requests"]}
+gates = {{ {gates} }}
+"""
+        )
+
+    def loader() -> Settings:
+        return load_settings(config, log_level="warning")
+
+    async with (
+        running_sim(FAST.replace(model="m-v1")) as s1,
+        running_sim(FAST.replace(model="m-v2")) as s2,
+    ):
+        urls = [s1.url, s2.url]
+        write("{ v1 = 100 }", slow)
+        first = loader()
+        async with (
+            running_gateway(
+                [b.model_dump() for b in first.backends],
+                pools=[p.model_dump() for p in first.pools],
+                aliases=first.aliases,
+                rollout=first.rollout.model_dump(),
+                loader=loader,
+                admin={"token": TOKEN, "port": 0},
+            ) as gw,
+            aiohttp.ClientSession(headers=AUTH) as admin,
+        ):
+            await wait_for(lambda: status(gw) == "running", within=30, what="started by itself")
+            assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
+            changed = {**slow, "steps": [20, 100]}
+            write("{ v1 = 50, v2 = 50 }", changed)
+            async with admin.post(f"{gw.admin_url}/admin/reload") as r:
+                assert r.status == 200, await r.text()
+                assert {"aliases", "rollout"} <= set((await r.json())["applied"])
+            # The rollout owns the alias's weights while it runs; its plan is the one started.
+            assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
+            run = gw.app[ROLLOUTS].now.get(ALIAS)
+            assert run is not None
+            assert run.plan.steps == (10.0, 50.0, 100.0)
+            async with admin.post(f"{gw.admin_url}/admin/rollouts/{ALIAS}/abort") as r:
+                assert r.status == 200, await r.text()
+            await wait_for(
+                lambda: (
+                    (r := gw.app[ROLLOUTS].now.get(ALIAS)) is not None
+                    and r.plan.steps == (20.0, 100.0)
+                ),
+                within=30,
+                what="the changed plan started once the first ended",
+            )
+            assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 80.0, "v2": 20.0}
+            run = gw.app[ROLLOUTS].now.get(ALIAS)
+            assert run is not None
+            assert [(e.action, e.by) for e in run.history] == [("start", "configuration")]

@@ -247,7 +247,7 @@ class UsageFilter:
 
     def event(self, raw: bytes) -> bytes:
         """The event to send on (``raw`` itself), or ``b""`` when it is removed."""
-        if _USAGE not in raw:
+        if raw.find(_USAGE) < 0:
             return raw
         try:
             doc = json.loads(_data_of(raw))
@@ -262,8 +262,10 @@ class UsageFilter:
         return raw
 
     def feed(self, chunk: bytes) -> bytes:
-        if not self._tail and chunk.endswith(b"\n\n") and _USAGE not in chunk:
-            return chunk  # the usual read: whole events, none with usage (two C-level checks)
+        # The usual read: whole events, none with usage (two C-level checks; ``find``, as
+        # ``bytes in bytes`` first tries the operand as an int and clears the TypeError)
+        if not self._tail and chunk.endswith(b"\n\n") and chunk.find(_USAGE) < 0:
+            return chunk
         data = self._tail + chunk if self._tail else chunk
         end = _last_boundary(data)
         complete, self._tail = data[:end], data[end:]

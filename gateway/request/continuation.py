@@ -230,7 +230,7 @@ class Keep(Generic[P]):
                 data, self._held = data[:end], data[end:]
         # The usual read is one event, and an error event's first bytes say what it is.
         one = events == 1
-        if data.startswith((_ERROR_EVENT, _NAMED_ERROR_EVENT)) if one else _ERROR in data:
+        if data.startswith((_ERROR_EVENT, _NAMED_ERROR_EVENT)) if one else data.find(_ERROR) >= 0:
             data = self._until_failure(data)
         if data:
             self._reads.append(data)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import redis
@@ -69,3 +71,23 @@ class RedisServer:
             self.proc.kill()
             self.proc.wait(timeout=10)
         self.proc = None
+
+    def pause(self) -> None:
+        """Stop it (SIGSTOP): connections and commands wait in the kernel, unanswered."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def unread(self) -> int:
+        """Bytes clients have sent that it has not read yet (the kernel's receive queues of
+        its connections, from ``/proc/net/tcp``)."""
+        total = 0
+        for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+            fields = line.split()
+            local, state, queues = fields[1], fields[3], fields[4]
+            if state == "01" and int(local.split(":")[1], 16) == self.port:  # established
+                total += int(queues.split(":")[1], 16)
+        return total

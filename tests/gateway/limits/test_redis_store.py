@@ -19,6 +19,7 @@ from gateway.limits.budget import Counted
 from gateway.limits.redis_store import _ADMIT, _SETTLE, RedisLimitStore
 from gateway.limits.settings import RedisSettings
 from gateway.limits.store import Limits, Used, finish
+from tests.helpers import wait_for
 from tests.redis_server import RedisServer
 
 StoreFactory = Callable[..., RedisLimitStore]
@@ -412,10 +413,13 @@ async def test_an_admission_whose_answer_came_too_late_gives_its_slot_back(
     await store.release(warm.ticket)
     c = Redis.from_url(own_redis.url)
     try:
-        busy = asyncio.create_task(c.execute_command("DEBUG", "SLEEP", "0.1"))
-        await asyncio.sleep(0.01)  # sleep-ok: let DEBUG SLEEP reach Redis first
-        late = await store.admit("k", limits, 0)
-        await busy
+        before = await scripts_run(c)
+        own_redis.pause()  # no answer until resumed, however slow this machine
+        try:
+            late = await store.admit("k", limits, 0)
+        finally:
+            own_redis.resume()
+        await ran_after(c, before)  # Redis ran it all the same: it holds a slot
         assert late.degraded  # admitted without limits: the answer did not come in time
         assert late.ticket is not None
         await store.release(late.ticket)
@@ -429,25 +433,45 @@ async def test_an_admission_cancelled_while_in_redis_gives_its_slot_back(
 ) -> None:
     """Found by the soak (CI): a client that left 1-40 ms after sending (its handler cancelled
     while the admission script was on its way to Redis) left a slot held for the slot TTL."""
-    store = make_store(url=own_redis.url, timeout=1.0, retry_interval=0.05)
+    store = make_store(url=own_redis.url, timeout=60.0, retry_interval=0.05)
     limits = Limits(max_concurrent=4)
     warm = await store.admit("k", limits, 0)  # loads the script
     assert warm.ticket is not None
     await store.release(warm.ticket)
     c = Redis.from_url(own_redis.url)
     try:
-        busy = asyncio.create_task(c.execute_command("DEBUG", "SLEEP", "0.2"))
-        await asyncio.sleep(0.01)  # sleep-ok: let DEBUG SLEEP reach Redis first
-        admitting = asyncio.create_task(store.admit("k", limits, 0))
-        await asyncio.sleep(0.05)  # sleep-ok: the script is queued behind DEBUG SLEEP now
-        admitting.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await admitting
-        await busy  # Redis runs the queued script once it wakes
+        before = await scripts_run(c)
+        own_redis.pause()  # the script waits, unread, in Redis's socket: no race with a clock
+        try:
+            admitting = asyncio.create_task(store.admit("k", limits, 0))
+            await wait_for(lambda: own_redis.unread() > 0, what="the script sent to Redis")
+            admitting.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await admitting
+        finally:
+            own_redis.resume()
+        # Redis runs the script the client left (it takes a slot), and the store gives it back.
+        await ran_after(c, before)
         await released(c, store, "the cancelled admission's slot")
         assert store.available  # a cancelled call is not an outage
     finally:
         await c.aclose()
+
+
+async def ran_after(c: Redis, before: int) -> None:
+    """Until Redis has run a script more than the ``before`` it had (within 5 s)."""
+    deadline = time.monotonic() + 5
+    while await scripts_run(c) <= before:
+        assert time.monotonic() < deadline, "Redis never ran the script"
+        await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+
+
+async def scripts_run(c: Redis) -> int:
+    """How many scripts Redis has run (``INFO commandstats``: EVALSHA and EVAL)."""
+    stats = await c.info("commandstats")
+    return sum(
+        int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("evalsha", "eval")
+    )
 
 
 async def test_after_a_redis_restart_stale_connections_fail_once_not_once_each(

@@ -433,7 +433,7 @@ def state(app: web.Application) -> dict[str, Any]:
         "rollout": app[ROLLOUT].state(),
         "keys": _auth(app).state(),
         "adapters": {name: dict(held) for name, held in app[ADAPTERS].items()},
-        "rollouts": rollouts.state(app),
+        **rollouts.state(app),
     }
 
 
@@ -454,7 +454,7 @@ def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
     if isinstance(adapters, dict):
         held = {str(k): dict(v) for k, v in adapters.items() if isinstance(v, dict)}
     app[ADAPTERS] = held
-    rollouts.restore(app, doc.get("rollouts", {}))
+    rollouts.restore(app, doc)
 
 
 class ActionApplier:

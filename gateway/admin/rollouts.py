@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import structlog
@@ -231,12 +231,14 @@ ROLLOUT_ACTIONS: Final = (
 
 
 def state(app: web.Application) -> dict[str, Any]:
-    """The rollouts, for a snapshot of the fleet's log."""
-    return app[ROLLOUTS].now.doc()
+    """The rollouts, for a snapshot of the fleet's log (two of its sections: ``rollouts``
+    and ``rollouts_configured``)."""
+    now = app[ROLLOUTS].now
+    return {"rollouts": now.doc(), "rollouts_configured": now.configured_doc()}
 
 
-def restore(app: web.Application, doc: Any) -> None:
-    app[ROLLOUTS].now = Rollouts.parse(doc)
+def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
+    app[ROLLOUTS].now = Rollouts.parse(doc.get("rollouts"), doc.get("rollouts_configured"))
 
 
 async def submit_decision(app: web.Application, alias: str, body: dict[str, Any]) -> None:

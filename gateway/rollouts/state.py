@@ -364,22 +364,20 @@ class Rollouts:
         return run
 
     def doc(self) -> dict[str, Any]:
-        runs = {alias: run.doc() for alias, run in sorted(self.runs.items())}
-        configured = {alias: list(f) for alias, f in sorted(self.configured.items())}
-        return {"runs": runs, "configured": configured}
+        """The runs, alias -> run (the configured plans apart: ``configured_doc``, so that a
+        replica of the version before them still reads a snapshot)."""
+        return {alias: run.doc() for alias, run in sorted(self.runs.items())}
+
+    def configured_doc(self) -> dict[str, list[str]]:
+        return {alias: list(f) for alias, f in sorted(self.configured.items())}
 
     @classmethod
-    def parse(cls, doc: Any) -> Rollouts:
-        if not isinstance(doc, Mapping):
-            return cls()
-        runs = doc.get("runs")
-        if not isinstance(runs, Mapping) or "plan" in runs:  # a snapshot of alias -> run only
-            runs, configured = doc, {}
-        else:
-            configured = doc.get("configured", {})
+    def parse(cls, doc: Any, configured: Any = None) -> Rollouts:
+        runs = doc if isinstance(doc, Mapping) else {}
+        started = configured if isinstance(configured, Mapping) else {}
         return cls(
             {str(alias): Run.parse(run) for alias, run in runs.items()},
-            {str(alias): tuple(str(x) for x in f) for alias, f in dict(configured).items()},
+            {str(alias): tuple(str(x) for x in f) for alias, f in started.items()},
         )
 
 

@@ -43,7 +43,9 @@ async def test_a_configured_plan_runs_once_for_the_fleet_and_a_changed_one_once_
     tmp_path: Path, redis_url: str, redis_prefix: str
 ) -> None:
     settings = {**SETTINGS, "plans": {ALIAS: PLAN}}
-    async with running_fleet(tmp_path, redis_url, redis_prefix, n=2, rollout=settings) as fleet:
+    async with running_fleet(
+        tmp_path, redis_url, redis_prefix, n=2, rollout=settings, compact_every=16
+    ) as fleet:
         done = await promoted(fleet, "stable")
         assert [(e["action"], e["by"]) for e in done["history"] if e["action"] == "start"] == [
             ("start", "configuration")
@@ -53,6 +55,17 @@ async def test_a_configured_plan_runs_once_for_the_fleet_and_a_changed_one_once_
             assert await fleet.alias(replica) == {"canary": 100.0}
         [start] = await configured_starts(fleet)  # one start, for the whole fleet
         assert start["caller"] == "configuration"
+        # More changes than the log keeps: the replicas restart from its snapshot, which must
+        # carry the plans started (a replica of the version before reads it too).
+        for i in range(20):
+            verb = "drain" if i % 2 == 0 else "undrain"
+            status, _, _ = await fleet.change(fleet[i % 2], "POST", f"/admin/backends/b/{verb}")
+            assert status == 200
+
+        async def kept() -> int:
+            return len((await fleet.read(fleet[0], "/admin/changes?limit=500"))["changes"])
+
+        await poll(kept, lambda n: n <= 16, what="the log compacted")
         # Both restarted, one with its file unchanged, one with the next version's plan (back
         # the other way): the first plan is not run again, the changed one runs once.
         changed = {**PLAN, "stable": "canary", "canary": "stable"}
@@ -66,9 +79,10 @@ async def test_a_configured_plan_runs_once_for_the_fleet_and_a_changed_one_once_
         fleet[1].config = second
         for replica in fleet:
             await replica.start()
+        assert all(r.events("fleet_snapshot_restored") for r in fleet)
         done = await promoted(fleet, "canary")
         assert await fleet.alias(fleet[0]) == {"stable": 100.0}
         starts = await configured_starts(fleet)
-        assert len(starts) == 2
+        assert len(starts) == 1  # the changed plan's (the first one's was compacted away)
         started = [e for r in fleet for e in r.events("rollout_started")]
         assert len(started) == 1  # since the restart: the changed plan's, by one replica

@@ -862,7 +862,7 @@ function summaryOf(run, now, last) {
   const left = now.hold_left_s + plan.hold_s * (n - 1 - run.step);
   const requests = `${now.canary_requests} of ${plan.min_requests} canary requests`;
   let doing = run.status === "paused" ? requests : `${now.why} (${requests})`;
-  if (run.status !== "paused" && now.canary_requests < plan.min_requests) doing = `waiting for canary requests (${requests})`;
+  if (run.status !== "paused" && now.canary_requests < plan.min_requests) doing = `waiting for canary requests: ${now.canary_requests} of ${plan.min_requests}`;
   return `${paused}${at}: ${doing}; this step's hold ${fmtDuration(now.hold_left_s)} more, the rollout at least ${fmtDuration(left)}.`;
 }
 

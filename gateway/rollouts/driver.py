@@ -134,10 +134,14 @@ class Driver:
         for alias, run in active.items():
             await self._drive(alias, run)
 
-    async def _drive(self, alias: str, run: Run) -> None:
+    def _claim_of(self, alias: str) -> Claim:
         claim = self._claims.get(alias)
         if claim is None:
             claim = self._claims[alias] = self._claim(alias)
+        return claim
+
+    async def _drive(self, alias: str, run: Run) -> None:
+        claim = self._claim_of(alias)
         token = await claim.acquire()
         if token is None:  # another replica drives it
             self.progress.pop(alias, None)
@@ -154,10 +158,7 @@ class Driver:
         """Start ``plan`` for the fleet if this replica holds its alias's lease (once: the
         record refuses a plan started already, whoever asks)."""
         alias = plan.alias
-        claim = self._claims.get(alias)
-        if claim is None:
-            claim = self._claims[alias] = self._claim(alias)
-        if await claim.acquire() is None:  # another replica starts it
+        if await self._claim_of(alias).acquire() is None:  # another replica starts it
             return
         fingerprint = plan_fingerprint(plan)
         try:
@@ -207,7 +208,8 @@ class Driver:
             verdict = decide(
                 plan, run.step, elapsed, canary, stable, agreement=agreement, paused=paused
             )
-        self.progress[alias] = {**verdict.doc(), "at": self._clock()}
+        look = verdict.doc()
+        self.progress[alias] = {**look, "at": self._clock()}
         if verdict.action == "hold":
             return
         body: dict[str, Any] = {
@@ -215,7 +217,7 @@ class Driver:
             "step": verdict.step,
             "token": token,
             "why": verdict.why,
-            "readings": verdict.doc()["readings"],
+            "readings": look["readings"],
         }
         if verdict.action == "advance":
             body["baseline"] = base  # the next step's window begins as it does

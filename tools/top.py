@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import sys
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -34,7 +35,10 @@ DESCRIPTION: Final = (
     "predicted TTFT and inter-token latency (learned), refreshed every second. Needs the "
     "admin API (its URL and bearer token)."
 )
-TOKEN_ENV: Final = "LLM_GATEWAY_ADMIN_TOKEN"
+TOKEN_ENV: Final = "GATEWAY_ADMIN__TOKEN"  # the one the gateway reads (``admin.token``)
+# What ``top --help`` once named instead: still read, with a warning, so a shell set up from
+# that help keeps working until it is changed.
+OLD_TOKEN_ENV: Final = "LLM_GATEWAY_ADMIN_TOKEN"
 
 # (backend) -> cumulative request count; (backend) -> [(le, cumulative count)]
 Counts = dict[str, float]
@@ -252,7 +256,9 @@ class TopClient:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--admin", required=True, help="admin API URL, e.g. http://127.0.0.1:8081")
-    p.add_argument("--token", help=f"admin bearer token (default: ${TOKEN_ENV})")
+    p.add_argument(
+        "--token", help=f"admin bearer token (default: ${TOKEN_ENV}, as the gateway reads it)"
+    )
     p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one frame and exit")
 
@@ -271,8 +277,22 @@ async def _run(args: argparse.Namespace, token: str) -> None:
                 live.update(await client.next_frame())
 
 
+def admin_token(given: str | None, environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """The token to send (``--token``, else the gateway's own variable, else the old name
+    ``top`` used to read) and a warning to print when it came from the old name."""
+    if given:
+        return given, None
+    if token := environ.get(TOKEN_ENV):
+        return token, None
+    if token := environ.get(OLD_TOKEN_ENV):
+        return token, f"{OLD_TOKEN_ENV} is deprecated: set {TOKEN_ENV}, as the gateway reads"
+    return None, None
+
+
 def run(args: argparse.Namespace) -> int:
-    token = args.token or os.environ.get(TOKEN_ENV)
+    token, warning = admin_token(args.token, os.environ)
+    if warning is not None:
+        print(f"llm-gateway top: {warning}", file=sys.stderr, flush=True)
     if not token:
         print(f"llm-gateway top: give --token or set {TOKEN_ENV}", flush=True)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from typing import Any
 
@@ -10,7 +11,14 @@ from rich.console import Console
 
 from gateway.cli import main
 from tests.helpers import FakeBackend, gateway_for, stream_chat
-from tools.top import MetricsSample, TopClient, bucket_quantile, frame, render_replicas
+from tools.top import (
+    MetricsSample,
+    TopClient,
+    admin_token,
+    bucket_quantile,
+    frame,
+    render_replicas,
+)
 
 TOKEN = "top-secret"
 
@@ -64,9 +72,54 @@ async def test_top_renders_a_frame_from_a_live_gateway() -> None:
 def test_top_without_a_token_says_how_to_give_one(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.delenv("GATEWAY_ADMIN__TOKEN", raising=False)
     monkeypatch.delenv("LLM_GATEWAY_ADMIN_TOKEN", raising=False)
     assert main(["top", "--admin", "http://127.0.0.1:9"]) == 2
-    assert "--token" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "--token" in said
+    assert "GATEWAY_ADMIN__TOKEN" in said
+
+
+async def top_once(admin_url: str) -> int:
+    """``llm-gateway top --once`` as a shell runs it (its own event loop, in a thread)."""
+    return await asyncio.to_thread(main, ["top", "--admin", admin_url, "--once", "--interval", "0"])
+
+
+async def test_top_reads_the_token_from_the_variable_the_gateway_reads(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GATEWAY_ADMIN__TOKEN sets the gateway's admin.token; the same variable serves top."""
+    monkeypatch.delenv("LLM_GATEWAY_ADMIN_TOKEN", raising=False)
+    monkeypatch.setenv("GATEWAY_ADMIN__TOKEN", TOKEN)
+    async with gateway_for(FakeBackend(), admin={"token": TOKEN}) as (gw, _):
+        assert gw.admin_url is not None
+        assert await top_once(gw.admin_url) == 0
+    said = capsys.readouterr()
+    assert "policy: least_load" in said.out
+    assert said.err == ""
+
+
+async def test_top_still_reads_its_old_variable_and_says_it_is_deprecated(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("GATEWAY_ADMIN__TOKEN", raising=False)
+    monkeypatch.setenv("LLM_GATEWAY_ADMIN_TOKEN", TOKEN)
+    async with gateway_for(FakeBackend(), admin={"token": TOKEN}) as (gw, _):
+        assert gw.admin_url is not None
+        assert await top_once(gw.admin_url) == 0
+    said = capsys.readouterr()
+    assert "policy: least_load" in said.out
+    assert "LLM_GATEWAY_ADMIN_TOKEN is deprecated: set GATEWAY_ADMIN__TOKEN" in said.err
+
+
+def test_the_token_flag_wins_then_the_gateways_variable_then_the_old_one() -> None:
+    both = {"GATEWAY_ADMIN__TOKEN": "new", "LLM_GATEWAY_ADMIN_TOKEN": "old"}
+    assert admin_token("flag", both) == ("flag", None)
+    assert admin_token(None, both) == ("new", None)
+    token, warning = admin_token(None, {"LLM_GATEWAY_ADMIN_TOKEN": "old"})
+    assert token == "old"
+    assert warning is not None
+    assert admin_token(None, {}) == (None, None)
 
 
 def test_top_shows_the_fleets_replicas_and_who_lags() -> None:

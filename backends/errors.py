@@ -46,6 +46,12 @@ Each carries the envelope fields, so the middleware needs no knowledge of the ca
 modules raise their own ``ValueError`` subclasses (``WeightsError``, ``FaultsError``,
 ``PlanError``, ``ScenarioError``, ``MetricsFormatError``), which never reach a client as
 such: where a client's input caused one, it is re-raised as ``InvalidRequest``.
+
+The HTTP server refuses malformed or oversized HTTP itself, before any handler
+(``gateway.http.refusal``), in the same envelope, ``invalid_request_error`` with the code its
+status names: 400 ``malformed_http_request``, 408 ``request_timeout`` (the head too slow),
+414 ``uri_too_long``, 417 ``expectation_failed``, 431 ``request_header_fields_too_large``,
+505 ``http_version_not_supported``.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ aiohttp stays for the admin API; its ``web.Application`` is the services' contai
 
 from gateway.http.message import Body, Request
 from gateway.http.protocol import Connection
-from gateway.http.refusal import Refused, default_error_body
+from gateway.http.refusal import Refused, default_error_body, refusal_code
 from gateway.http.response import Response, StreamResponse, json_response
 from gateway.http.routes import Handler, MethodNotAllowed, RouteNotFound, Router, Routes
 from gateway.http.sampling import LogSampler
@@ -35,4 +35,5 @@ __all__ = [
     "StreamResponse",
     "default_error_body",
     "json_response",
+    "refusal_code",
 ]

@@ -9,7 +9,15 @@ import uuid
 import structlog
 
 from backends.errors import GatewayError, ShuttingDown, anthropic_envelope, error_envelope
-from gateway.http import Handler, Request, Response, Routes, StreamResponse, json_response
+from gateway.http import (
+    Handler,
+    Request,
+    Response,
+    Routes,
+    StreamResponse,
+    json_response,
+    refusal_code,
+)
 from gateway.keys import LIFECYCLE, REQUEST_ID_KEY
 from gateway.request.endpoints import Dialect, dialect_of
 from gateway.request.headers import REQUEST_ID, valid_request_id
@@ -26,7 +34,8 @@ def refusal_body(status: int, message: str, path: str | None) -> bytes:
     large or too slow), in the error shape of the endpoint it was for."""
     if path is not None and dialect_of(path) == "anthropic":
         return json.dumps(anthropic_envelope(status, message)).encode()
-    return json.dumps(error_envelope(message, "invalid_request_error")).encode()
+    envelope = error_envelope(message, "invalid_request_error", code=refusal_code(status))
+    return json.dumps(envelope).encode()
 
 
 def entry(routes: Routes) -> Handler:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import ssl
 import subprocess
 from pathlib import Path
@@ -81,6 +82,35 @@ async def test_oversized_headers_are_refused() -> None:
         s.post(gw.url + "/v1/completions", json=CHAT, headers={"X-Big": "a" * 4096}) as r,
     ):
         assert r.status in (400, 431)
+    assert fake.seen == []
+
+
+@pytest.mark.parametrize(
+    ("head", "status", "code"),
+    [
+        (b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: x\r\n\r\n", 400,
+         "malformed_http_request"),
+        (b"GET /v1/" + b"a" * 2048 + b" HTTP/1.1\r\n\r\n", 414, "uri_too_long"),
+        (b"GET /v1/models HTTP/1.1\r\nX-Big: " + b"a" * 2048 + b"\r\n\r\n", 431,
+         "request_header_fields_too_large"),
+    ],
+    ids=["malformed", "target_too_long", "header_too_large"],
+)  # fmt: skip
+async def test_http_the_gateway_refuses_itself_has_a_code_like_its_other_errors(
+    head: bytes, status: int, code: str
+) -> None:
+    fake = FakeBackend()
+    async with fronting(fake, client={"max_header_bytes": 1024}) as gw:
+        host, port = gw.url[7:].split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(head)
+        await writer.drain()
+        answer = await asyncio.wait_for(reader.read(), 5)  # the refusal, then closed
+        writer.close()
+    first, _, body = answer.partition(b"\r\n\r\n")
+    assert first.startswith(b"HTTP/1.1 %d " % status)
+    error = json.loads(body)["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", code)
     assert fake.seen == []
 
 

@@ -1,7 +1,7 @@
 """Hostile and malformed HTTP: each request below is refused by the server itself (the status
-given, ``Connection: close``, the error body) or the connection just ends; the handler is never
-called, nothing stays open, and each refusal is exactly one ``http_refused`` log line, never a
-traceback. A flood of them is sampled."""
+given, ``Connection: close``, the error body with the status's code) or the connection just
+ends; the handler is never called, nothing stays open, and each refusal is exactly one
+``http_refused`` log line, never a traceback. A flood of them is sampled."""
 
 from __future__ import annotations
 
@@ -76,6 +76,15 @@ CASES: list[tuple[str, bytes, int | str]] = [
     # not a refusal: the client stops half-way and goes
     ("head_then_gone", GET + b"Host: t", CLOSED),
 ]
+# The error body's code of each refusal: its status's name, like the gateway's other codes
+CODES = {
+    400: "malformed_http_request",
+    408: "request_timeout",
+    414: "uri_too_long",
+    417: "expectation_failed",
+    431: "request_header_fields_too_large",
+    505: "http_version_not_supported",
+}
 
 
 class Called:
@@ -121,6 +130,7 @@ async def test_a_hostile_request_is_refused_and_nothing_stays_held(
                 assert reply.headers["Content-Type"] == "application/json"
                 error = json.loads(reply.body)["error"]
                 assert error["type"] == ("invalid_request_error")
+                assert error["code"] == CODES[expected]
                 assert error["message"]
                 assert await c.rest() == b""
             await _ends(srv)
@@ -187,6 +197,7 @@ async def test_a_slowloris_head_is_refused_408_after_header_timeout() -> None:
                 sender.cancel()
             assert reply.status == 408
             assert reply.headers["Connection"] == "close"
+            assert json.loads(reply.body)["error"]["code"] == CODES[408]
             assert await c.rest() == b""
             await _ends(srv)
     assert handler.paths == []

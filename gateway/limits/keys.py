@@ -272,7 +272,7 @@ class Authenticator:
         """Refuse the key ``name`` from now on; ``NotFound`` if there is none."""
         gone = self.describe(name)
         self._drop(name)
-        return {**gone, "revoked": "true"}
+        return {**gone, "revoked": True}
 
     def describe(self, name: str) -> dict[str, Any]:
         """A key as the admin API shows it: never more of its hash than a prefix."""

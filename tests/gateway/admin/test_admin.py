@@ -151,3 +151,25 @@ async def test_reload_that_changes_a_named_backends_url_and_key_takes_effect() -
     assert view["url"] == new.url
     assert len(old.seen) == 2
     assert [seen.headers["Authorization"] for seen in new.seen] == ["Bearer sk-new"] * 3
+
+
+async def test_a_revoked_key_is_answered_with_revoked_true_a_json_boolean() -> None:
+    """Issue 54: ``DELETE /admin/keys/{name}`` answered ``"revoked": "true"``, a string."""
+    async with gateway_for(FakeBackend(), admin={"token": TOKEN}) as (gw, s):
+        assert gw.admin_url is not None
+        made = {"name": "team-a", "labels": {"team": "search"}}
+        async with s.post(gw.admin_url + "/admin/keys", json=made, headers=AUTH) as r:
+            assert r.status == 200
+            key = await r.json()
+        async with s.delete(gw.admin_url + "/admin/keys/team-a", headers=AUTH) as r:
+            assert r.status == 200
+            revoked = await r.json()
+        assert revoked["revoked"] is True
+        # The rest of the answer is the key as it was (never its secret, nor its whole hash).
+        assert {k: revoked[k] for k in ("name", "tier", "hash", "labels")} == {
+            k: key[k] for k in ("name", "tier", "hash", "labels")
+        }
+        assert revoked["source"] == "runtime"
+        assert "key" not in revoked
+        async with s.get(gw.admin_url + "/admin/keys", headers=AUTH) as r:
+            assert "team-a" not in {k["name"] for k in (await r.json())["keys"]}

@@ -32,6 +32,11 @@ def _setup_serve(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on (default 8080; 0 picks one)")
     p.add_argument(
+        "--admin-port",
+        type=int,
+        help="port of the admin API, served when admin.token is set (default 8081)",
+    )
+    p.add_argument(
         "--backends", help="comma-separated backend URLs (overrides config and environment)"
     )
     p.add_argument(
@@ -54,6 +59,7 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {
         "host": args.host,
         "port": args.port,
+        "admin": None if args.admin_port is None else {"port": args.admin_port},
         "backends": args.backends,
         "policy": args.policy,
         "workers": args.workers,

@@ -188,7 +188,7 @@ async def run_until_signalled(
                     admin_site.start(),
                     settings.admin.host,
                     settings.admin.port,
-                    "GATEWAY_ADMIN__PORT or `admin.port`",
+                    "--admin-port, GATEWAY_ADMIN__PORT or `admin.port`",
                 )
                 admin_address = admin_site.name
         # Last: a worker takes traffic once it routes as the others do.

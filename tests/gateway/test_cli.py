@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from gateway.cli import COMMANDS, build_parser, main
+from gateway.config.settings import Settings
 
 
 def test_top_level_help_lists_every_subcommand(capsys: pytest.CaptureFixture[str]) -> None:
@@ -101,6 +104,51 @@ def test_a_port_in_use_is_one_line_naming_it_and_the_setting() -> None:
     assert f"127.0.0.1:{port}" in line
     assert "in use" in line
     assert "GATEWAY_PORT" in line
+
+
+def test_serve_takes_the_admin_port_as_a_flag_over_the_environment_and_the_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """--admin-port enters through the settings as --port does; the rest of [admin] stays."""
+    config = tmp_path / "gateway.toml"
+    config.write_text('[admin]\nhost = "127.0.0.2"\nport = 9001\n')
+    monkeypatch.setenv("GATEWAY_ADMIN__TOKEN", "cli-admin-token")
+    monkeypatch.setenv("GATEWAY_ADMIN__PORT", "9002")
+    started: list[Settings] = []
+
+    def serve(settings: Settings, loader: Callable[[], Settings]) -> int:
+        started.extend([settings, loader()])  # as run, and as a reload reads it again
+        return 0
+
+    monkeypatch.setattr("gateway.server.serve", serve)
+    argv = ["serve", "--config", str(config), "--backends", "http://a:1"]
+    assert main([*argv, "--admin-port", "9003"]) == 0
+    assert main(argv) == 0
+    assert [s.admin.port for s in started] == [9003, 9003, 9002, 9002]
+    assert {s.admin.host for s in started} == {"127.0.0.2"}
+    assert {s.admin.token.get_secret_value() for s in started if s.admin.token} == {
+        "cli-admin-token"
+    }
+
+
+def test_an_admin_port_in_use_names_the_flag_that_moves_it() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run(
+            [sys.executable, "-m", "gateway", "serve", "--backends", "http://127.0.0.1:9",
+             "--port", "0", "--admin-port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            env={**os.environ, "GATEWAY_ADMIN__TOKEN": "cli-admin-token"},
+        )  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    [line] = [x for x in done.stderr.splitlines() if x.startswith("llm-gateway:")]
+    assert f"127.0.0.1:{port}" in line
+    assert "--admin-port" in line
 
 
 def test_the_readme_lists_every_subcommand() -> None:

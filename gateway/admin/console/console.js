@@ -15,7 +15,7 @@ const PALETTE = [
 let token = null;
 let timer = null;
 let polling = false; // one poll at a time
-let history = []; // [{at, backends, stats, derived}]
+let history = []; // [{at, stats, derived, inFlight, canary}]
 let latest = { policy: null, aliases: null, backends: null, replicas: null, changes: null, keys: null, rollouts: null };
 let policyFormDoc = null; // the policy document the form was last built from
 let rolloutShape = ""; // aliases and pools the rollout section was built for
@@ -185,7 +185,7 @@ async function poll() {
     ]);
     if (token === null) return;
     latest = { policy, aliases, backends, replicas, changes, keys, rollouts };
-    record(backends, stats);
+    record(backends, stats, replicas);
     render();
     setStatus(`live · ${new Date(stats.at * 1000).toLocaleTimeString()}`, "ok");
   } catch (err) {
@@ -281,11 +281,14 @@ function latestIds() {
   return (latest.backends?.backends ?? []).map((b) => b.id);
 }
 
-function record(backends, stats) {
+function record(backends, stats, replicas) {
   const base = windowBase(stats.at);
   const derived = derive(stats, base);
   const inFlight = Object.fromEntries(backends.backends.map((b) => [b.id, b.in_flight]));
-  history.push({ at: stats.at, stats, derived, inFlight });
+  // The canary split as the fleet served it (requests per alias per pool, summed over the
+  // replicas' reports); null when this gateway acts alone: its own counters are the whole.
+  const canary = replicas.fleet === null ? null : replicas.summary?.figures?.canary ?? {};
+  history.push({ at: stats.at, stats, derived, inFlight, canary });
   while (history.length > 1 && stats.at - history[0].at > HISTORY_S) history.shift();
 }
 
@@ -639,10 +642,15 @@ function renderRollout(last) {
     buildRollout(aliases);
   }
   const base = windowBase(last.at);
+  const inFleet = last.canary !== null;
+  $("traffic-source").textContent = inFleet
+    ? `traffic: the last ${WINDOW_S} s, summed over the fleet's ${latest.replicas.summary.replicas} replicas`
+    : `traffic: the last ${WINDOW_S} s through this gateway`;
   for (const a of aliases) {
-    const now = last.stats.aliases[a.alias] ?? {};
-    const then = base?.stats.aliases?.[a.alias] ?? {};
-    const rates = Object.fromEntries(Object.keys(a.weights).map((p) => [p, last.derived.rate(sumValues(now[p]), sumValues(then[p]))]));
+    const now = servedByPool(last, a.alias, inFleet) ?? {};
+    const then = base ? servedByPool(base, a.alias, inFleet) : {};
+    const rate = (p) => (then === null ? null : last.derived.rate(now[p] ?? 0, then[p] ?? 0));
+    const rates = Object.fromEntries(Object.keys(a.weights).map((p) => [p, rate(p)]));
     const total = sumValues(rates);
     for (const [p, w] of Object.entries(a.weights)) {
       const row = document.querySelector(`#aliases tr[data-alias="${CSS.escape(a.alias)}"][data-pool="${CSS.escape(p)}"]`);
@@ -670,6 +678,15 @@ function renderRollout(last) {
     upsertRow(tbody, name, [name, p.model, p.backends.join(", "), { text: p.drained ? "drained" : "serving", cls: p.drained ? "warn" : "ok" }, button]);
   }
   prune(tbody, keys);
+}
+
+function servedByPool(entry, alias, inFleet) {
+  // Requests per pool for ``alias`` so far, from the same source at both ends of a window: the
+  // fleet's figures in a fleet (null for a poll made before this gateway knew its fleet), this
+  // gateway's own counters alone.
+  if (inFleet) return entry.canary === null ? null : entry.canary[alias] ?? {};
+  const byPool = entry.stats.aliases?.[alias] ?? {};
+  return Object.fromEntries(Object.entries(byPool).map(([p, byStatus]) => [p, sumValues(byStatus)]));
 }
 
 function buildRollout(aliases) {

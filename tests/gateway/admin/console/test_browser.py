@@ -8,9 +8,11 @@ carries the token in its URL, and nothing is left in the browser's storage.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -74,6 +76,13 @@ def fleet(tmp_path: Path, redis_url: str, redis_prefix: str) -> Iterator[Fleet]:
 
 @pytest.fixture
 def page(browser: Browser, fleet: Fleet) -> Iterator[Page]:
+    with opened(browser, fleet) as p:
+        yield p
+
+
+@contextmanager
+def opened(browser: Browser, fleet: Fleet) -> Iterator[Page]:
+    """The console of ``fleet``'s gateway in a new browser context, checked when closed."""
     context = browser.new_context()
     p = context.new_page()
     requests: list[Request] = []
@@ -235,6 +244,36 @@ def test_canary_weights_shift_from_the_page_and_roll_back(page: Page, fleet: Fle
         "canary": 5.0,
     }
     expect(block.locator('tr[data-pool="canary"] td').nth(1)).to_have_text("5")
+
+
+def test_the_pools_card_shows_the_fleets_traffic_split_not_this_replicas(
+    browser: Browser, tmp_path: Path, redis_url: str, redis_prefix: str
+) -> None:
+    """In a fleet, the split beside the alias's weights (which every replica applied alike) is
+    the fleet's, as the fleet-wide figures are: traffic through another replica shows on this
+    one's page although none of it went through this one."""
+    with (
+        running_fleet(tmp_path / "logs", redis_url, redis_prefix) as fleet,
+        another_replica(fleet, "pools-second") as second,
+        opened(browser, fleet) as page,
+    ):
+        assert fleet.admin(
+            "PUT", "/admin/aliases/chat", json={"stable": 50, "canary": 50}
+        ).is_success
+        traffic = Traffic(second.url).start(streams=4, over_limit=0)  # through the second only
+        try:
+            signed_in(page, fleet)
+            block = page.locator('#aliases div.alias[data-alias="chat"]')
+            for pool in ("stable", "canary"):
+                share = block.locator(f'tr[data-pool="{pool}"] td').nth(2)
+                expect(share).to_have_text(re.compile(r"^[1-9]\d* %$"), timeout=20_000)
+            expect(page.locator("#traffic-source")).to_have_text(
+                "traffic: the last 5 s, summed over the fleet's 2 replicas"
+            )
+        finally:
+            traffic.stop()
+        own = fleet.admin("GET", "/admin/stats").json()["aliases"].get("chat", {})
+        assert sum(n for pool in own.values() for n in pool.values()) == 0
 
 
 def test_reload_from_the_page_reports_what_it_applied(page: Page, fleet: Fleet) -> None:

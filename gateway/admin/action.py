@@ -6,11 +6,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from aiohttp import web
 
+# The path's parameters, and who asked under ``CALLER`` where an operator did (the audit
+# trail's ``caller``: the same on every replica, from the change in the log)
 Params = Mapping[str, str]
+CALLER: Final = "@caller"  # never a path parameter's name
 Doc = Any  # a JSON document
 
 

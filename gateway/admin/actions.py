@@ -23,7 +23,7 @@ from aiohttp import web
 
 from backends.errors import GatewayError, InvalidRequest, NotFound
 from gateway.admin import rollouts
-from gateway.admin.action import Action, Doc, Params
+from gateway.admin.action import CALLER, Action, Doc, Params
 from gateway.admin.reload import (
     change_policy,
     describe_policy,
@@ -83,6 +83,18 @@ def _alias_weights_check(app: web.Application, params: Params, body: Doc) -> Doc
 
 def _alias_weights(app: web.Application, params: Params) -> Doc:
     return app[ROLLOUT].aliases.get(params["alias"])
+
+
+def _rollback_check(app: web.Application, params: Params, _body: Doc) -> Doc:
+    rollouts.not_under_way(app, params["alias"])
+    return app[ROLLOUT].check_rollback(params["alias"])
+
+
+def _rollback(app: web.Application, params: Params, _body: Doc) -> Doc:
+    """Back to the weights before the last change (a progressive rollout's: before it began);
+    refused while one is under way."""
+    rollouts.not_under_way(app, params["alias"])
+    return app[ROLLOUT].rollback(params["alias"])
 
 
 def _pool_drain(drained: bool) -> Action:
@@ -344,8 +356,8 @@ ACTIONS: Final = (
     Action(
         "POST",
         "/admin/aliases/{alias}/rollback",
-        lambda app, p, _b: app[ROLLOUT].check_rollback(p["alias"]),
-        lambda app, p, _b: app[ROLLOUT].rollback(p["alias"]),
+        _rollback_check,
+        _rollback,
         _alias_weights,
     ),
     _pool_drain(True),
@@ -469,7 +481,7 @@ class ActionApplier:
         if found is None:  # written by a newer version: said, and passed over
             return Outcome(404, f"no such change here: {change.method} {change.path}".encode())
         action, params = found
-        return run(self.app, action, params, change.body)
+        return run(self.app, action, {**params, CALLER: change.caller}, change.body)
 
     async def restore(self, snapshot: Snapshot) -> None:
         restore(self.app, snapshot.state)

@@ -23,7 +23,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from backends.errors import FleetLogUnavailable, InvalidRequest
-from gateway.admin.action import Action
+from gateway.admin.action import CALLER, Action
 from gateway.admin.actions import find, parse_body
 from gateway.fleet.changes import Change
 from gateway.fleet.member import Member
@@ -52,9 +52,10 @@ def change_handler(action: Action) -> Handler:
         if action.prepare is not None:
             body, extra = action.prepare(gateway, params, body)
             raw = json.dumps(body).encode()
-        member = gateway[FLEET]
+        member, caller = gateway[FLEET], _caller(request)
         if member is None:  # this replica alone: a refusal raises, as any admin error
-            return web.json_response({**action.apply(gateway, params, body), **extra})
+            done = action.apply(gateway, {**params, CALLER: caller}, body)
+            return web.json_response({**done, **extra})
         new = action.check(gateway, params, body)  # refused: nothing logged
         change = Change(
             method=request.method,
@@ -62,7 +63,7 @@ def change_handler(action: Action) -> Handler:
             body=raw,
             content_type=request.content_type,
             replica=member.id,
-            caller=_caller(request),
+            caller=caller,
             at=time.time(),
             old=action.before(gateway, params),
             new=new,

@@ -12,9 +12,13 @@ changes (``gateway.admin.actions``): applied the same way on every replica, from
 - ``POST /admin/rollouts/{alias}/configured``: the driver's too, not routed: the
   configuration file's plan (``[rollout.plans.<alias>]``) started, once for the fleet.
 
-Times come in the body, stamped where the change was made (``prepare``), so every replica
-records the same. A change that cannot follow the rollout's state is refused (409) and
-changes nothing.
+Times come in the body, stamped where the change was made (``prepare``), and an operator's
+change is recorded ``by`` its caller (the audit trail's), so every replica records the same.
+A change that cannot follow the rollout's state is refused (409) and changes nothing.
+
+A rollout is one change of its alias's weights: the alias's ``previous`` (what
+``POST /admin/aliases/{alias}/rollback`` goes back to) is the split before it started, kept
+through its steps, its promotion or its abort.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from aiohttp import web
 from redis.exceptions import RedisError
 
 from backends.errors import Conflict, InvalidRequest, NotFound
-from gateway.admin.action import Action, Doc, Params
+from gateway.admin.action import CALLER, Action, Doc, Params
 from gateway.fleet.changes import Change
 from gateway.keys import DRIVER, FLEET, GATEWAY, METRICS, ROLLOUTS
 from gateway.request.rollout import ROLLOUT
@@ -70,16 +74,24 @@ def _after(app: web.Application, change: Any) -> Rollouts:
     return after
 
 
+def _by(params: Params) -> str:
+    """Who made an operator's change (the audit trail's caller)."""
+    return params.get(CALLER, "")
+
+
 def _set(app: web.Application, alias: str, after: Rollouts) -> dict[str, Any]:
-    """Make ``after`` the rollouts, and the alias's weights and the canary's drain theirs."""
+    """Make ``after`` the rollouts, and the alias's weights and the canary's drain theirs.
+    Only the change that starts a rollout makes the weights before it the alias's previous."""
     run = after.get(alias)
     assert run is not None
     rollout = app[ROLLOUT]
+    before = app[ROLLOUTS].now.get(alias)
+    starts = before is None or not before.active
     app[ROLLOUTS].now = after
     app[METRICS].rollout_share.labels(alias).set(run.weights.get(run.plan.canary, 0.0))
     canary = run.plan.canary
     if run.status == "aborted":
-        rollout.set_weights(alias, run.weights)
+        rollout.set_weights(alias, run.weights, undoable=False)
         try:
             rollout.set_drained(canary, True)  # until someone acts
         except InvalidRequest as exc:  # another alias has only the canary left: it stays
@@ -87,8 +99,19 @@ def _set(app: web.Application, alias: str, after: Rollouts) -> dict[str, Any]:
     else:
         if canary in rollout.drained:
             rollout.set_drained(canary, False)
-        rollout.set_weights(alias, run.weights)
+        rollout.set_weights(alias, run.weights, undoable=starts)
     return run.doc()
+
+
+def not_under_way(app: web.Application, alias: str) -> None:
+    """``Conflict`` while a rollout of ``alias`` is under way: it moves the weights itself (a
+    rollback would leave it judging a canary with no traffic); aborting it goes back."""
+    run = app[ROLLOUTS].now.get(alias)
+    if run is not None and run.active:
+        raise Conflict(
+            f"A rollout of {alias!r} is under way; abort it (POST /admin/rollouts/{alias}/abort)"
+            f" to go back to {run.plan.stable!r}."
+        )
 
 
 def _plan(app: web.Application, params: Params, body: Doc) -> Any:
@@ -111,7 +134,7 @@ def _start_check(app: web.Application, params: Params, body: Doc) -> Doc:
 
 def _start(app: web.Application, params: Params, body: Doc) -> Doc:
     plan = _plan(app, params, body)
-    return _set(app, params["alias"], _after(app, lambda r: r.start(plan, _at(body))))
+    return _set(app, params["alias"], _after(app, lambda r: r.start(plan, _at(body), _by(params))))
 
 
 def _configured(app: web.Application, params: Params, body: Doc) -> Rollouts:
@@ -126,13 +149,13 @@ def _before(app: web.Application, params: Params) -> Doc:
 
 def _operator(verb: str) -> Action:
     def change(app: web.Application, params: Params, body: Doc) -> Rollouts:
-        alias, at = params["alias"], _at(body)
+        alias, at, by = params["alias"], _at(body), _by(params)
         why = str(body.get("why", "")) if isinstance(body, dict) else ""
         if verb == "pause":
-            return _after(app, lambda r: r.pause(alias, at))
+            return _after(app, lambda r: r.pause(alias, at, by))
         if verb == "resume":
-            return _after(app, lambda r: r.resume(alias, at))
-        return _after(app, lambda r: r.abort(alias, at, why or "aborted by an operator"))
+            return _after(app, lambda r: r.resume(alias, at, by))
+        return _after(app, lambda r: r.abort(alias, at, why or "aborted by an operator", by=by))
 
     check, apply = _made(change)
     return Action(

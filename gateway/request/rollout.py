@@ -3,9 +3,10 @@
 A pool is a named group of backends serving one model (one version of it). An alias is a
 public model name split between pools by weight (``policies.rollout``). The request path asks
 ``Rollout.resolve`` once per request; the admin API and a reload change the weights, drain a
-pool or roll an alias back to its previous weights. A change takes effect on the next request:
-one already routed stays on its pool until it ends. Every change is validated first (a bad one
-changes nothing) and logged with the old and new weights.
+pool or roll an alias back to its previous weights (a progressive rollout, all its steps, is
+one change: its previous weights are those before it began). A change takes effect on the
+next request: one already routed stays on its pool until it ends. Every change is validated
+first (a bad one changes nothing) and logged with the old and new weights.
 """
 
 from __future__ import annotations
@@ -150,11 +151,14 @@ class Rollout:
         except WeightsError as exc:
             raise InvalidRequest(f"Invalid weights for {alias!r}: {exc}.") from exc
 
-    def set_weights(self, alias: str, weights: Any) -> dict[str, Any]:
-        """Set (or create) an alias's weights; ``InvalidRequest`` and no change if bad."""
+    def set_weights(self, alias: str, weights: Any, *, undoable: bool = True) -> dict[str, Any]:
+        """Set (or create) an alias's weights; ``InvalidRequest`` and no change if bad.
+        ``undoable``: the weights replaced become the ``previous`` a rollback goes back to
+        (False: a progressive rollout's step, promotion or abort, which keep the split from
+        before the rollout began)."""
         new = self.checked_weights(alias, weights)
         old = self.aliases.get(alias)
-        if old is not None:
+        if old is not None and undoable:
             self.previous[alias] = old
         self.aliases[alias] = new
         log.info("alias_weights_changed", alias=alias, old=old, new=new)

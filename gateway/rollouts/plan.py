@@ -11,6 +11,9 @@ stable pool's over the same window (since the step began) are judged by the gate
 - ``hold``: paused, too few canary requests yet, or the step's ``hold_s`` not over;
 - ``advance`` to the next step, or ``promote`` after the last: the hold is over, with enough
   requests, and every gate passed.
+
+A step is an index into ``steps`` (0 the first) in the data; every text people read counts
+steps from 1 (``Plan.step_name``).
 """
 
 from __future__ import annotations
@@ -81,6 +84,10 @@ class Plan:
         if problems:
             raise PlanError("; ".join(problems))
         return self
+
+    def step_name(self, step: int) -> str:
+        """``step`` (an index into ``steps``) as people count it: "step 1 of 3 (10 %)"."""
+        return f"step {step + 1} of {len(self.steps)} ({self.steps[step]:g} %)"
 
     def weights(self, step: int) -> dict[str, float]:
         """The alias's weights at ``step`` (an index into ``steps``)."""
@@ -155,4 +162,4 @@ def decide(
         return verdict("hold", step, "holding", left)
     if step + 1 >= len(plan.steps):
         return verdict("promote", step, "every step passed")
-    return verdict("advance", step + 1, f"step {step + 1} of {len(plan.steps)} passed")
+    return verdict("advance", step + 1, f"{plan.step_name(step)} passed; on to step {step + 2}")

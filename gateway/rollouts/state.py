@@ -45,7 +45,7 @@ class Event:
     ``abort``, ``pause`` or ``resume``; ``readings``: the gates' figures it was decided on."""
 
     at: float
-    step: int
+    step: int  # an index into the plan's steps (0 the first): ``Plan.step_name`` for people
     action: str
     why: str = ""
     by: str = ""  # "driver <token>" or the operator's caller
@@ -299,7 +299,10 @@ class Rollouts:
         """The next step; ``baseline``: the fleet's counts as it begins (its window's start)."""
         run = self._check_driver(alias, token)
         if to != run.step + 1 or to >= len(run.plan.steps):
-            raise RolloutError(f"Step {to} does not follow step {run.step} of {alias!r}'s rollout.")
+            raise RolloutError(
+                f"Step {to + 1} does not follow {run.plan.step_name(run.step)} of {alias!r}'s"
+                " rollout."
+            )
         event = Event(at, to, "advance", why, f"driver {token}", readings)
         changed = run._then(event, step=to, step_began=at, token=token, baseline=baseline)
         return self._with(changed)
@@ -308,7 +311,10 @@ class Rollouts:
         """The window of ``step`` begins now (its first driver's counts): once a step."""
         run = self._check_driver(alias, token, paused_too=True)
         if step != run.step or run.baseline is not None:
-            raise RolloutError(f"Step {step}'s window of {alias!r}'s rollout is set already.")
+            raise RolloutError(
+                f"Step {step + 1}'s window of {alias!r}'s rollout is set already (it is at"
+                f" {run.plan.step_name(run.step)})."
+            )
         return self._with(replace(run, baseline=dict(baseline), token=token))
 
     def promote(
@@ -322,7 +328,9 @@ class Rollouts:
     ) -> Rollouts:
         run = self._check_driver(alias, token)
         if run.step != len(run.plan.steps) - 1:
-            raise RolloutError(f"{alias!r}'s rollout is at step {run.step}, not its last.")
+            raise RolloutError(
+                f"{alias!r}'s rollout is at {run.plan.step_name(run.step)}, not its last."
+            )
         event = Event(at, run.step, "promote", why, f"driver {token}", readings)
         return self._with(run._then(event, status="promoted", token=token))
 

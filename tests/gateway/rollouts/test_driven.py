@@ -229,6 +229,70 @@ async def test_bad_rollouts_are_refused_and_change_nothing() -> None:
         assert (run.status, run.step) == ("running", 0)
 
 
+# Judged at once: no request needed, a hold of 10 ms
+QUICK: dict[str, Any] = {**PLAN, "steps": [50, 100], "hold_s": 0.01, "min_requests": 0}
+
+
+async def test_a_rollback_after_a_promotion_goes_back_to_the_split_before_the_rollout() -> None:
+    """Issue 54: after a promotion ``previous`` was the last step's {v1: 0, v2: 100}, so a
+    rollback changed nothing. A rollout is one change of its alias: a rollback goes back to
+    the split before it began, and a second one forward to the promotion's."""
+    async with fleet() as (gw, _s1, _s2), aiohttp.ClientSession(headers=AUTH) as http:
+        alias = f"{gw.admin_url}/admin/aliases/{ALIAS}"
+        await start(http, gw, QUICK)
+        await wait_for(lambda: status(gw) == "promoted", within=30, what="promoted")
+        async with http.get(alias) as r:
+            doc = await r.json()
+        assert (doc["weights"], doc["previous"]) == ({"v2": 100.0}, {"v1": 100.0, "v2": 0.0})
+        async with http.post(f"{alias}/rollback") as r:
+            assert r.status == 200, await r.text()
+            doc = await r.json()
+        assert (doc["weights"], doc["previous"]) == ({"v1": 100.0, "v2": 0.0}, {"v2": 100.0})
+        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
+        async with http.post(f"{alias}/rollback") as r:
+            assert (await r.json())["weights"] == {"v2": 100.0}
+
+
+async def test_a_rollback_is_refused_while_a_rollout_is_under_way() -> None:
+    """The rollout moves the alias's weights itself: a rollback under it would leave it judging
+    a canary without traffic. Refused (409, saying to abort), nothing changed; once it has
+    been aborted, the rollback is the alias's as any other."""
+    async with fleet() as (gw, _s1, _s2), aiohttp.ClientSession(headers=AUTH) as http:
+        alias = f"{gw.admin_url}/admin/aliases/{ALIAS}"
+        await start(http, gw, {**PLAN, "hold_s": 3600})
+        async with http.post(f"{alias}/rollback") as r:
+            assert r.status == 409
+            assert "abort it" in (await r.json())["error"]["message"]
+        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
+        assert gw.app[ROLLOUT].previous[ALIAS] == {"v1": 100.0, "v2": 0.0}
+        async with http.post(f"{gw.admin_url}/admin/rollouts/{ALIAS}/abort") as r:
+            assert r.status == 200, await r.text()
+        async with http.post(f"{alias}/rollback") as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["weights"] == {"v1": 100.0, "v2": 0.0}
+
+
+async def test_the_history_says_who_started_paused_resumed_and_aborted_a_rollout() -> None:
+    """Issue 54: the start's ``by`` was empty (an operator's pause, resume and abort too): each
+    is the caller, as the audit trail has it."""
+    async with fleet() as (gw, _s1, _s2), aiohttp.ClientSession(headers=AUTH) as http:
+        url = f"{gw.admin_url}/admin/rollouts/{ALIAS}"
+        plan = {**PLAN, "hold_s": 3600}
+        async with http.post(url, json=plan, headers={"X-Admin-Caller": "alice"}) as r:
+            assert r.status == 200, await r.text()
+        for verb in ("pause", "resume", "abort"):
+            async with http.post(f"{url}/{verb}", headers={"X-Admin-Caller": "bob"}) as r:
+                assert r.status == 200, await r.text()
+        async with http.get(url) as r:
+            history = (await r.json())["history"]
+    assert [(e["action"], e["by"]) for e in history] == [
+        ("start", "alice (127.0.0.1)"),
+        ("pause", "bob (127.0.0.1)"),
+        ("resume", "bob (127.0.0.1)"),
+        ("abort", "bob (127.0.0.1)"),
+    ]
+
+
 async def test_a_plan_in_the_file_starts_itself_and_a_reload_leaves_its_weights(
     tmp_path: Path,
 ) -> None:

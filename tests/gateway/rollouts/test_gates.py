@@ -114,6 +114,15 @@ def test_a_healthy_canary_advances_step_by_step_then_is_promoted() -> None:
     assert PLAN.promoted() == {"v2": 100.0}
 
 
+def test_an_advance_says_which_step_passed_counting_from_1() -> None:
+    """Issue 54: "step 1 of 3 passed" beside the step it advanced to, 1 counted from 0: the
+    texts count from 1 and name each step's share, the data's index stays one."""
+    v = decide(PLAN, 0, 61.0, pool(150), pool(3000))
+    assert (v.action, v.step) == ("advance", 1)
+    assert v.why == "step 1 of 3 (5 %) passed; on to step 2"
+    assert PLAN.step_name(1) == "step 2 of 3 (50 %)"
+
+
 def test_a_breach_aborts_at_once_with_the_failed_gate() -> None:
     v = decide(PLAN, 1, 5.0, pool(120, ttft=0.18), pool(1000, ttft=0.09))
     assert v.action == "abort"

@@ -68,6 +68,17 @@ def test_promotion_only_from_the_last_step_and_then_nothing_more() -> None:
     assert r.start(PLAN, at=2000.0).get("chat") is not None  # a new rollout may begin
 
 
+def test_refusals_count_steps_from_1_as_people_do() -> None:
+    """Issue 54: the refusals said "at step 0" of the first step."""
+    r = started()
+    with pytest.raises(RolloutError, match=r"at step 1 of 3 \(10 %\), not its last"):
+        r.promote("chat", 1100.0, token=1)
+    with pytest.raises(RolloutError, match=r"^Step 3 does not follow step 1 of 3 \(10 %\)"):
+        r.advance("chat", 2, 1100.0, token=1)
+    with pytest.raises(RolloutError, match=r"^Step 1's window .* set already"):
+        r.window("chat", 0, token=1, baseline=BASE)
+
+
 def test_pause_resume_and_an_operators_abort() -> None:
     r = started().pause("chat", 1010.0, by="ops")
     with pytest.raises(RolloutError, match="paused"):

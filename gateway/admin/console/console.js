@@ -643,6 +643,7 @@ function renderRollout(last) {
   }
   const base = windowBase(last.at);
   const inFleet = last.canary !== null;
+  $("traffic-source").hidden = aliases.length === 0;
   $("traffic-source").textContent = inFleet
     ? `traffic: the last ${WINDOW_S} s, summed over the fleet's ${latest.replicas.summary.replicas} replicas`
     : `traffic: the last ${WINDOW_S} s through this gateway`;

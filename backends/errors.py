@@ -8,7 +8,9 @@ answers a client with is here:
     GatewayError                      500 internal_error
     ├── InvalidRequest                400 invalid_request_error
     │   ├── BodyTooLarge              413 invalid_request_error / request_too_large
-    │   └── BodyTimeout               408 invalid_request_error (body not received in time)
+    │   ├── BodyTimeout               408 invalid_request_error (body not received in time)
+    │   └── IdempotencyKeyReused      422 invalid_request_error / idempotency_key_reused (an
+    │                                     admin call repeats a key with another request)
     ├── AuthenticationError           401 authentication_error / invalid_api_key
     ├── NotFound                      404 not_found_error (an admin object: backend, alias, pool)
     ├── ModelNotFound                 404 invalid_request_error / model_not_found
@@ -26,7 +28,10 @@ answers a client with is here:
     │   ├── NoBackendAvailable            / no_backend_available
     │   ├── LimitsUnavailable             / limits_unavailable (limit store down, fail-closed)
     │   ├── FleetLogUnavailable           / fleet_log_unavailable (an admin change refused:
-    │   │                                     the fleet's change log, on Redis, is unreachable)
+    │   │   │                                 the fleet's change log, on Redis, is unreachable;
+    │   │   │                                 certainly not written)
+    │   │   └── FleetLogLost                  / fleet_log_lost (the log was lost or rewound and
+    │   │                                     is being healed: no change goes in meanwhile)
     │   └── AdmissionRejected
     │       ├── QueueFull                 / queue_full (admission queue at its bound)
     │       └── QueueTimeout              / queue_timeout (waited the maximum time)
@@ -106,6 +111,11 @@ class BodyTimeout(InvalidRequest):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, headers={"Connection": "close"})
+
+
+class IdempotencyKeyReused(InvalidRequest):
+    status = 422
+    default_code = "idempotency_key_reused"
 
 
 class AuthenticationError(GatewayError):
@@ -205,6 +215,10 @@ class LimitsUnavailable(Unavailable):
 
 class FleetLogUnavailable(Unavailable):
     default_code = "fleet_log_unavailable"
+
+
+class FleetLogLost(FleetLogUnavailable):
+    default_code = "fleet_log_lost"
 
 
 class AdmissionRejected(Unavailable):

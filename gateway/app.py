@@ -327,7 +327,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                 max_connections=8,
             )
             stack.push_async_callback(redis.aclose)
-            changes = RedisLog(redis, LogKeys.of(r.key_prefix, f.name))
+            changes = RedisLog(redis, LogKeys.of(r.key_prefix, f.name), timeout=f.log_timeout)
             registry = RedisRegistry(redis, r.key_prefix, f.name, f.report_ttl)
             leases = f"{r.key_prefix}{f.name}:rollout-lease:"
             holder = replica_id(f.replica, None if worker is None else worker.index)
@@ -356,13 +356,24 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                 report_ttl=f.report_ttl,
                 start_timeout=f.start_timeout,
                 compact_every=f.compact_every,
+                log_timeout=f.log_timeout,
             ),
             lambda: _describe_replica(app),
+            on_new_epoch=lambda: _after_lost_log(app),
         )
         await member.start()
         stack.push_async_callback(member.stop)
         app[FLEET] = member
+        app[METRICS].watch_fleet(lambda: member)
         yield
+
+
+async def _after_lost_log(app: web.Application) -> None:
+    """The log was lost and healed (or a healed one adopted): the budgets' counts, kept on the
+    same Redis, are written back from what this replica last saw of them."""
+    limiter = app.get(LIMITER)
+    if limiter is not None:
+        await limiter.store.restore_counts()
 
 
 async def _rollouts_ctx(app: web.Application) -> AsyncIterator[None]:

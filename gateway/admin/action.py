@@ -33,6 +33,9 @@ class Action:
     # goes to the caller once, only its hash to the log)
     prepare: Callable[[web.Application, Params, Doc], tuple[Doc, dict[str, Any]]] | None = None
     routed: bool = True
+    # A change that would set what ``before`` says is set already is answered as such and not
+    # logged (``old == new``: a drain of a drained backend)
+    skip_unchanged: bool = False
 
     def __post_init__(self) -> None:
         # What ``prepare`` makes is logged as JSON: read back as such where it is applied

@@ -69,7 +69,9 @@ def _drain(draining: bool) -> Action:
         return None if b is None else {"draining": b.draining}
 
     verb = "drain" if draining else "undrain"
-    return Action("POST", f"/admin/backends/{{backend_id}}/{verb}", check, apply, before)
+    return Action(
+        "POST", f"/admin/backends/{{backend_id}}/{verb}", check, apply, before, skip_unchanged=True
+    )
 
 
 def _check_policy(app: web.Application, _params: Params, body: Doc) -> Doc:
@@ -109,7 +111,9 @@ def _pool_drain(drained: bool) -> Action:
         return {"drained": params["pool"] in app[ROLLOUT].drained}
 
     verb = "drain" if drained else "undrain"
-    return Action("POST", f"/admin/pools/{{pool}}/{verb}", check, apply, before)
+    return Action(
+        "POST", f"/admin/pools/{{pool}}/{verb}", check, apply, before, skip_unchanged=True
+    )
 
 
 def _reload_check(app: web.Application, _params: Params, _body: Doc) -> Doc:

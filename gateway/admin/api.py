@@ -17,18 +17,14 @@ import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from redis.exceptions import RedisError
 
-from backends.errors import GatewayError, error_envelope
+from backends.errors import FleetLogUnavailable, GatewayError, error_envelope
 from gateway.admin import lora, rollouts
 from gateway.admin.actions import ACTIONS
 from gateway.admin.console import PUBLIC_PATHS, add_console_routes
-from gateway.admin.fleet import (
-    change_handler,
-    key_usage,
-    list_changes,
-    list_keys,
-    list_replicas,
-)
+from gateway.admin.fleet import add_fleet_routes, change_handler
+from gateway.admin.lastknown import VIEWS
 from gateway.admin.reload import describe_policy
 from gateway.admin.stats import stats_document
 from gateway.admin.views import backend_view, latency_view
@@ -41,6 +37,7 @@ from gateway.keys import (
     METRICS,
     POOL,
     ROUTER,
+    SETTINGS,
 )
 from gateway.observe.latency_metrics import latency_views
 from gateway.request.rollout import ROLLOUT
@@ -84,6 +81,18 @@ def _token_middleware(token: str, public: Collection[str] = ()) -> Middleware:
                 status=exc.status,
                 headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
             )
+        except (RedisError, OSError, TimeoutError) as exc:  # Redis in trouble: said once
+            request.app[VIEWS].note_failure(str(exc) or type(exc).__name__)
+            error = FleetLogUnavailable(
+                "Redis, which the fleet shares, did not answer; nothing was changed by this "
+                "call. Try again shortly.",
+                retry_after=1,
+            )
+            response = web.json_response(error.envelope(), status=503, headers=error.headers)
+        except Exception:  # a bug: its traceback logged, the answer in our shape all the same
+            log.exception("admin_call_failed", method=request.method, path=request.path)
+            error = GatewayError("The admin call failed inside the gateway (see its log).")
+            response = web.json_response(error.envelope(), status=500)
         if request.method not in ("GET", "HEAD"):  # a change (or an attempt at one)
             (log.warning if error else log.info)(
                 "admin_action",
@@ -204,10 +213,7 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     for action in ACTIONS:
         if action.routed:
             app.router.add_route(action.method, action.pattern, change_handler(action))
-    app.router.add_get("/admin/replicas", list_replicas)
-    app.router.add_get("/admin/changes", list_changes)
-    app.router.add_get("/admin/keys", list_keys)
-    app.router.add_get("/admin/keys/{name}/usage", key_usage)
+    add_fleet_routes(app, gateway[SETTINGS].fleet.view_timeout)
     app.router.add_post("/admin/lora/load", lora.load_adapter)
     app.router.add_post("/admin/lora/unload", lora.unload_adapter)
     return app

@@ -30,10 +30,10 @@ from typing import Any, Final
 
 import structlog
 from aiohttp import web
-from redis.exceptions import RedisError
 
 from backends.errors import Conflict, InvalidRequest, NotFound
 from gateway.admin.action import CALLER, Action, Doc, Params
+from gateway.admin.lastknown import VIEWS
 from gateway.fleet.changes import Change
 from gateway.keys import DRIVER, FLEET, GATEWAY, METRICS, ROLLOUTS
 from gateway.request.rollout import ROLLOUT
@@ -307,24 +307,32 @@ async def _submit(
 Look = tuple[str, dict[str, Any]]  # the replica driving a rollout, and its last look
 
 
-async def _looks(app: web.Application) -> tuple[str, dict[str, Look]]:
+async def _looks(request: web.Request) -> tuple[str, dict[str, Look], dict[str, Any]]:
     """This replica's id, and each rollout's driver's last look: this replica's own where it
     drives, else from the fleet's reports (the newest, should two claim one while the lease
-    passes; ``fleet.report_interval`` old at most, nothing while the registry is out of reach)."""
+    passes; ``fleet.report_interval`` old at most; the last known, marked stale, while the
+    registry is out of reach: the third part, the mark)."""
+    app = request.app[GATEWAY]
     member = app[FLEET]
     me = "self" if member is None else member.id
     looks: dict[str, Look] = {}
+    stale: dict[str, Any] = {}
     if member is not None:
-        try:
+
+        async def fetch() -> dict[str, Any]:
             reports = await member.registry.replicas()
-        except (RedisError, OSError, TimeoutError):
-            reports = []
-        for report in sorted(reports, key=lambda r: r.reported_at):
-            for alias, look in report.driving.items():
-                looks[alias] = (report.id, look)
+            seen: dict[str, Look] = {}
+            for report in sorted(reports, key=lambda r: r.reported_at):
+                for alias, look in report.driving.items():
+                    seen[alias] = (report.id, look)
+            return {"looks": {a: list(v) for a, v in seen.items()}}
+
+        doc = await request.app[VIEWS].read("rollouts", fetch, lambda: {"looks": {}})
+        looks = {a: (str(v[0]), dict(v[1])) for a, v in doc["looks"].items()}
+        stale = {"stale": doc["stale"]} if "stale" in doc else {}
     if DRIVER in app:
         looks.update((alias, (me, look)) for alias, look in app[DRIVER].progress.items())
-    return me, looks
+    return me, looks, stale
 
 
 def view(run: Run, alias: str, me: str, look: Look | None, now: float) -> dict[str, Any]:
@@ -344,10 +352,10 @@ async def list_rollouts(request: web.Request) -> web.Response:
     """``GET /admin/rollouts``: every alias's rollout (the last one of each)."""
     app = request.app[GATEWAY]
     runs = app[ROLLOUTS].now.runs
-    me, looks = await _looks(app)
+    me, looks, stale = await _looks(request)
     now = time.time()
     docs = [view(runs[a], a, me, looks.get(a), now) for a in sorted(runs)]
-    return web.json_response({"rollouts": docs})
+    return web.json_response({"rollouts": docs, **stale})
 
 
 async def get_rollout(request: web.Request) -> web.Response:
@@ -356,5 +364,5 @@ async def get_rollout(request: web.Request) -> web.Response:
     run = app[ROLLOUTS].now.get(alias)
     if run is None:
         raise NotFound(f"No rollout of {alias!r}.")
-    me, looks = await _looks(app)
-    return web.json_response(view(run, alias, me, looks.get(alias), time.time()))
+    me, looks, stale = await _looks(request)
+    return web.json_response({**view(run, alias, me, looks.get(alias), time.time()), **stale})

@@ -304,6 +304,20 @@ class FleetSettings(BaseModel):
     compact_every: int = Field(
         1000, ge=16, description="log entries past which a replica compacts it into a snapshot"
     )
+    log_timeout: float = Field(
+        2.0,
+        gt=0,
+        le=30,
+        description="seconds an admin change waits for Redis to take it; past that it is "
+        "answered 202 with its id, its fate unknown until Redis answers",
+    )
+    view_timeout: float = Field(
+        1.0,
+        gt=0,
+        le=30,
+        description="seconds a fleet view (replicas, changes, keys, usage, rollouts) waits for "
+        "Redis before it answers from the last state known, marked stale",
+    )
 
     @model_validator(mode="after")
     def _ttl_outlives_reports(self) -> FleetSettings:

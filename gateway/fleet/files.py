@@ -6,7 +6,9 @@ every admin change once, in one order, through the same follower.
 Under the directory, for a fleet named ``<fleet>``:
 
 - ``<fleet>.log``: one JSON line a change, ``{"position": "<ms>-<seq>", "change": ...}``.
-- ``<fleet>.snapshot``: ``{"position": ..., "state": ...}`` once the log was compacted.
+- ``<fleet>.snapshot``: ``{"position": ..., "state": ..., "ids": ...}`` once the log was
+  compacted (or healed).
+- ``<fleet>.epoch``: the log's identity (``gateway.fleet.epoch``); an append names it.
 - ``<fleet>.lock``: ``flock``, exclusive to append or compact, shared to read. The kernel's
   lock orders the writers (and dies with its holder): no locking of ours.
 - ``<fleet>.replicas/<id>.json``: each process's last report; one older than the TTL is gone.
@@ -33,7 +35,8 @@ from pathlib import Path
 from typing import Final
 from urllib.parse import quote
 
-from gateway.fleet.changes import Batch, Change, Position, Snapshot, behind
+from gateway.fleet.changes import Batch, Change, Known, Position, Snapshot, behind
+from gateway.fleet.log import Appended, FateUnknown, IdState, NotAppended, Refused
 from gateway.fleet.registry import Report, check_ttl
 
 POLL_S: Final = 0.02
@@ -45,12 +48,19 @@ class _Read:
     snapshot: Snapshot | None
     entries: list[tuple[Position, Change]]
     whole: int  # bytes of the log up to its last whole line
+    epoch: str | None
 
     @property
     def head(self) -> Position | None:
         if self.entries:
             return self.entries[-1][0]
         return None if self.snapshot is None else self.snapshot.position
+
+    def known(self, change_id: str) -> Known | None:
+        for position, change in reversed(self.entries):
+            if change.id == change_id:
+                return Known(position, change.fingerprint)
+        return None if self.snapshot is None else self.snapshot.ids.get(change_id)
 
 
 def _write_new(path: Path, data: bytes, *, durable: bool = True) -> None:
@@ -69,6 +79,7 @@ class FileLog:
         directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.path = directory / f"{fleet}.log"
         self.snapshot_path = directory / f"{fleet}.snapshot"
+        self.epoch_path = directory / f"{fleet}.epoch"
         self._lock = directory / f"{fleet}.lock"
         self.poll = poll
 
@@ -87,7 +98,10 @@ class FileLog:
         snapshot = None
         with contextlib.suppress(FileNotFoundError):
             doc = json.loads(self.snapshot_path.read_bytes())
-            snapshot = Snapshot.decode(doc["position"], doc["state"])
+            snapshot = Snapshot.decode(doc["position"], doc["state"], doc.get("ids"))
+        epoch = None
+        with contextlib.suppress(FileNotFoundError):
+            epoch = self.epoch_path.read_text().strip() or None
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
@@ -97,11 +111,15 @@ class FileLog:
         for line in data[:whole].splitlines():
             doc = json.loads(line)
             entries.append((Position.parse(doc["position"]), Change.decode(doc)))
-        return _Read(snapshot, entries, whole)
+        return _Read(snapshot, entries, whole, epoch)
 
-    def _append(self, change: Change) -> Position:
+    def _append(self, change: Change, epoch: str) -> Appended | Refused:
         with self._locked(exclusive=True):
             read = self._read()
+            if read.epoch != epoch:
+                return Refused(epoch=read.epoch)
+            if change.id and (known := read.known(change.id)) is not None:
+                return Appended(known, new=False)
             now, last = Position(time.time_ns() // 1_000_000), read.head
             position = now if last is None or now > last else last.next()
             line = {"position": str(position), **change.encode()}
@@ -110,19 +128,48 @@ class FileLog:
             try:
                 if os.fstat(fd).st_size > read.whole:  # a line a crash cut short
                     os.ftruncate(fd, read.whole)
-                os.write(fd, data)
-                os.fsync(fd)
+                try:
+                    os.write(fd, data)
+                    os.fsync(fd)
+                except OSError as exc:  # perhaps written, perhaps read already by another
+                    raise FateUnknown(str(exc)) from exc
             finally:
                 os.close(fd)
-            return position
+            return Appended(Known(position, change.fingerprint), new=True)
+
+    def _write_snapshot(self, snapshot: Snapshot) -> None:
+        doc = {
+            "position": str(snapshot.position),
+            "state": snapshot.encode(),
+            "ids": snapshot.encode_ids(),
+        }
+        _write_new(self.snapshot_path, json.dumps(doc, separators=_SEPARATORS).encode())
+
+    def _establish(self, epoch: str) -> str:
+        with self._locked(exclusive=True):
+            current = self._read().epoch
+            if current is None:
+                _write_new(self.epoch_path, epoch.encode())
+                return epoch
+            return current
+
+    def _heal(self, seen: str | None, epoch: str, snapshot: Snapshot | None) -> bool:
+        with self._locked(exclusive=True):
+            if self._read().epoch != seen:
+                return False
+            self.snapshot_path.unlink(missing_ok=True)
+            if snapshot is not None:
+                self._write_snapshot(snapshot)
+            _write_new(self.path, b"")
+            _write_new(self.epoch_path, epoch.encode())
+            return True
 
     def _compact(self, snapshot: Snapshot, replaces: Position | None) -> bool:
         with self._locked(exclusive=True):
             read = self._read()
             if (None if read.snapshot is None else read.snapshot.position) != replaces:
                 return False
-            doc = {"position": str(snapshot.position), "state": snapshot.encode()}
-            _write_new(self.snapshot_path, json.dumps(doc, separators=_SEPARATORS).encode())
+            self._write_snapshot(snapshot)
             kept = b"".join(
                 json.dumps({"position": str(p), **c.encode()}, separators=_SEPARATORS).encode()
                 + b"\n"
@@ -145,8 +192,24 @@ class FileLog:
 
     # -- ChangeLog ------------------------------------------------------------------------
 
-    async def append(self, change: Change) -> Position:
-        return await asyncio.to_thread(self._append, change)
+    async def append(self, change: Change, *, epoch: str, attempt: int = 0) -> Appended | Refused:
+        try:
+            return await asyncio.to_thread(self._append, change, epoch)
+        except OSError as exc:  # before anything was written (``FateUnknown`` after)
+            raise NotAppended(str(exc)) from exc
+
+    async def find(self, change_id: str) -> IdState:
+        return IdState((await asyncio.to_thread(self._reading)).known(change_id))
+
+    async def fence(self, change_id: str) -> IdState:
+        """As ``find``: an append holds the lock until it is on disk, none is ever on its way."""
+        return await self.find(change_id)
+
+    async def establish(self, epoch: str) -> str:
+        return await asyncio.to_thread(self._establish, epoch)
+
+    async def heal(self, seen: str | None, epoch: str, snapshot: Snapshot | None) -> bool:
+        return await asyncio.to_thread(self._heal, seen, epoch, snapshot)
 
     async def head(self) -> Position | None:
         return (await asyncio.to_thread(self._reading)).head
@@ -160,7 +223,7 @@ class FileLog:
         snapshot = read.snapshot if behind(read.snapshot, applied) else None
         floor = snapshot.position if snapshot is not None else applied
         entries = [(p, c) for p, c in read.entries if floor is None or p > floor]
-        return Batch(snapshot, entries[:count])
+        return Batch(snapshot, entries[:count], read.epoch, read.head)
 
     async def recent(self, count: int) -> list[tuple[Position, Change]]:
         read = await asyncio.to_thread(self._reading)

@@ -12,6 +12,11 @@ what it missed before it goes on; ``catch_up`` is what the replica awaits before
 traffic. Redis unreachable: ``run`` logs it once, keeps the state it has, and tries again
 every ``retry`` seconds; the first answer brings it up to date.
 
+Every read of the log is judged against the epoch the follower follows
+(``gateway.fleet.epoch``): a newer epoch is adopted (the state starts again from its snapshot);
+a log lost, replaced by an older one or rewound raises ``LogLost``, which ``run`` hands to the
+member's healing (``heal``) and the follower applies nothing meanwhile.
+
 What applying means is the replica's (``Applier``): through its admin handlers, so a change
 from the log goes through the same code as one made on a single gateway.
 """
@@ -21,13 +26,15 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 import structlog
 from redis.exceptions import RedisError
 
-from gateway.fleet.changes import Change, Position, Snapshot
+from gateway.fleet.changes import KEPT_IDS, Change, Known, Position, Snapshot
+from gateway.fleet.epoch import judge, new_epoch
 from gateway.fleet.log import ChangeLog
 
 log = structlog.get_logger("gateway.fleet")
@@ -46,6 +53,17 @@ class Outcome:
     @property
     def applied(self) -> bool:
         return 200 <= self.status < 300
+
+
+class LogLost(Exception):
+    """The log is not the one this replica followed: gone, an older one, or behind what was
+    applied (``gateway.fleet.epoch``). ``seen``: its epoch now (None: none)."""
+
+    def __init__(self, seen: str | None, head: Position | None, known: str | None) -> None:
+        super().__init__(f"the fleet's log was lost or rewound (epoch {seen!r}, head {head})")
+        self.seen = seen
+        self.head = head
+        self.known = known
 
 
 class Applier(Protocol):
@@ -69,27 +87,49 @@ class Follower:
         block: float = 1.0,
         retry: float = 0.5,
         batch: int = 256,
+        heal: Callable[[LogLost], Awaitable[None]] | None = None,
     ) -> None:
         self.changes = changes
         self.applier = applier
         self.block = block
         self.retry = retry
         self.batch = batch
+        self.heal = heal
         self.applied: Position | None = None
+        self.epoch: str | None = None  # the epoch of the log it follows (None: none yet)
         self.reachable = True  # False while Redis does not answer
+        self.lost: LogLost | None = None  # while the log it followed is lost, not yet healed
+        self.ids: OrderedDict[str, Known] = OrderedDict()  # the last changes' ids
         self._outcomes: OrderedDict[Position, Outcome] = OrderedDict()
+        self._initial: dict[str, Any] | None = None  # the state before any change
         self._advanced = asyncio.Event()
         self._lock = asyncio.Lock()  # one catch-up at a time: changes apply once, in order
 
     async def catch_up(self) -> int:
         """Apply everything the log holds after ``applied``, now; how many changes were.
-        Redis errors propagate (``run`` retries; a replica starting fails its start)."""
+        Redis errors propagate (``run`` retries; a replica starting fails its start), as does
+        ``LogLost``."""
         done = 0
         async with self._lock:
+            if self._initial is None:
+                self._initial = self.applier.export()
             while True:
                 got = await self.changes.after(self.applied, count=self.batch)
+                verdict = judge(self.epoch, self.applied, got.epoch, got.head)
+                if verdict == "lost":
+                    self.lost = LogLost(got.epoch, got.head, self.epoch)
+                    raise self.lost
+                if verdict == "claim":  # a log from before epochs: given one, kept
+                    self.epoch = await self.changes.establish(new_epoch())
+                    log.info("fleet_log_epoch_claimed", epoch=self.epoch)
+                    continue
+                if verdict == "adopt":
+                    await self._adopt(got.epoch)
+                    continue
+                self.lost = None
                 if got.snapshot is not None:
                     await self.applier.restore(got.snapshot)
+                    self._remember(got.snapshot.ids.items())
                     log.info("fleet_snapshot_restored", position=str(got.snapshot.position))
                     self._advance(got.snapshot.position)
                 for position, change in got.entries:
@@ -97,10 +137,50 @@ class Follower:
                     self._outcomes[position] = outcome
                     while len(self._outcomes) > _KEPT_OUTCOMES:
                         self._outcomes.popitem(last=False)
+                    if change.id:
+                        self._remember([(change.id, Known(position, change.fingerprint))])
                     self._advance(position)
                     done += 1
                 if len(got.entries) < self.batch:
                     return done
+
+    async def _adopt(self, epoch: str | None) -> None:
+        """Follow the log of ``epoch``: a replica that had followed another starts again from
+        this one's snapshot (or, without one, from its state before any change)."""
+        assert epoch is not None
+        was, applied = self.epoch, self.applied
+        self.epoch = epoch
+        if was is None and applied is None:
+            return  # joining: from the snapshot, as always
+        self.applied = None
+        self._outcomes.clear()
+        self.ids.clear()  # positions of the old log: the new one's snapshot brings its own
+        assert self._initial is not None
+        await self.applier.restore(Snapshot(Position(0, 0), self._initial))
+        log.warning(
+            "fleet_log_adopted",
+            epoch=epoch,
+            was=was,
+            applied_before=None if applied is None else str(applied),
+            effect="the state starts again from the log's snapshot; what this replica had "
+            "applied beyond it is gone",
+        )
+
+    def adopt_own(self, epoch: str) -> None:
+        """This replica healed the log under ``epoch`` with its own state: nothing to redo."""
+        self.epoch = epoch
+        self.lost = None
+
+    def _remember(self, pairs: Any) -> None:
+        for change_id, known in pairs:
+            self.ids[change_id] = known
+            self.ids.move_to_end(change_id)
+        while len(self.ids) > KEPT_IDS:
+            self.ids.popitem(last=False)
+
+    def outcome(self, position: Position) -> Outcome | None:
+        """What applying ``position`` answered here, while it is remembered."""
+        return self._outcomes.get(position)
 
     async def _apply(self, position: Position, change: Change) -> Outcome:
         try:
@@ -141,7 +221,7 @@ class Follower:
         async with self._lock:
             if self.applied is None:
                 return None
-            return Snapshot(self.applied, self.applier.export())
+            return Snapshot(self.applied, self.applier.export(), dict(self.ids))
 
     async def run(self) -> None:
         """Follow the log until cancelled."""
@@ -157,6 +237,10 @@ class Follower:
                     self.reachable = True
                     log.info("fleet_log_reachable", applied=str(self.applied))
                 await self.changes.wait(self.applied, self.block)
+            except LogLost as lost:
+                if self.heal is None:
+                    raise
+                await self.heal(lost)
             except _FAILURES as exc:
                 if task is not None and task.cancelling():
                     raise asyncio.CancelledError from exc  # the cause of the read's failure

@@ -42,6 +42,8 @@ class Report:
     figures: Figures = field(default_factory=Figures)  # since it started
     # The rollouts it drives: alias -> its driver's last look (``gateway.rollouts.driver``)
     driving: dict[str, dict[str, Any]] = field(default_factory=dict)
+    epoch: str | None = None  # the epoch of the log it follows (None: none yet, or older)
+    log: str = "ok"  # its log as it sees it: ok, lost (being healed), unreachable
 
     def _doc(self) -> dict[str, Any]:
         return {**asdict(self), "figures": self.figures.doc()}
@@ -64,6 +66,8 @@ class Report:
                 health={str(k): str(v) for k, v in doc.get("health", {}).items()},
                 figures=Figures.parse(doc.get("figures")),  # none from an older replica
                 driving={str(k): dict(v) for k, v in doc.get("driving", {}).items()},
+                epoch=None if doc.get("epoch") is None else str(doc["epoch"]),
+                log=str(doc.get("log", "ok")),
             )
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             raise InvalidRequest(f"an unreadable replica report: {exc}") from None
@@ -86,6 +90,16 @@ def lagging(reports: Sequence[Report], head: Position | None) -> list[str]:
     if head is None:
         return []
     return sorted(r.id for r in reports if r.position is None or r.position < head)
+
+
+def log_problems(reports: Sequence[Report], epoch: str | None) -> dict[str, str]:
+    """Replicas whose log is not the fleet's (``epoch``: the one in force), by id: what they
+    say of it (``lost``, ``unreachable``) or ``other epoch``."""
+    problems = {r.id: r.log for r in reports if r.log != "ok"}
+    for r in reports:
+        if r.id not in problems and epoch is not None and r.epoch not in (None, epoch):
+            problems[r.id] = "other epoch"
+    return dict(sorted(problems.items()))
 
 
 def disagreements(reports: Sequence[Report]) -> dict[str, dict[str, str]]:
@@ -172,12 +186,17 @@ class RedisRegistry:
         return list(members)
 
 
-def summary(reports: Sequence[Report], head: Position | None) -> Mapping[str, Any]:
-    """What the console and ``top`` show of the fleet: who lags, who disagrees, the sums (in
-    flight now; the figures of the replicas alive, each since it started)."""
+def summary(
+    reports: Sequence[Report], head: Position | None, epoch: str | None = None
+) -> Mapping[str, Any]:
+    """What the console and ``top`` show of the fleet: who lags, whose log is not the fleet's,
+    who disagrees, the sums (in flight now; the figures of the replicas alive, each since it
+    started)."""
     return {
         "replicas": len(reports),
         "head": None if head is None else str(head),
+        "epoch": epoch,
+        "log_problems": log_problems(reports, epoch),
         "lagging": lagging(reports, head),
         "disagree": disagreements(reports),
         "in_flight": in_flight(reports),

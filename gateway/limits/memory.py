@@ -123,6 +123,10 @@ class MemoryLimitStore:
             return {}
         return {day: dict(held[day]) for day in days if day in held}
 
+    async def restore_counts(self) -> int:
+        """Nothing to restore: this process's counts are lost only with it."""
+        return 0
+
     async def open(self) -> None:
         pass  # nothing to connect to
 

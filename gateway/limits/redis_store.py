@@ -13,6 +13,13 @@ admit without limits, logged once per outage; closed: ``LimitsUnavailable``, a 5
 failure Redis is not tried again for ``retry_interval``, so an outage costs requests no waiting;
 the first success after it ends the outage, with no restart.
 
+The budgets' counts outlive a Redis restarted empty (or its data lost another way): the store
+keeps the last value it saw of each count (every charge, settlement and read answers it), and
+when the fleet finds its log lost (``gateway.fleet.epoch``), every replica writes back what it
+saw (``restore_counts``), each count taking the largest: what was spent before the loss is
+still counted (a little more, never less: a settlement seen by no replica is counted as the
+reservation it gave back).
+
 What a request owes Redis when it ends (its concurrency slot, its token correction) is not lost
 to a blip: a release or settlement that cannot reach Redis waits in a bounded backlog
 (``max_backlog`` tickets, oldest dropped first: their slots still expire after ``slot_ttl``),
@@ -119,37 +126,53 @@ _OPEN_WAIT_S: Final = 5.0  # for the connections opened at start
 _CONNECT_TIMEOUT_S: Final = 1.0
 
 
-# KEYS: the owner's counts. ARGV: cost, TTL (ms), then each count's limit. {0, 0} when taken
-# from every count, else {the 1-based index of the first that refused, what it has spent}.
+# KEYS: the owner's counts. ARGV: cost, TTL (ms), then each count's limit. {0, 0, each count
+# after the charge} when taken from every count, else {the 1-based index of the first that
+# refused, what it has spent}.
 BUDGET_LUA: Final = """
 local cost = tonumber(ARGV[1])
 for i, key in ipairs(KEYS) do
   local spent = tonumber(redis.call('GET', key) or '0')
   if spent + cost > tonumber(ARGV[i + 2]) then return {i, spent} end
 end
+local after = {0, 0}
 for i, key in ipairs(KEYS) do
-  redis.call('INCRBY', key, cost)
+  after[i + 2] = redis.call('INCRBY', key, cost)
   redis.call('PEXPIRE', key, ARGV[2])
 end
-return {0, 0}
+return after
+"""
+# KEYS: one count. ARGV: a value seen of it, its TTL (ms). Sets it if it holds less (or
+# nothing): of several replicas writing back what each saw, the largest stays.
+BUDGET_AT_LEAST_LUA: Final = """
+local cur = tonumber(redis.call('GET', KEYS[1]) or '-1')
+if cur >= tonumber(ARGV[1]) then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
 """
 # KEYS: the counts charged, then the usage hash of the day (or nothing). ARGV: delta, then
 # (with a usage hash) the model, its tokens and the hash's TTL (ms).
 BUDGET_SETTLE_LUA: Final = """
 local n = #KEYS
 if #ARGV > 1 then n = n - 1 end
+local after = {}
 for i = 1, n do
-  if redis.call('EXISTS', KEYS[i]) == 1 then redis.call('DECRBY', KEYS[i], ARGV[1]) end
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    after[i] = redis.call('DECRBY', KEYS[i], ARGV[1])
+  else
+    after[i] = -1
+  end
 end
 if #ARGV > 1 then
   redis.call('HINCRBY', KEYS[#KEYS], ARGV[2], ARGV[3])
   redis.call('PEXPIRE', KEYS[#KEYS], ARGV[4])
 end
-return 1
+return after
 """
 _COUNT_TTL_MS: Final = 62 * 86_400_000  # a count outlives its period (a month)
 _USAGE_TTL_MS: Final = 400 * 86_400_000  # usage by day: a year and some
 _MODEL_CHARS: Final = 128  # a model's name as usage keeps it
+_SEEN_COUNTS: Final = 10_000  # counts whose last value is kept, for a Redis that lost them
 
 
 def _text(raw: bytes | str) -> str:
@@ -172,6 +195,7 @@ _ADMIT: Final = _Script(ADMIT_LUA)
 _SETTLE: Final = _Script(SETTLE_LUA)
 _BUDGET: Final = _Script(BUDGET_LUA)
 _BUDGET_SETTLE: Final = _Script(BUDGET_SETTLE_LUA)
+_BUDGET_AT_LEAST: Final = _Script(BUDGET_AT_LEAST_LUA)
 
 
 class _Owed:
@@ -216,6 +240,7 @@ class RedisLimitStore:
         self._flusher: asyncio.Task[None] | None = None
         self._supervisor = supervisor or Supervisor()
         self.backlog_dropped = 0  # owed operations given up (backlog full): slots expire
+        self._seen: OrderedDict[str, int] = OrderedDict()  # count key -> its last value seen
 
     @classmethod
     def from_settings(
@@ -329,7 +354,7 @@ class RedisLimitStore:
         keys = [self.budget_key(owner, c.name) for c in counts]
         args = (cost, _COUNT_TTL_MS, *(c.limit for c in counts))
         try:
-            index, spent = await self._script(_BUDGET, keys, args)
+            index, spent, *after = await self._script(_BUDGET, keys, args)
         except _FAILURES as exc:
             self._note_failure(exc)
             if not self.fail_open:
@@ -338,7 +363,12 @@ class RedisLimitStore:
                     retry_after=self._retry_after,
                 ) from exc
             return None
-        return None if int(index) == 0 else (counts[int(index) - 1], int(spent))
+        if int(index) != 0:
+            self._saw(keys[int(index) - 1], int(spent))
+            return counts[int(index) - 1], int(spent)
+        for key, value in zip(keys, after, strict=False):
+            self._saw(key, int(value))
+        return None
 
     async def settle_budget(
         self, owner: str, names: Sequence[str], delta: int, used: Used | None
@@ -351,9 +381,13 @@ class RedisLimitStore:
         if (delta == 0 and len(args) == 1) or not keys:
             return
         try:
-            await self._script(_BUDGET_SETTLE, keys, args)
+            after = await self._script(_BUDGET_SETTLE, keys, args)
         except _FAILURES as exc:  # lost: the counts keep the reservation (never under-count)
             self._note_failure(exc)
+            return
+        for key, value in zip(keys, after, strict=False):
+            if int(value) >= 0:
+                self._saw(key, int(value))
 
     async def budget_spent(self, owner: str, names: Sequence[str]) -> list[int] | None:
         if not names:
@@ -365,7 +399,30 @@ class RedisLimitStore:
         except _FAILURES as exc:
             self._note_failure(exc)
             return None
+        for name, raw in zip(names, raws, strict=True):
+            if raw is not None:
+                self._saw(self.budget_key(owner, name), int(raw))
         return [int(raw or 0) for raw in raws]
+
+    def _saw(self, key: str, value: int) -> None:
+        self._seen[key] = value
+        self._seen.move_to_end(key)
+        while len(self._seen) > _SEEN_COUNTS:
+            self._seen.popitem(last=False)
+
+    async def restore_counts(self) -> int:
+        """Write back every count's last value seen here where Redis holds less (it lost
+        them); how many were raised. Failures: logged, the counts stay as Redis has them."""
+        raised = 0
+        try:
+            for key, value in list(self._seen.items()):
+                raised += int(await self._script(_BUDGET_AT_LEAST, [key], (value, _COUNT_TTL_MS)))
+        except _FAILURES as exc:
+            self._note_failure(exc)
+            log.warning("budget_counts_not_restored", error=str(exc) or type(exc).__name__)
+            return raised
+        log.warning("budget_counts_restored", raised=raised, known=len(self._seen))
+        return raised
 
     async def budget_usage(
         self, owner: str, days: Sequence[str]

@@ -160,6 +160,11 @@ class LimitStore(Protocol):
         store cannot say."""
         ...
 
+    async def restore_counts(self) -> int:
+        """After the store lost its data: write back the budgets' counts as last seen here
+        (the largest of every replica's stays); how many were raised."""
+        ...
+
     async def open(self) -> None:
         """Connect ahead of the first request (never raises: a store out of reach at start
         is its failure mode's business, as later)."""

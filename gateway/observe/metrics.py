@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict
-from typing import Final
+from typing import Final, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -248,6 +248,62 @@ class SupervisorCollector(Collector):
         for kind in SUPERVISED_KINDS:
             restarts.add_metric([kind], self._supervisor.restarts[kind])
         yield restarts
+
+
+class FleetState(Protocol):
+    """What the metrics read of this replica as a member of its fleet (``Member``)."""
+
+    losses: int
+    heals: int
+
+    @property
+    def unknown(self) -> int: ...
+
+    def log_state(self) -> str: ...
+
+
+class FleetCollector(Collector):
+    """The fleet's change log as this replica sees it: lost logs, heals, changes of unknown
+    fate (``gateway.fleet.member``)."""
+
+    def __init__(self, member: Callable[[], FleetState | None]) -> None:
+        self._member = member
+
+    def describe(self) -> list[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        member = self._member()
+        if member is None:
+            return
+        yield CounterMetricFamily(
+            "llm_gateway_fleet_log_losses",
+            "Times this replica found the fleet's change log lost, replaced by an older one or "
+            "rewound (a Redis restarted empty); each is healed by the replica furthest ahead "
+            "(fleet_log_lost, fleet_log_healed in the log).",
+            value=member.losses,
+        )
+        yield CounterMetricFamily(
+            "llm_gateway_fleet_log_heals",
+            "Lost logs this replica wrote its state back into, as the replica furthest ahead.",
+            value=member.heals,
+        )
+        state = GaugeMetricFamily(
+            "llm_gateway_fleet_log_state",
+            "The fleet's change log as this replica sees it: 1 for its state (ok; lost: being "
+            "healed, admin changes refused; unreachable: Redis does not answer).",
+            labels=["state"],
+        )
+        now = member.log_state()
+        for name in ("ok", "lost", "unreachable"):
+            state.add_metric([name], 1.0 if name == now else 0.0)
+        yield state
+        yield GaugeMetricFamily(
+            "llm_gateway_fleet_changes_unknown",
+            "Admin changes this replica answered 202 whose fate it does not know yet (Redis "
+            "took them and did not answer); known as soon as Redis answers.",
+            value=member.unknown,
+        )
 
 
 class GatewayMetrics:
@@ -491,6 +547,9 @@ class GatewayMetrics:
 
     def watch_supervisor(self, supervisor: Supervisor) -> None:
         self.registry.register(SupervisorCollector(supervisor))
+
+    def watch_fleet(self, member: Callable[[], FleetState | None]) -> None:
+        self.registry.register(FleetCollector(member))
 
     def watch_backends(
         self, pool: BackendPool, policy: Callable[[], Policy], gateway_queue: Callable[[], int]

@@ -216,9 +216,13 @@ class Fleet:
         return self.replicas[i]
 
     async def change(
-        self, replica: Replica, method: str, path: str, body: Any = None
+        self, replica: Replica, method: str, path: str, body: Any = None, *, key: str | None = None
     ) -> tuple[int, dict[str, str], Any]:
-        async with self.session.request(method, replica.admin + path, json=body, headers=AUTH) as r:
+        """An admin change through ``replica``; ``key``: its ``Idempotency-Key``."""
+        headers = AUTH if key is None else {**AUTH, "Idempotency-Key": key}
+        async with self.session.request(
+            method, replica.admin + path, json=body, headers=headers
+        ) as r:
             return r.status, dict(r.headers), await r.json()
 
     async def read(self, replica: Replica, path: str) -> Any:

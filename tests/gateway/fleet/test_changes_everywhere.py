@@ -107,7 +107,13 @@ async def test_two_conflicting_changes_at_once_end_in_one_state_everywhere(
                 fleet.change(r1, "PUT", f"/admin/aliases/{ALIAS}", {"stable": 30, "canary": 70}),
                 fleet.change(r2, "PUT", f"/admin/aliases/{ALIAS}", {"stable": 80, "canary": 20}),
             )
-            assert [(s, h["X-Gateway-Replicas"]) for s, h, _ in answers] == [(200, "3/3")] * 4
+            # Each applied everywhere, or (a drain of a drained backend: the other came first)
+            # answered as already so, and not logged.
+            assert [
+                (s, h.get("X-Gateway-Replicas", "unchanged" if doc.get("changed") is False else ""))
+                for s, h, doc in answers
+            ] in ([(200, "3/3")] * 4, [(200, "3/3"), (200, "unchanged"), *[(200, "3/3")] * 2],
+                  [(200, "unchanged"), *[(200, "3/3")] * 3])  # fmt: skip
             states = [await fleet.state(r) for r in fleet]
             assert states[0] == states[1] == states[2]
         # The last in the log's order is what every replica has.

@@ -14,9 +14,9 @@ from typing import Any
 
 from redis.asyncio import Redis
 
-from gateway.fleet.changes import Change, Position, Snapshot
-from gateway.fleet.follower import Follower, Outcome
-from gateway.fleet.log import LogKeys, RedisLog
+from gateway.fleet.changes import Change, Position, Snapshot, change_id
+from gateway.fleet.follower import Follower, LogLost, Outcome
+from gateway.fleet.log import Appended, LogKeys, RedisLog, Refused
 from tests.redis_server import RedisServer
 from tests.waiting import wait_for
 
@@ -48,7 +48,16 @@ class Replica:
 
 
 def change(verb: str, backend: str, replica: str = "r0") -> Change:
-    return Change("POST", f"/admin/backends/{backend}/{verb}", replica=replica)
+    return Change("POST", f"/admin/backends/{backend}/{verb}", replica=replica, id=change_id(None))
+
+
+EPOCH = "0000000000001-test"
+
+
+async def put(log: RedisLog, c: Change) -> Position:
+    got = await log.append(c, epoch=await log.establish(EPOCH))
+    assert isinstance(got, Appended), got
+    return got.position
 
 
 @contextlib.asynccontextmanager
@@ -72,13 +81,14 @@ async def test_replicas_apply_the_same_changes_in_the_same_order(
         Follower(RedisLog(c, keys), r, block=0.2)
         for c, r in zip([redis, *others], replicas, strict=True)
     ]
+    await RedisLog(redis, keys).establish(EPOCH)
     try:
         async with following(followers[0]), following(followers[1]), following(followers[2]):
             # Two replicas accept conflicting changes at once: the log decides the order.
             a, b = RedisLog(others[0], keys), RedisLog(others[1], keys)
             made = await asyncio.gather(
                 *(
-                    log.append(change(verb, "b1", replica=name))
+                    put(log, change(verb, "b1", replica=name))
                     for _ in range(10)
                     for log, verb, name in ((a, "drain", "r1"), (b, "undrain", "r2"))
                 )
@@ -100,8 +110,8 @@ async def test_a_refused_change_is_refused_everywhere_and_its_answer_is_the_hand
     one, two = Replica(), Replica()
     f1, f2 = Follower(RedisLog(redis, keys), one), Follower(RedisLog(redis, keys), two)
     log = RedisLog(redis, keys)
-    await log.append(change("drain", "b0"))
-    bad = await log.append(change("drain", "b9"))
+    await put(log, change("drain", "b0"))
+    bad = await put(log, change("drain", "b9"))
     await f1.catch_up()
     await f2.catch_up()
     refused = await f1.reached(bad, within=1.0)
@@ -117,14 +127,14 @@ async def test_a_replica_that_starts_late_catches_up_from_the_snapshot(
     early = Replica()
     follower = Follower(log, early)
     for verb, b in (("drain", "b0"), ("drain", "b1"), ("undrain", "b0"), ("drain", "b2")):
-        await log.append(change(verb, b))
+        await put(log, change(verb, b))
     await follower.catch_up()
     assert follower.applied is not None
     taken = await follower.snapshot()
     assert taken is not None
     assert taken.position == follower.applied
     assert await log.compact(taken, None)
-    after = await log.append(change("drain", "b0"))
+    after = await put(log, change("drain", "b0"))
     late = Replica()
     applied = await Follower(log, late).catch_up()
     assert applied == 1  # the snapshot, then the one change after it
@@ -151,19 +161,69 @@ async def test_a_replica_cut_off_from_redis_keeps_its_state_and_catches_up_on_it
     follower = Follower(RedisLog(client, keys), replica, block=0.2, retry=0.05)
     writer = RedisLog(client, keys)
     try:
+        await writer.establish(EPOCH)
         async with following(follower):
-            first = await writer.append(change("drain", "b0"))
+            first = await put(writer, change("drain", "b0"))
             assert await follower.reached(first, within=10.0) is not None
-            own_redis.stop()
+            own_redis.pause()
             await wait_for(lambda: not follower.reachable, what="the follower to notice")
             assert replica.drained == ["b0"]  # the last applied state stays
-            own_redis.start()
-            # The restarted Redis kept nothing (no persistence in tests); a new change is
-            # still after the last one applied, and it arrives.
-            second = await writer.append(change("drain", "b1"))
-            assert second > first
+            own_redis.resume()
+            second = await put(writer, change("drain", "b1"))
             assert await follower.reached(second, within=10.0) is not None
             assert follower.reachable
     finally:
         await client.aclose()
     assert replica.drained == ["b0", "b1"]
+
+
+async def test_a_log_lost_with_its_redis_is_noticed_nothing_goes_into_it_and_healed_it_is_adopted(
+    own_redis: RedisServer,
+) -> None:
+    """Redis restarted empty: the follower keeps its state and hands the loss to its healer
+    (nothing of a new log is applied meanwhile, no change can be appended to it); healed with
+    the state of the replica furthest ahead, a follower that was behind adopts it."""
+    keys = LogKeys.of("t:", "f")
+    client = Redis.from_url(own_redis.url, socket_timeout=2.0, socket_connect_timeout=0.5)
+    ahead, behind_ = Replica(), Replica()
+    losses: list[LogLost] = []
+
+    async def heal(lost: LogLost) -> None:
+        losses.append(lost)
+        await asyncio.sleep(0.01)  # sleep-ok: a healer's turn, as the member's settle wait
+
+    leader = Follower(RedisLog(client, keys), ahead, block=0.2, retry=0.05, heal=heal)
+    late = Follower(RedisLog(client, keys), behind_, block=0.2, retry=0.05, heal=heal)
+    writer = RedisLog(client, keys)
+    try:
+        first = await put(writer, change("drain", "b0"))
+        await late.catch_up()  # it applied b0 only
+        second = await put(writer, change("drain", "b1"))
+        await leader.catch_up()
+        assert leader.applied == second
+        assert late.applied == first
+        own_redis.stop()
+        own_redis.start()  # empty
+        async with following(leader), following(late):
+            await wait_for(lambda: leader.lost is not None and late.lost is not None, what="lost")
+            assert losses[0].seen is None
+            assert losses[0].known == EPOCH
+            refused = await writer.append(change("drain", "b2"), epoch=EPOCH)
+            assert refused == Refused(epoch=None)  # nothing goes into a lost log
+            assert ahead.drained == ["b0", "b1"]
+            assert behind_.drained == ["b0"]
+            snapshot = await leader.snapshot()
+            assert await writer.heal(None, "0000000000002-new", snapshot)
+            assert not await writer.heal(None, "0000000000003-other", snapshot)  # one heals
+            leader.adopt_own("0000000000002-new")
+            await wait_for(
+                lambda: late.epoch == "0000000000002-new" and late.lost is None, what="adopted"
+            )
+            third = await writer.append(change("drain", "b2"), epoch="0000000000002-new")
+            assert isinstance(third, Appended)
+            assert third.position > second  # after everything applied before the loss
+            for f in (leader, late):
+                assert await f.reached(third.position, within=10.0) is not None
+    finally:
+        await client.aclose()
+    assert ahead.drained == behind_.drained == ["b0", "b1", "b2"]

@@ -53,7 +53,7 @@ def _setup_serve(p: argparse.ArgumentParser) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from gateway.config.settings import load_settings
+    from gateway.config.settings import FileLoader, load_settings
     from gateway.server import ListenError, serve
 
     overrides = {
@@ -91,7 +91,7 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"llm-gateway: bad configuration: {why}", file=sys.stderr)
         return 2
     try:
-        return serve(settings, loader=lambda: load_settings(args.config, **overrides))
+        return serve(settings, loader=FileLoader(args.config, overrides))
     except ListenError as exc:
         print(f"llm-gateway: {exc}", file=sys.stderr)
         return 2
@@ -189,6 +189,13 @@ def _setup_top(p: argparse.ArgumentParser) -> None:
     p.set_defaults(func=top.run)
 
 
+def _setup_state(p: argparse.ArgumentParser) -> None:
+    from tools import state
+
+    p.description = state.DESCRIPTION
+    state.add_arguments(p)
+
+
 def _setup_kv_events(p: argparse.ArgumentParser) -> None:
     from tools import kv_check
 
@@ -236,6 +243,10 @@ COMMANDS: dict[str, tuple[str, Setup]] = {
     ),
     "plan": ("size GPUs, KV cache and vLLM engine arguments for a model", _setup_plan),
     "keys": ("API key helpers", _setup_keys),
+    "state": (
+        "a running gateway's state as its configuration file (export), a reload's plan",
+        _setup_state,
+    ),
     "kv-events": ("check a backend's KV-cache event publisher", _setup_kv_events),
 }
 

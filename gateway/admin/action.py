@@ -36,6 +36,8 @@ class Action:
     # A change that would set what ``before`` says is set already is answered as such and not
     # logged (``old == new``: a drain of a drained backend)
     skip_unchanged: bool = False
+    # ``?dry_run=1``: what it would change, answered here; nothing changed, nothing logged
+    dry_run: Callable[[web.Application, Params, Doc], Doc] | None = None
 
     def __post_init__(self) -> None:
         # What ``prepare`` makes is logged as JSON: read back as such where it is applied

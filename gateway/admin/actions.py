@@ -31,6 +31,7 @@ from gateway.admin.reload import (
     read_settings,
     reload_settings,
 )
+from gateway.admin.state import reload_plan
 from gateway.admin.views import backend_view
 from gateway.fleet.changes import Change, Position, Snapshot
 from gateway.fleet.follower import Outcome
@@ -366,7 +367,14 @@ ACTIONS: Final = (
     ),
     _pool_drain(True),
     _pool_drain(False),
-    Action("POST", "/admin/reload", _reload_check, _reload, lambda _app, _p: None),
+    Action(
+        "POST",
+        "/admin/reload",
+        _reload_check,
+        _reload,
+        lambda _app, _p: None,
+        dry_run=lambda app, _p, _b: reload_plan(app),
+    ),
     Action(
         "POST",
         "/admin/keys",

@@ -26,6 +26,7 @@ from gateway.admin.console import PUBLIC_PATHS, add_console_routes
 from gateway.admin.fleet import add_fleet_routes, change_handler
 from gateway.admin.lastknown import VIEWS
 from gateway.admin.reload import describe_policy
+from gateway.admin.state import get_state
 from gateway.admin.stats import stats_document
 from gateway.admin.views import backend_view, latency_view
 from gateway.app import server_header
@@ -214,6 +215,7 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
         if action.routed:
             app.router.add_route(action.method, action.pattern, change_handler(action))
     add_fleet_routes(app, gateway[SETTINGS].fleet.view_timeout)
+    app.router.add_get("/admin/state", get_state)
     app.router.add_post("/admin/lora/load", lora.load_adapter)
     app.router.add_post("/admin/lora/unload", lora.unload_adapter)
     return app

@@ -109,6 +109,10 @@ async def _change(request: web.Request, action: Action, cid: str) -> web.Respons
     gateway = request.app[GATEWAY]
     raw = await request.read()
     params = dict(request.match_info)
+    if request.query.get("dry_run", "0") not in ("0", "false"):
+        if action.dry_run is None:
+            raise InvalidRequest("This change has no dry run; nothing was changed.")
+        return web.json_response(action.dry_run(gateway, params, parse_body(action, raw)))
     given = request.headers.get(IDEMPOTENCY_HEADER)
     fp = fingerprint(request.method, request.path_qs, raw)
     member = gateway[FLEET]

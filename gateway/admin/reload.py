@@ -52,6 +52,11 @@ _LIVE = frozenset(
 _POLICY_FIELDS = frozenset({"policy", "weights", "affinity", "latency"})
 
 
+def live(setting: str) -> bool:
+    """Whether a reload applies ``setting`` at once (else it needs a restart)."""
+    return setting in _LIVE
+
+
 class PolicyChange(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

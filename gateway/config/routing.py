@@ -103,6 +103,7 @@ class PoolSettings(BaseModel):
     model: str = Field(min_length=1, description="the model name the backends serve")
     backends: list[str] = Field(min_length=1, description="ids or URLs of [[backends]]")
     labels: dict[str, str] = Field(default_factory=dict, description="e.g. version = 'v2'")
+    drain: bool = Field(False, description="start drained: no new requests through its aliases")
 
 
 class RolloutSettings(BaseModel):

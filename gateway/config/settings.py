@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -577,3 +578,16 @@ def load_settings(config: Path | None = None, **overrides: Any) -> Settings:
         model_config = SettingsConfigDict(toml_file=config)
 
     return _FromFile(**{k: v for k, v in overrides.items() if v is not None})
+
+
+@dataclass(frozen=True, slots=True)
+class FileLoader:
+    """The settings as ``path``, the environment and the command line's ``overrides`` give them
+    now (what SIGHUP and ``POST /admin/reload`` read again); ``path`` is where
+    ``llm-gateway state export`` starts from."""
+
+    path: Path | None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def __call__(self) -> Settings:
+        return load_settings(self.path, **self.overrides)

@@ -297,6 +297,10 @@ class Authenticator:
     def listing(self) -> list[dict[str, Any]]:
         return [self.describe(name) for name in sorted(self._keys)]
 
+    def records(self) -> dict[str, dict[str, Any]]:
+        """Every key in force, as its record's JSON (full hashes, never a key)."""
+        return {name: r.to_json() for name, r in sorted(self._keys.items())}
+
     def tier_of(self, name: str) -> str | None:
         held = self._keys.get(name)
         return None if held is None else held.tier
@@ -382,4 +386,5 @@ def _configured(k: KeySettings) -> KeyRecord:
         labels=dict(k.labels),
         expires_at=None if k.expires_at is None else k.expires_at.timestamp(),
         budget=None if budget.empty else budget,
+        limits={str(name): n for name, n in k.limits.items()},
     )

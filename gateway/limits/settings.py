@@ -10,7 +10,15 @@ import re
 from datetime import datetime
 from typing import Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 _HASH: Final = re.compile(r"^(?:sha256:)?([0-9a-f]{64})$")
 
@@ -53,6 +61,12 @@ class KeySettings(BaseModel):
     expires_at: datetime | None = Field(None, description="refused from then on (ISO 8601)")
     tokens_per_day: int | None = Field(None, gt=0, description="the key's own daily budget")
     tokens_per_month: int | None = Field(None, gt=0, description="the key's own monthly budget")
+    limits: dict[
+        Literal["requests_per_minute", "tokens_per_minute", "max_concurrent"], PositiveInt
+    ] = Field(
+        default_factory=dict,
+        description="the key's own limits over its tier's (what POST /admin/keys sets)",
+    )
 
     @field_validator("hash")
     @classmethod

@@ -79,13 +79,15 @@ class Rollout:
     @classmethod
     def from_settings(cls, settings: Settings, rng: Rng | None = None) -> Rollout:
         r = settings.rollout
-        return cls(
+        made = cls(
             _pools(settings),
             settings.aliases,
             sticky_header=r.sticky_header,
             expose_pools=r.expose_pools,
             rng=rng,
         )
+        made.drained = {p.name for p in settings.pools if p.drain}
+        return made
 
     def pairs(self) -> list[tuple[str, str]]:
         """Every (alias, pool) the configuration routes, for the per-pool metrics."""
@@ -240,7 +242,8 @@ class Rollout:
                 log.info("alias_weights_changed", alias=alias, old=old, new=new, by="reload")
             elif alias in self.previous:
                 fresh.previous[alias] = self.previous[alias]
-        fresh.drained = self.drained & fresh.pools.keys()
+        # A pool drained now stays so; one the file adds starts as the file says.
+        fresh.drained = (self.drained & fresh.pools.keys()) | (fresh.drained - self.pools.keys())
         self.pools, self.aliases, self.previous = fresh.pools, fresh.aliases, fresh.previous
         self.drained = fresh.drained
         self.sticky_header, self.expose_pools = fresh.sticky_header, fresh.expose_pools

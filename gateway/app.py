@@ -28,6 +28,7 @@ from gateway.admin.rollouts import start_configured, submit_decision
 from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
+from gateway.fleet.epoch import new_epoch
 from gateway.fleet.figures import Figures
 from gateway.fleet.figures import read as read_figures
 from gateway.fleet.files import FileLog, FileRegistry
@@ -341,6 +342,8 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                 directory = worker.sockets / "fleet"
             changes = FileLog(directory, f.name)
             registry = FileRegistry(directory, f.name, f.report_ttl)
+            if f.dir is None:  # the workers' own directory, new with them: nothing to heal
+                await changes.establish(new_epoch())
             first = worker is None or worker.index == 0
             app[CLAIMS] = lambda _alias: Sole() if first else Never()  # one host: worker 0
         member = Member(

@@ -18,7 +18,7 @@ first one made (``earlier``) and is answered with its outcome; it never applies 
 
 **A lost log is healed** (``gateway.fleet.epoch``): the follower raises ``LogLost``; this
 replica flags it (``fleet_log_lost``, ``losses``, its report), reports what it holds, lets
-every replica do the same for two report intervals, and the one furthest ahead writes its
+every replica do the same for a report interval, and the one furthest ahead writes its
 state back as the new log's snapshot under a new epoch; the others adopt it. No change goes
 into the log meanwhile (``FleetLogLost``).
 
@@ -398,7 +398,9 @@ class Member:
             )
         with contextlib.suppress(*_FAILURES):
             await self.registry.report(self.report())
-        await asyncio.sleep(2 * self.settings.report_interval)  # sleep-ok: every replica reports
+        # Every replica alive reports within an interval (the ones that noticed it, at once)
+        settle = self.settings.report_interval + self.follower.retry
+        await asyncio.sleep(settle)  # sleep-ok: the replicas' reports, before one is chosen
         try:
             reports = await self.registry.replicas()
         except _FAILURES:

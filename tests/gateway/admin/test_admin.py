@@ -173,3 +173,52 @@ async def test_a_revoked_key_is_answered_with_revoked_true_a_json_boolean() -> N
         assert "key" not in revoked
         async with s.get(gw.admin_url + "/admin/keys", headers=AUTH) as r:
             assert "team-a" not in {k["name"] for k in (await r.json())["keys"]}
+
+
+async def test_an_undrain_of_a_backend_not_drained_is_answered_as_such_and_changes_nothing() -> (
+    None
+):
+    fake = FakeBackend()
+    async with gateway_for(fake, admin={"token": TOKEN}) as (gw, s):
+        assert gw.admin_url is not None
+        backend = fake.url[7:]
+        url = f"{gw.admin_url}/admin/backends/{backend}/undrain"
+        async with s.post(url, headers=AUTH) as r:
+            assert r.status == 200
+            doc = await r.json()
+        assert doc["changed"] is False
+        assert doc["state"] == {"draining": False}
+        async with s.post(f"{gw.admin_url}/admin/backends/{backend}/drain", headers=AUTH) as r:
+            assert r.status == 200
+            assert "changed" not in await r.json()  # a change: the backend's view, as ever
+
+
+async def test_a_change_repeated_with_its_idempotency_key_is_answered_as_the_first_once() -> None:
+    """One gateway, no fleet: the first answer is kept by its key, a repeat gets it again
+    (a key's secret excepted), and the key for another request is refused."""
+    fake = FakeBackend()
+    async with gateway_for(fake, admin={"token": TOKEN}, limits={"auth": True}) as (gw, s):
+        assert gw.admin_url is not None
+        headers = {**AUTH, "Idempotency-Key": "make-ci-key"}
+        async with s.post(gw.admin_url + "/admin/keys", json={"name": "ci"}, headers=headers) as r:
+            assert r.status == 200
+            assert r.headers["X-Gateway-Change-Id"] == "make-ci-key"
+            first = await r.json()
+        assert first["key"].startswith("sk-gw-")
+        async with s.post(gw.admin_url + "/admin/keys", json={"name": "ci"}, headers=headers) as r:
+            assert (r.status, r.headers["Idempotent-Replayed"]) == (200, "true")
+            again = await r.json()
+        assert "key" not in again  # made once, answered once
+        assert again == {k: v for k, v in first.items() if k not in ("key", "key_note")}
+        async with s.post(gw.admin_url + "/admin/keys", json={"name": "x"}, headers=headers) as r:
+            assert r.status == 422
+            assert (await r.json())["error"]["code"] == "idempotency_key_reused"
+        async with s.get(gw.admin_url + "/admin/changes/make-ci-key", headers=AUTH) as r:
+            fate = await r.json()
+        assert (fate["state"], fate["applied_here"]) == ("applied", True)
+        async with s.get(gw.admin_url + "/admin/keys", headers=AUTH) as r:
+            assert [k["name"] for k in (await r.json())["keys"]] == ["ci"]
+        bad = {**AUTH, "Idempotency-Key": "no spaces/please"}
+        async with s.post(gw.admin_url + "/admin/keys", json={"name": "y"}, headers=bad) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "Idempotency-Key"

@@ -118,7 +118,7 @@ async def _change(request: web.Request, action: Action, cid: str) -> web.Respons
     member = gateway[FLEET]
     if member is None:
         return _alone(request, action, params, raw, cid=cid, fp=fp)
-    done = await member.ready(cid, fp, repeat=given is not None)
+    done, current = await member.ready(cid, fp, repeat=given is not None)
     if done is not None:  # a repeat: the first call's change, never made twice
         return _answer(done, member, action, {})
     body, extra = parse_body(action, raw), dict[str, Any]()
@@ -126,7 +126,7 @@ async def _change(request: web.Request, action: Action, cid: str) -> web.Respons
         body, extra = action.prepare(gateway, params, body)
     new = action.check(gateway, params, body)  # refused: nothing logged
     old = action.before(gateway, params)
-    if action.skip_unchanged and old == new:
+    if action.skip_unchanged and old == new and current:  # "already so" of the latest state
         return _unchanged(cid, old)
     change = Change(
         method=request.method,

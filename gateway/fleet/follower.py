@@ -102,6 +102,7 @@ class Follower:
         self.ids: OrderedDict[str, Known] = OrderedDict()  # the last changes' ids
         self._outcomes: OrderedDict[Position, Outcome] = OrderedDict()
         self._initial: dict[str, Any] | None = None  # the state before any change
+        self._dropping: Position | None = None  # applied before a log was adopted
         self._advanced = asyncio.Event()
         self._lock = asyncio.Lock()  # one catch-up at a time: changes apply once, in order
 
@@ -132,6 +133,17 @@ class Follower:
                     self._remember(got.snapshot.ids.items())
                     log.info("fleet_snapshot_restored", position=str(got.snapshot.position))
                     self._advance(got.snapshot.position)
+                if self._dropping is not None:  # a log adopted: did it lack what was applied?
+                    start = None if got.snapshot is None else got.snapshot.position
+                    if start is None or start < self._dropping:
+                        log.warning(
+                            "fleet_log_adopted_behind",
+                            applied_before=str(self._dropping),
+                            log_starts_at=None if start is None else str(start),
+                            effect="what this replica had applied beyond the adopted log's "
+                            "start is gone (it was away while the fleet healed the log)",
+                        )
+                    self._dropping = None
                 for position, change in got.entries:
                     outcome = await self._apply(position, change)
                     self._outcomes[position] = outcome
@@ -157,13 +169,12 @@ class Follower:
         self.ids.clear()  # positions of the old log: the new one's snapshot brings its own
         assert self._initial is not None
         await self.applier.restore(Snapshot(Position(0, 0), self._initial))
-        log.warning(
+        self._dropping = applied
+        log.info(
             "fleet_log_adopted",
             epoch=epoch,
             was=was,
             applied_before=None if applied is None else str(applied),
-            effect="the state starts again from the log's snapshot; what this replica had "
-            "applied beyond it is gone",
         )
 
     def adopt_own(self, epoch: str) -> None:

@@ -161,6 +161,7 @@ class Member:
         self._unknown: OrderedDict[str, float] = OrderedDict()  # ids of unknown fate, since
         self._settled: OrderedDict[str, Known | None] = OrderedDict()  # None: not applied
         self._unsettled = asyncio.Event()
+        self._healing_since: float | None = None  # loop time of this healing's first turn
 
     # -- life -----------------------------------------------------------------------------
 
@@ -217,27 +218,31 @@ class Member:
 
     # -- changes --------------------------------------------------------------------------
 
-    async def ready(self, change_id: str, fingerprint: str, *, repeat: bool) -> Submitted | None:
+    async def ready(
+        self, change_id: str, fingerprint: str, *, repeat: bool
+    ) -> tuple[Submitted | None, bool]:
         """Before a change is checked: with ``repeat`` (the caller named its id), the change an
         earlier call with that id made, answered as ``submit`` answers (``IdempotencyKeyReused``
-        if it was another request); else None, this replica brought up to the log's head, so
-        the change is checked against the latest state. Both within one ``log_timeout``: Redis
-        slow or away, neither (the append tells what it can); ``FleetLogLost`` while the log is
-        being healed."""
+        if it was another request); else None, and this replica brought up to the log's head
+        (the second part: whether it was), so the change is checked against the latest state.
+        Both within half a ``log_timeout``: Redis slow or away, neither (the append tells what
+        it can); ``FleetLogLost`` while the log is being healed."""
         known = self.follower.ids.get(change_id) or self._settled.get(change_id)
+        current = False
         try:
-            async with asyncio.timeout(self.settings.log_timeout):
+            async with asyncio.timeout(self.settings.log_timeout / 2):
                 if repeat and known is None:
                     known = (await self.changes.find(change_id)).known
                 if known is None:
                     await self.follower.catch_up()
+                    current = True
         except LogLost as exc:
             raise _lost() from exc
         except _FAILURES:
             pass
         if known is None or not repeat:
-            return None
-        return await self._answered(change_id, Appended(known, new=False), fingerprint)
+            return None, current
+        return await self._answered(change_id, Appended(known, new=False), fingerprint), current
 
     async def submit(self, change: Change) -> Submitted:
         """Append ``change``; wait until it is applied here and, within the wait, everywhere.
@@ -398,9 +403,16 @@ class Member:
             )
         with contextlib.suppress(*_FAILURES):
             await self.registry.report(self.report())
-        # Every replica alive reports within an interval (the ones that noticed it, at once)
+        loop = asyncio.get_running_loop()
+        # Every replica alive reports within an interval (the ones that noticed it, at once);
+        # then the leader writes the log at once: the others look again after a retry, until
+        # a few intervals have passed without it (it died: another is chosen).
         settle = self.settings.report_interval + self.follower.retry
-        await asyncio.sleep(settle)  # sleep-ok: the replicas' reports, before one is chosen
+        waiting = self._healing_since is not None and loop.time() - self._healing_since < 3 * settle
+        if not waiting:
+            self._healing_since = loop.time()
+        pause = self.follower.retry if waiting else settle
+        await asyncio.sleep(pause)  # sleep-ok: the replicas' reports, or the leader's write
         try:
             reports = await self.registry.replicas()
         except _FAILURES:
@@ -431,6 +443,8 @@ class Member:
 
     async def _after_epoch_change(self) -> None:
         epoch = self.follower.epoch
+        if self.follower.lost is None:
+            self._healing_since = None
         if self.follower.lost is None and self.lost_since is not None:
             log.info(
                 "fleet_log_whole",

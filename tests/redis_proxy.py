@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 
 class HoldingProxy:
@@ -64,30 +64,37 @@ class HoldingProxy:
     async def _ahead(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, marked: asyncio.Event
     ) -> None:
-        try:
-            while data := await reader.read(65536):
-                if self._after is not None and self._after in data:
-                    marked.set()
-                writer.write(data)
-                await writer.drain()
-        except OSError:
-            pass
-        finally:
-            writer.close()
+        async def look(data: bytes) -> None:
+            if self._after is not None and self._after in data:
+                marked.set()
+
+        await _pump(reader, writer, look)
 
     async def _back(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, marked: asyncio.Event
     ) -> None:
-        try:
-            while data := await reader.read(65536):
-                if not self._open.is_set() and (self._after is None or marked.is_set()):
-                    await self._open.wait()
-                writer.write(data)
-                await writer.drain()
-        except OSError:
-            pass
-        finally:
-            writer.close()
+        async def hold(_data: bytes) -> None:
+            if not self._open.is_set() and (self._after is None or marked.is_set()):
+                await self._open.wait()
+
+        await _pump(reader, writer, hold)
+
+
+async def _pump(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    before: Callable[[bytes], Awaitable[None]],
+) -> None:
+    """Bytes from ``reader`` to ``writer``, each read first shown to ``before``."""
+    try:
+        while data := await reader.read(65536):
+            await before(data)
+            writer.write(data)
+            await writer.drain()
+    except OSError:
+        pass
+    finally:
+        writer.close()
 
 
 @contextlib.asynccontextmanager

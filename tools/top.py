@@ -4,9 +4,11 @@ It polls the admin API (``/admin/backends`` and ``/admin/metrics``) once a secon
 per backend: health, circuit, in-flight, queue, KV usage, score, requests per second and time
 to first token (p50, p99) over the last interval, and the TTFT and inter-token latency the
 gateway predicts for it as loaded now (its learned speed); in a fleet, below them, every replica
-(``/admin/replicas``) with the last change it applied and the requests it served, and the
-fleet's figures summed over the replicas. The arithmetic is pure (``Frame``); only ``run`` does
-I/O.
+(``/admin/replicas``) with the last change it applied, the requests it served and its view of
+the fleet's change log (ok; lost, being healed; unreachable; on another epoch), and the fleet's
+figures summed over the replicas. While Redis does not answer, the gateway answers the replicas
+from the last state known: ``top`` marks them stale, with their age. The arithmetic is pure
+(``Frame``); only ``run`` does I/O.
 """
 
 from __future__ import annotations
@@ -198,6 +200,54 @@ def fleet_lines(summary: Mapping[str, Any]) -> list[str]:
     return lines
 
 
+# A change log's state (the replica's own word, or the fleet's: "other epoch") -> shown as, colour
+LOG_STATES: Final = {
+    "ok": ("ok", "green"),
+    "lost": ("lost, healing", "red"),
+    "unreachable": ("unreachable", "red"),
+    "other epoch": ("other epoch", "yellow"),
+}
+
+
+def log_text(state: str | None) -> Text:
+    """A change log's state as ``top`` shows it (``-`` from a replica that does not say)."""
+    if state is None:
+        return Text("-")
+    shown, colour = LOG_STATES.get(state, (state, "yellow"))
+    return Text(shown, style=colour)
+
+
+def stale_text(stale: Mapping[str, Any]) -> Text:
+    """The mark of a view answered from the last state known (Redis does not answer)."""
+    why = f" ({stale['why']})" if stale.get("why") else ""
+    age = stale.get("age_s")
+    when = (
+        "nothing read from it since this replica started: this replica alone"
+        if age is None
+        else f"as of {age:.0f} s ago"
+    )
+    return Text(f"STALE: Redis does not answer{why}; the replicas {when}", style="bold yellow")
+
+
+def log_lines(doc: Mapping[str, Any]) -> list[Text]:
+    """Below the title: the view's stale mark, and how often this replica found the fleet's
+    log lost (Redis lost its data; each loss healed by the replica furthest ahead)."""
+    lines = []
+    if doc.get("stale"):
+        lines.append(stale_text(doc["stale"]))
+    losses = doc.get("losses") or 0
+    if losses:
+        times = "time" if losses == 1 else "times"
+        lines.append(
+            Text(
+                f"change log found lost {losses} {times} since this replica started "
+                "(Redis lost its data)",
+                style="yellow",
+            )
+        )
+    return lines
+
+
 def render_replicas(doc: Mapping[str, Any]) -> RenderableType | None:
     """The fleet's replicas (``GET /admin/replicas``) and, below them, its figures summed over
     them; None when the gateway acts alone."""
@@ -205,13 +255,15 @@ def render_replicas(doc: Mapping[str, Any]) -> RenderableType | None:
         return None
     summary = doc["summary"]
     lag = ", ".join(summary["lagging"]) or "none"
-    table = Table(
-        title=f"fleet {doc['fleet']}: {summary['replicas']} replicas, log at {summary['head']}, "
-        f"behind: {lag}",
-        expand=False,
+    title = Text(
+        f"fleet {doc['fleet']}: {summary['replicas']} replicas, log at {summary['head']}, "
+        f"behind: {lag}, change log "
     )
-    for col in ("replica", "version", "address", "up", "in-flight", "requests", "applied"):
+    title.append_text(log_text(doc.get("log")))
+    table = Table(title=title, expand=False)
+    for col in ("replica", "version", "address", "up", "in-flight", "requests", "applied", "log"):
         table.add_column(col, justify="left" if col in ("replica", "address") else "right")
+    problems = summary.get("log_problems") or {}
     for r in doc["replicas"]:
         name = r["id"] + (" *" if r["id"] == doc.get("self") else "")
         behind = r["id"] in summary["lagging"]
@@ -224,9 +276,14 @@ def render_replicas(doc: Mapping[str, Any]) -> RenderableType | None:
             str(sum(r["in_flight"].values())),
             "-" if requests is None else str(requests),
             f"[yellow]{r['applied']}[/]" if behind else str(r["applied"]),
+            log_text(problems.get(r["id"], r.get("log"))),
         )
+    above = log_lines(doc)
     lines = fleet_lines(summary)
-    return Group(table, Text("\n".join(lines))) if lines else table
+    parts: list[RenderableType] = [*above, table]
+    if lines:
+        parts.append(Text("\n".join(lines)))
+    return Group(*parts) if len(parts) > 1 else table
 
 
 class TopClient:

@@ -1,7 +1,8 @@
 """The alert rules and the Grafana dashboard, checked with Prometheus' own tools and run
 against a real Prometheus scraping a real gateway (the shipped production configuration) and
 its simulators: every panel's query and every alert's expression names metrics that exist and
-returns data, and an alert fires when its condition is made true (a backend killed)."""
+returns data, and an alert fires when its condition is made true (a backend killed; the fleet's
+Redis restarted empty)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import yaml
 from loadtest.dashboard import DASHBOARD, expand, fetch, panels, render
 from tests.deploy.prometheus_server import binary, instant, running_prometheus
 from tests.gateway.admin.console.fleet import KEYS, MODEL, Fleet, Traffic, running_fleet
+from tests.redis_server import RedisServer
 
 PROMETHEUS = Path(__file__).resolve().parents[2] / "deploy" / "prometheus"
 ALERTS = PROMETHEUS / "alerts.yml"
@@ -33,6 +35,23 @@ KILLED = "gpu-b"
 def alert_rules() -> list[dict[str, Any]]:
     doc = yaml.safe_load(ALERTS.read_text())
     return [r for g in doc["groups"] for r in g["rules"]]
+
+
+def quick_rules(folder: Path) -> Path:
+    """The alert rules with their ``for`` shortened to 2 s (their timing is what the promtool
+    unit tests check), written in ``folder``."""
+    rules = folder / "alerts.yml"
+    rules.write_text(re.sub(r"for: \S+", "for: 2s", ALERTS.read_text()))
+    return rules
+
+
+def firing(prometheus: str, name: str) -> list[dict[str, Any]]:
+    doc = httpx.get(prometheus + "/api/v1/alerts", timeout=10).json()
+    return [
+        a
+        for a in doc["data"]["alerts"]
+        if a["labels"]["alertname"] == name and a["state"] == "firing"
+    ]
 
 
 def dashboard() -> dict[str, Any]:
@@ -178,8 +197,7 @@ def observed(
     backend killed two thirds of the way; the alert rules evaluated with their ``for``
     shortened to 2 s (their timing is what the promtool unit tests above check)."""
     folder = tmp_path_factory.mktemp("monitoring")
-    rules = folder / "alerts.yml"
-    rules.write_text(re.sub(r"for: \S+", "for: 2s", ALERTS.read_text()))
+    rules = quick_rules(folder)
     with running_fleet(folder, redis_url, module_redis_prefix) as fleet:
         gateway = fleet.url.removeprefix("http://")
         targets = {"gateway": [gateway], "vllm": list(sim_hosts(fleet).values())}
@@ -227,30 +245,24 @@ def test_every_metric_an_alert_or_a_panel_names_exists(observed: Observed) -> No
 def test_every_alert_expression_evaluates(observed: Observed) -> None:
     """Each expression runs (no syntax Prometheus refuses); those whose condition the run
     made true return series, the others none."""
-    firing = {}
+    fires = {}
     for rule in alert_rules():
-        firing[rule["alert"]] = bool(instant(observed.prometheus, rule["expr"]))
-    assert firing["LLMGatewayBackendDown"]
-    assert not firing["LLMGatewayDown"]
-    assert not firing["LLMGatewayNoRoutableBackend"]
-    assert not firing["LLMGatewayLimitsDegraded"]
+        fires[rule["alert"]] = bool(instant(observed.prometheus, rule["expr"]))
+    assert fires["LLMGatewayBackendDown"]
+    assert not fires["LLMGatewayDown"]
+    assert not fires["LLMGatewayNoRoutableBackend"]
+    assert not fires["LLMGatewayLimitsDegraded"]
+    for fleet_log in ("FleetLogLost", "FleetLogWasLost", "FleetChangesUnknown"):
+        assert not fires[f"LLMGateway{fleet_log}"]
 
 
 @pytest.mark.prometheus
 def test_backend_down_fires_for_the_killed_backend(observed: Observed) -> None:
-    def alerts() -> list[dict[str, Any]]:
-        doc = httpx.get(observed.prometheus + "/api/v1/alerts", timeout=10).json()
-        return [
-            a
-            for a in doc["data"]["alerts"]
-            if a["labels"]["alertname"] == "LLMGatewayBackendDown" and a["state"] == "firing"
-        ]
-
     deadline = time.monotonic() + 30
-    while not alerts():
+    while not firing(observed.prometheus, "LLMGatewayBackendDown"):
         assert time.monotonic() < deadline, "LLMGatewayBackendDown never fired"
         time.sleep(0.5)  # sleep-ok: Prometheus evaluates the rules every second
-    [alert] = alerts()
+    [alert] = firing(observed.prometheus, "LLMGatewayBackendDown")
     assert alert["labels"]["backend"] == KILLED
     assert alert["annotations"]["summary"] == f"Backend {KILLED} fails its health probes"
 
@@ -264,3 +276,35 @@ def test_the_dashboard_renders_every_panel_with_data(observed: Observed, tmp_pat
     out = tmp_path / "dashboard.png"
     render(data, out, "test", start=observed.started, end=ended)
     assert out.stat().st_size > 50_000  # a picture of 23 panels, not an empty canvas
+
+
+@pytest.mark.prometheus
+def test_a_redis_restarted_empty_fires_the_lost_log_alert(
+    tmp_path: Path, own_redis: RedisServer, redis_prefix: str
+) -> None:
+    """The gateway on a Redis of the test's own, restarted without its data: the replica
+    finds its change log lost and heals it; the loss it counted fires the alert that says so
+    (the log is whole again within seconds, so not the one for a log still lost)."""
+    with running_fleet(tmp_path / "logs", own_redis.url, redis_prefix) as fleet:
+        targets = {"gateway": [fleet.url.removeprefix("http://")]}
+        with running_prometheus(tmp_path, targets, quick_rules(tmp_path)) as prometheus:
+            deadline = time.monotonic() + 30
+            while not instant(prometheus, 'llm_gateway_fleet_log_state{state="ok"} == 1'):
+                assert time.monotonic() < deadline, "the fleet's log never scraped ok"
+                time.sleep(0.2)  # sleep-ok: polling another process, with a deadline
+            assert firing(prometheus, "LLMGatewayFleetLogWasLost") == []
+            own_redis.stop()
+            own_redis.start()  # no persistence: the log and its epoch are gone
+            deadline = time.monotonic() + 60
+            while not firing(prometheus, "LLMGatewayFleetLogWasLost"):
+                assert time.monotonic() < deadline, "LLMGatewayFleetLogWasLost never fired"
+                time.sleep(0.5)  # sleep-ok: Prometheus evaluates the rules every second
+            [alert] = firing(prometheus, "LLMGatewayFleetLogWasLost")
+            assert alert["labels"] == {
+                "alertname": "LLMGatewayFleetLogWasLost",
+                "job": "gateway",
+                "severity": "warning",
+            }
+            [losses] = instant(prometheus, "llm_gateway_fleet_log_losses_total")
+            assert losses["value"][1] == "1"
+            assert firing(prometheus, "LLMGatewayFleetChangesUnknown") == []

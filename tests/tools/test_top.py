@@ -11,6 +11,7 @@ from rich.console import Console
 
 from gateway.cli import main
 from tests.helpers import FakeBackend, gateway_for, stream_chat
+from tests.redis_server import RedisServer
 from tools.top import (
     MetricsSample,
     TopClient,
@@ -198,3 +199,104 @@ def test_top_shows_each_replicas_requests_and_the_fleets_figures_summed() -> Non
     for rid, requests in (("r0", "1000"), ("r1 *", "234"), ("r2-old", "-")):
         (line,) = [ln for ln in text.splitlines() if f" {rid} " in ln]
         assert f" {requests} " in line
+
+
+def test_top_shows_the_fleets_change_log_and_each_replicas() -> None:
+    """The log as the replica asked sees it in the title (lost: being healed), each replica's
+    own word or the fleet's (another epoch), and the losses this replica found."""
+    report = {"version": "0.3.0", "address": "10.0.0.1:8080", "uptime_s": 5.0, "in_flight": {}}
+    doc = {
+        "fleet": "prod",
+        "self": "r0",
+        "log": "lost",
+        "losses": 2,
+        "summary": {
+            "replicas": 4,
+            "head": "9-0",
+            "lagging": [],
+            "log_problems": {"r0": "lost", "r1": "unreachable", "r2": "other epoch"},
+        },
+        "replicas": [
+            {**report, "id": "r0", "applied": "9-0", "log": "lost"},
+            {**report, "id": "r1", "applied": "9-0", "log": "unreachable"},
+            {**report, "id": "r2", "applied": "9-0", "log": "ok"},  # ok by its word alone
+            {**report, "id": "r3", "applied": "9-0", "log": "ok"},
+        ],
+    }
+    text = rendered(doc)
+    assert "fleet prod: 4 replicas, log at 9-0, behind: none, change log lost, healing" in text
+    for rid, state in (("r0 *", "lost, healing"), ("r1", "unreachable"), ("r2", "other epoch")):
+        (line,) = [ln for ln in text.splitlines() if f" {rid} " in ln]
+        assert line.rstrip(" │").endswith(state), line
+    (r3,) = [ln for ln in text.splitlines() if " r3 " in ln]
+    assert r3.rstrip(" │").endswith(" ok")
+    assert "change log found lost 2 times since this replica started" in text
+    assert "STALE" not in text
+    whole = rendered(
+        {**doc, "log": "ok", "losses": 0, "summary": {**doc["summary"], "log_problems": {}}}
+    )
+    assert "change log ok" in whole
+    assert "found lost" not in whole
+    unreachable = rendered({**doc, "log": "unreachable"})
+    assert "behind: none, change log unreachable" in unreachable
+
+
+def test_top_marks_replicas_answered_from_the_last_state_known_stale() -> None:
+    report = {"version": "0.3.0", "address": "10.0.0.1:8080", "uptime_s": 5.0, "in_flight": {}}
+    doc = {
+        "fleet": "prod",
+        "self": "r0",
+        "log": "unreachable",
+        "summary": {"replicas": 1, "head": "9-0", "lagging": []},
+        "replicas": [{**report, "id": "r0", "applied": "9-0", "log": "unreachable"}],
+        "stale": {"age_s": 12.4, "why": "TimeoutError"},
+    }
+    text = rendered(doc)
+    assert "STALE: Redis does not answer (TimeoutError); the replicas as of 12 s ago" in text
+    never = rendered({**doc, "stale": {"age_s": None, "why": "TimeoutError"}})
+    assert "nothing read from it since this replica started: this replica alone" in never
+
+
+def frame_text(table: object) -> str:
+    out = io.StringIO()
+    Console(file=out, width=200).print(table)
+    return out.getvalue()
+
+
+async def test_top_against_a_fleet_whose_redis_pauses_says_so_then_goes_live_again(
+    own_redis: RedisServer, redis_prefix: str
+) -> None:
+    """A replica of a fleet on a Redis of the test's own: its log ok; Redis paused (SIGSTOP),
+    the replicas are shown stale, the log unreachable once the replica finds out; live again
+    once Redis answers."""
+    redis = {"url": own_redis.url, "key_prefix": redis_prefix, "timeout": 0.5}
+    settings = {
+        "admin": {"token": TOKEN},
+        "limits": {"store": "redis", "redis": redis},
+        "fleet": {"log": "redis", "view_timeout": 0.3, "replica": "top-r0"},
+    }
+    async with gateway_for(FakeBackend(), **settings) as (gw, s):
+        assert gw.admin_url is not None
+        client = TopClient(s, gw.admin_url, TOKEN)
+        text = frame_text(await client.next_frame())
+        assert "replicas, log at" in text
+        assert "change log ok" in text
+        assert "STALE" not in text
+        own_redis.pause()
+        try:
+            text = frame_text(await client.next_frame())
+            assert "STALE: Redis does not answer" in text
+            deadline = asyncio.get_running_loop().time() + 30
+            while "change log unreachable" not in text:
+                assert asyncio.get_running_loop().time() < deadline, text
+                await asyncio.sleep(0.2)  # sleep-ok: polling the gateway with a deadline
+                text = frame_text(await client.next_frame())
+            (row,) = [ln for ln in text.splitlines() if " top-r0 * " in ln]
+            assert row.rstrip(" │").endswith("unreachable")
+        finally:
+            own_redis.resume()
+        deadline = asyncio.get_running_loop().time() + 30
+        while "STALE" in text or "change log ok" not in text:
+            assert asyncio.get_running_loop().time() < deadline, text
+            await asyncio.sleep(0.2)  # sleep-ok: polling the gateway with a deadline
+            text = frame_text(await client.next_frame())

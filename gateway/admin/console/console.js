@@ -2,11 +2,22 @@
 // in this page's memory for the charts, and changes the gateway only through the admin API,
 // so every change is validated (and logged) by the gateway as a curl call would be. The token
 // lives in one variable of this module: never in a URL, a cookie or web storage.
+//
+// Each change the operator makes carries an Idempotency-Key of its own, sent again when the
+// same action is sent again (no answer came, or "Try again" after a refusal), so the gateway
+// applies it once at most. A change answered 202 (in the fleet's log but not applied here yet,
+// or taken by Redis without an answer) is said as such and followed by its id
+// (GET /admin/changes/{id}) until its fate is known. A fleet view answered from the last state
+// known ("stale": Redis does not answer) says so beside it.
 
 const POLL_MS = 1000;
 const HISTORY_S = 300; // what the charts show
 const WINDOW_S = 5; // rates and percentiles are over the last five seconds
 const CHANGES_SHOWN = 10; // the audit trail's newest entries
+const RESENDS = 2; // a change sent again (the same key) when no answer came at all
+const RESEND_MS = 1000;
+const FOLLOW_MS = 1000; // how often a change of unknown fate is asked after
+const FOLLOW_FOR_MS = 10 * 60 * 1000; // then the page stops asking, and says how to
 const PALETTE = [
   "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e",
   "#17becf", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
@@ -84,8 +95,12 @@ function fmtValue(v) {
 
 class ApiError extends Error {}
 
-async function api(method, path, body) {
-  const headers = { Authorization: `Bearer ${token}` };
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+async function request(method, path, body, extra = {}) {
+  // One call: {status, doc, headers}; the admin API's refusal of the token signs out. A call
+  // that got no answer at all (the connection failed) throws a TypeError, as fetch does.
+  const headers = { Authorization: `Bearer ${token}`, ...extra };
   const init = { method, headers, cache: "no-store", credentials: "omit" };
   if (body !== undefined) {
     headers["Content-Type"] = "application/json";
@@ -102,10 +117,21 @@ async function api(method, path, body) {
     signOut("The admin API refused the token.");
     throw new ApiError("The admin API refused the token.");
   }
-  if (!response.ok) {
-    throw new ApiError(doc?.error?.message ?? `${method} ${path}: HTTP ${response.status}`);
+  return { status: response.status, doc, headers: response.headers };
+}
+
+async function api(method, path, body) {
+  const { status, doc } = await request(method, path, body);
+  if (status < 200 || status > 299) {
+    throw new ApiError(doc?.error?.message ?? `${method} ${path}: HTTP ${status}`);
   }
   return doc;
+}
+
+function newChangeId() {
+  // An Idempotency-Key (letters, digits and '_'); getRandomValues works over plain HTTP too.
+  const bytes = crypto.getRandomValues(new Uint8Array(12));
+  return `console_${[...bytes].map((b) => b.toString(16).padStart(2, "0")).join("")}`;
 }
 
 // ---- signing in and out -------------------------------------------------------------------
@@ -159,9 +185,11 @@ function setStatus(text, kind) {
   status.className = `status ${kind}`;
 }
 
-function showBanner(text, kind = "error") {
+function showBanner(text, kind = "error", again = null) {
+  // ``again``: the change to send once more (its key unchanged), offered as a button.
   const banner = $("banner");
-  banner.textContent = text;
+  banner.replaceChildren(text);
+  if (again) banner.append(el("button", { type: "button", class: "again quiet", onclick: () => sendChange(again) }, "Try again"));
   banner.className = `banner ${kind}`;
   banner.hidden = false;
 }
@@ -187,7 +215,12 @@ async function poll() {
     latest = { policy, aliases, backends, replicas, changes, keys, rollouts };
     record(backends, stats, replicas);
     render();
-    setStatus(`live · ${new Date(stats.at * 1000).toLocaleTimeString()}`, "ok");
+    const at = `live · ${new Date(stats.at * 1000).toLocaleTimeString()}`;
+    if ([replicas, changes, keys, rollouts].some((doc) => doc.stale)) {
+      setStatus(`${at} · Redis does not answer: the fleet's views as last known`, "warn");
+    } else {
+      setStatus(at, "ok");
+    }
   } catch (err) {
     if (token !== null) setStatus(`no answer: ${err.message ?? err}`, "bad");
   } finally {
@@ -310,6 +343,33 @@ function render() {
   renderDecisions(last);
   renderFleet();
   renderKeys();
+  markStale("replicas-stale", latest.replicas, $("replicas"), $("fleet-figures"));
+  markStale("changes-stale", latest.changes, $("changes"));
+  markStale("keys-stale", latest.keys, $("keys"));
+  markStale("rollouts-stale", latest.rollouts, $("rollouts"));
+}
+
+function fmtAge(s) {
+  return s < 1 ? "less than a second" : fmtDuration(s);
+}
+
+function staleText(stale) {
+  // A view answered from the last state known: how old it is, and why.
+  const why = stale.why ? ` (${stale.why})` : "";
+  if (stale.age_s === null || stale.age_s === undefined) {
+    return `Redis does not answer${why}: nothing read from it since this replica started; shown as this replica alone knows it.`;
+  }
+  return `Redis does not answer${why}: shown as of ${fmtAge(stale.age_s)} ago.`;
+}
+
+function markStale(id, doc, ...shown) {
+  // Said above the view, and what it shows dimmed, while it is not live.
+  const mark = $(id);
+  const stale = doc?.stale ?? null;
+  mark.hidden = stale === null;
+  const text = stale === null ? "" : staleText(stale);
+  if (mark.textContent !== text) mark.textContent = text;
+  for (const node of shown) node.classList.toggle("stale", stale !== null);
 }
 
 function renderTiles(last) {
@@ -471,15 +531,93 @@ function confirmChange(title, text, rows) {
   });
 }
 
-async function act(what, call) {
-  try {
-    const result = await call();
-    showBanner(what, "ok");
-    poll(); // show the effect now, not at the next tick
-    return result;
-  } catch (err) {
-    if (token !== null) showBanner(err.message ?? String(err), "error");
-    return null;
+// ---- a change: its id, its answer, its fate ------------------------------------------------
+
+// One operator action: ``done`` is what the page says once it is applied. Its hooks, called
+// however it ends (sent again by "Try again" too): ``applied(doc)`` with what applying it
+// answered; ``unsure(doc)`` with a 202's document, at once (a key's secret is in it and nowhere
+// else); ``notApplied()`` when it certainly was not applied.
+function act(done, method, path, body, hooks = {}) {
+  return sendChange({ done, method, path, body, hooks, key: newChangeId() });
+}
+
+async function sendChange(change) {
+  const { method, path, body, key } = change;
+  let answer = null;
+  for (let attempt = 0; answer === null; attempt++) {
+    try {
+      answer = await request(method, path, body, { "Idempotency-Key": key });
+    } catch (err) {
+      if (token === null || err instanceof ApiError) return;
+      if (attempt >= RESENDS) {
+        const text = `No answer from the gateway to ${method} ${path} (change ${key}): it may have been applied. Sent again, it is applied once at most.`;
+        showBanner(text, "error", change);
+        return;
+      }
+      await sleep(RESEND_MS); // no answer at all: the same change (the same key) once more
+    }
+  }
+  if (token === null) return;
+  const { status, doc } = answer;
+  if (status === 202) {
+    await followFate(change, doc);
+    return;
+  }
+  if (status < 200 || status > 299) {
+    // 503: nothing was changed, for now (Redis away, or the fleet's log being healed)
+    showBanner(doc?.error?.message ?? `${method} ${path}: HTTP ${status}`, "error", status === 503 ? change : null);
+    return;
+  }
+  showBanner(doc?.replayed_note ? `${change.done} (${doc.replayed_note})` : change.done, "ok");
+  change.hooks.applied?.(doc ?? {});
+  poll(); // show the effect now, not at the next tick
+}
+
+const WAITING = {
+  pending: "in the fleet's log, not applied here yet",
+  unknown: "Redis did not answer: may be applied",
+};
+
+async function followFate(change, doc) {
+  // A 202: said as what it is, then asked after by its id until its fate is known.
+  const id = doc?.id ?? change.key;
+  let state = doc?.state ?? "unknown";
+  const say = () => showBanner(`${change.method} ${change.path} (change ${id}): ${WAITING[state] ?? state}; checking…`, "info");
+  say();
+  change.hooks.unsure?.(doc);
+  const until = Date.now() + FOLLOW_FOR_MS;
+  while (token !== null && Date.now() < until) {
+    await sleep(FOLLOW_MS);
+    let fate;
+    try {
+      fate = await api("GET", `/admin/changes/${encodeURIComponent(id)}`);
+    } catch {
+      continue; // no answer this time: asked again
+    }
+    if (token === null) return;
+    if (fate.state === "applied") {
+      showBanner(`${change.done} (change ${id}: applied)`, "ok");
+      change.hooks.applied?.(fate.outcome?.body ?? {});
+      poll();
+      return;
+    }
+    if (fate.state === "refused") {
+      const outcome = fate.outcome ?? {};
+      showBanner(`Refused (change ${id}): ${outcome.body?.error?.message ?? `HTTP ${outcome.status}`}`, "error");
+      return;
+    }
+    if (fate.state === "not_applied") {
+      change.hooks.notApplied?.();
+      showBanner(`Not applied (change ${id}): Redis never took it; nothing changed on any replica.`, "error", change);
+      return;
+    }
+    if (fate.state !== state) {
+      state = fate.state;
+      say();
+    }
+  }
+  if (token !== null) {
+    showBanner(`Change ${id}: its fate is not known yet; GET /admin/changes/${id} tells once Redis answers.`, "error");
   }
 }
 
@@ -491,7 +629,7 @@ async function drainBackend(id, draining) {
   const b = latest.backends.backends.find((x) => x.id === id);
   if (!(await confirmChange(`${verb} ${id}`, text, [["draining", b?.draining ?? !draining, draining]]))) return;
   const path = `/admin/backends/${encodeURIComponent(id)}/${draining ? "drain" : "undrain"}`;
-  await act(`${verb}ed ${id}.`, () => api("POST", path));
+  await act(`${verb}ed ${id}.`, "POST", path);
 }
 
 // ---- the policy form ----------------------------------------------------------------------
@@ -625,11 +763,12 @@ async function reviewPolicy() {
   }
   const ok = await confirmChange("Change the routing policy", "PUT /admin/policy, applied to the next request:", rows);
   if (!ok) return;
-  const result = await act("Policy changed.", () => api("PUT", "/admin/policy", body));
-  if (result) {
-    latest.policy = { ...latest.policy, ...result };
-    buildPolicyForm(latest.policy);
-  }
+  await act("Policy changed.", "PUT", "/admin/policy", body, {
+    applied: (result) => {
+      latest.policy = { ...latest.policy, ...result };
+      buildPolicyForm(latest.policy);
+    },
+  });
 }
 
 // ---- pools and canary weights -------------------------------------------------------------
@@ -742,9 +881,8 @@ async function reviewWeights(alias) {
     return;
   }
   if (!(await confirmChange(`Shift ${alias}'s traffic`, `PUT /admin/aliases/${alias}; roll back undoes it.`, rows))) return;
-  if (await act(`${alias}'s weights changed.`, () => api("PUT", `/admin/aliases/${encodeURIComponent(alias)}`, weights))) {
-    rolloutShape = ""; // rebuild the inputs from what the gateway now runs
-  }
+  // once applied, the inputs are rebuilt from what the gateway then runs
+  await act(`${alias}'s weights changed.`, "PUT", `/admin/aliases/${encodeURIComponent(alias)}`, weights, { applied: () => { rolloutShape = ""; } });
 }
 
 async function rollBack(alias) {
@@ -753,16 +891,14 @@ async function rollBack(alias) {
   const pools = [...new Set([...Object.keys(doc.weights), ...Object.keys(doc.previous)])];
   const rows = pools.map((p) => [`${alias} → ${p}`, doc.weights[p] ?? 0, doc.previous[p] ?? 0]);
   if (!(await confirmChange(`Roll back ${alias}`, "Back to the weights in force before the last change.", rows))) return;
-  if (await act(`${alias} rolled back.`, () => api("POST", `/admin/aliases/${encodeURIComponent(alias)}/rollback`))) {
-    rolloutShape = "";
-  }
+  await act(`${alias} rolled back.`, "POST", `/admin/aliases/${encodeURIComponent(alias)}/rollback`, undefined, { applied: () => { rolloutShape = ""; } });
 }
 
 async function drainPool(pool, drained) {
   const verb = drained ? "Drain" : "Undrain";
   const text = drained ? `No new requests reach pool ${pool} through its aliases.` : `Pool ${pool} takes its share again.`;
   if (!(await confirmChange(`${verb} pool ${pool}`, text, [["drained", !drained, drained]]))) return;
-  await act(`${verb}ed pool ${pool}.`, () => api("POST", `/admin/pools/${encodeURIComponent(pool)}/${drained ? "drain" : "undrain"}`));
+  await act(`${verb}ed pool ${pool}.`, "POST", `/admin/pools/${encodeURIComponent(pool)}/${drained ? "drain" : "undrain"}`);
 }
 
 // ---- progressive rollouts ------------------------------------------------------------------
@@ -897,7 +1033,7 @@ async function rolloutAction(alias, verb) {
   if (!(await confirmChange(title, text, rows))) return;
   const body = verb === "abort" ? { why: "aborted from the console" } : undefined;
   const done = { pause: "paused", resume: "resumed", abort: "aborted" }[verb];
-  await act(`${alias}'s rollout ${done}.`, () => api("POST", `/admin/rollouts/${encodeURIComponent(alias)}/${verb}`, body));
+  await act(`${alias}'s rollout ${done}.`, "POST", `/admin/rollouts/${encodeURIComponent(alias)}/${verb}`, body);
 }
 
 function buildStartForm() {
@@ -963,7 +1099,7 @@ async function reviewStart(event) {
   ];
   const text = `${alias} goes to its first step at once, on every replica; the gateway moves it on, or back, by its gates.`;
   if (!(await confirmChange(`Start a rollout of ${alias}`, text, rows))) return;
-  await act(`${alias}'s rollout started.`, () => api("POST", `/admin/rollouts/${encodeURIComponent(alias)}`, plan));
+  await act(`${alias}'s rollout started.`, "POST", `/admin/rollouts/${encodeURIComponent(alias)}`, plan);
 }
 
 // ---- limits and decisions -----------------------------------------------------------------
@@ -1046,26 +1182,76 @@ function renderFleetFigures(figures) {
   for (const [key] of rows) tbody.append([...tbody.rows].find((r) => r.dataset.key === key));
 }
 
+// A replica's change log, as it reports it (or, on another epoch, as the fleet sees it)
+const LOG_STATES = {
+  ok: ["ok", "ok"],
+  lost: ["lost: being healed", "bad"],
+  unreachable: ["unreachable", "bad"],
+  "other epoch": ["on another epoch", "warn"],
+};
+
+function logCell(r, problems) {
+  const state = problems[r.id] ?? r.log;
+  if (state === undefined) return "–"; // a replica of before the log had a state
+  const [text, cls] = LOG_STATES[state] ?? [state, "warn"];
+  return { text, cls };
+}
+
+function fleetLog(replicas) {
+  // The fleet's change log as this replica sees it, whose log is not the fleet's, and how
+  // often this replica found it lost (Redis lost its data): [text, class].
+  const s = replicas.summary;
+  const parts = [];
+  let cls = "ok";
+  if (replicas.log === "lost") {
+    parts.push("change log LOST (Redis lost its data): being healed by the replica furthest ahead; admin changes are refused meanwhile");
+    cls = "bad";
+  } else if (replicas.log === "unreachable") {
+    parts.push("change log unreachable: Redis does not answer this replica; admin changes are refused or their fate unknown");
+    cls = "bad";
+  } else {
+    parts.push(`change log ok${s.epoch ? ` (epoch ${s.epoch})` : ""}`);
+  }
+  const problems = Object.entries(s.log_problems ?? {});
+  if (problems.length) {
+    parts.push(`not on the fleet's log: ${problems.map(([id, what]) => `${id} (${LOG_STATES[what]?.[0] ?? what})`).join(", ")}`);
+    if (cls === "ok") cls = "warn";
+  }
+  const losses = replicas.losses ?? 0;
+  if (losses > 0) {
+    parts.push(`found lost ${losses} time${losses === 1 ? "" : "s"} since this replica started`);
+    if (cls === "ok") cls = "warn";
+  }
+  return [parts.join(" · "), cls];
+}
+
 function renderFleet() {
   const { replicas, changes } = latest;
   const tbody = $("replicas").tBodies[0];
   const keys = new Set();
   const summary = $("fleet-summary");
+  const logLine = $("fleet-log");
   const lagging = new Set(replicas.summary?.lagging ?? []);
+  const problems = replicas.summary?.log_problems ?? {};
   if (replicas.fleet === null) {
     summary.textContent = "This gateway acts alone (no fleet: see docs/fleet.md).";
+    logLine.hidden = true;
   } else {
     const s = replicas.summary;
     const lag = s.lagging.length ? `behind the log: ${s.lagging.join(", ")}` : "all up to date";
     const split = Object.keys(s.disagree).length ? ` · health seen differently: ${Object.keys(s.disagree).join(", ")}` : "";
     summary.textContent = `fleet ${replicas.fleet}: ${s.replicas} replicas, ${lag}, ${sumValues(s.in_flight)} in flight${split}`;
+    const [text, cls] = fleetLog(replicas);
+    logLine.textContent = text;
+    logLine.className = cls;
+    logLine.hidden = false;
   }
   for (const r of replicas.replicas) {
     keys.add(r.id);
     const self = r.id === replicas.self ? " (this one)" : "";
     const applied = { text: r.applied ?? "–", cls: lagging.has(r.id) ? "warn" : "" };
     const requests = fmtNumber(r.figures?.requests ?? null, 0); // none from an older replica
-    upsertRow(tbody, r.id, [r.id + self, r.version, r.address, fmtSeconds(r.uptime_s), sumValues(r.in_flight), requests, applied]);
+    upsertRow(tbody, r.id, [r.id + self, r.version, r.address, fmtSeconds(r.uptime_s), sumValues(r.in_flight), requests, applied, logCell(r, problems)]);
   }
   prune(tbody, keys);
   renderFleetFigures(replicas.fleet === null ? null : replicas.summary.figures);
@@ -1074,7 +1260,8 @@ function renderFleet() {
   for (const c of changes.changes) {
     seen.add(c.position);
     const when = new Date(c.at * 1000).toLocaleTimeString();
-    upsertRow(trail, c.position, [when, `${c.method} ${c.path}`, c.replica, c.caller, fmtValue(c.old), fmtValue(c.new)]);
+    const id = { text: c.id ?? "–", cls: "id" }; // none for an entry of before changes had ids
+    upsertRow(trail, c.position, [when, id, `${c.method} ${c.path}`, c.replica, c.caller, fmtValue(c.old), fmtValue(c.new)]);
   }
   prune(trail, seen);
   // newest first, as listed
@@ -1107,36 +1294,51 @@ async function makeKey(event) {
   const known = latest.keys?.keys.find((k) => k.name === name);
   const text = known ? `${name} has a key: this replaces it (the old one stops working).` : `A new key for ${name}, shown once.`;
   if (!(await confirmChange(`Make a key for ${name}`, text, [["tier", known?.tier ?? null, tier]]))) return;
-  const made = await act(`Made a key for ${name}.`, () => api("POST", "/admin/keys", { name, tier }));
-  if (made) {
-    $("key-secret").textContent = made.key;
-    $("key-made").hidden = false;
-  }
+  await keyChange(`Made a key for ${name}.`, "POST", "/admin/keys", { name, tier });
+}
+
+function showSecret(secret, note) {
+  $("key-secret").textContent = secret;
+  $("key-note").textContent = note;
+  $("key-made").hidden = false;
+}
+
+async function keyChange(done, method, path, body) {
+  // A new secret is in the answer to the call that made it, and nowhere else: shown at once,
+  // even from a 202 (said to be good only if its change is applied), hidden if it was not.
+  $("key-made").hidden = true;
+  await act(done, method, path, body, {
+    unsure: (doc) => doc?.key && showSecret(doc.key, "(good only once its change is applied: see above)"),
+    notApplied: () => { $("key-made").hidden = true; },
+    applied: (made) => {
+      if (made.key) showSecret(made.key, "");
+      else $("key-note").textContent = ""; // applied: a secret shown from its 202 works
+    },
+  });
 }
 
 async function rotateKey(name) {
   const text = `A new key for ${name}, shown once. The old one keeps working for an hour, on every replica, then is refused.`;
   if (!(await confirmChange(`Rotate ${name}'s key`, text, [["old key works for", null, "3600 s"]]))) return;
-  const made = await act(`Rotated ${name}'s key.`, () => api("POST", `/admin/keys/${encodeURIComponent(name)}/rotate`, { overlap_seconds: 3600 }));
-  if (made) {
-    $("key-secret").textContent = made.key;
-    $("key-made").hidden = false;
-  }
+  await keyChange(`Rotated ${name}'s key.`, "POST", `/admin/keys/${encodeURIComponent(name)}/rotate`, { overlap_seconds: 3600 });
 }
 
 async function revokeKey(name) {
   if (!(await confirmChange(`Revoke ${name}`, `Requests with ${name}'s key are refused from now on, on every replica.`, []))) return;
-  await act(`Revoked ${name}.`, () => api("DELETE", `/admin/keys/${encodeURIComponent(name)}`));
+  await act(`Revoked ${name}.`, "DELETE", `/admin/keys/${encodeURIComponent(name)}`);
 }
 
 async function reload() {
   if (!(await confirmChange("Reload the configuration", "The gateway re-reads its configuration file: what can change live is applied now, the rest is listed as needing a restart.", []))) return;
-  const result = await act("Configuration reloaded.", () => api("POST", "/admin/reload"));
-  if (result) {
-    const applied = result.applied.length ? result.applied.join(", ") : "nothing";
-    const restart = result.restart_required.length ? ` Needs a restart: ${result.restart_required.join(", ")}.` : "";
-    $("reload-result").textContent = `Applied: ${applied}.${restart}`;
-  }
+  await act("Configuration reloaded.", "POST", "/admin/reload", undefined, {
+    applied: (result) => {
+      if (!Array.isArray(result.applied)) return;
+      const applied = result.applied.length ? result.applied.join(", ") : "nothing";
+      const later = result.restart_required ?? [];
+      const restart = later.length ? ` Needs a restart: ${later.join(", ")}.` : "";
+      $("reload-result").textContent = `Applied: ${applied}.${restart}`;
+    },
+  });
 }
 
 document.addEventListener("DOMContentLoaded", () => {

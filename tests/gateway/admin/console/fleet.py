@@ -58,10 +58,17 @@ class Fleet:
     def admin_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
 
-    def admin(self, method: str, path: str, **kwargs: object) -> httpx.Response:
+    def admin(
+        self, method: str, path: str, headers: dict[str, str] | None = None, **kwargs: object
+    ) -> httpx.Response:
+        """An admin call with the token (and ``headers``: more, e.g. an Idempotency-Key)."""
         return httpx.request(
-            method, self.admin_url + path, headers=self.admin_headers, timeout=5, **kwargs
-        )  # type: ignore[arg-type]
+            method,
+            self.admin_url + path,
+            headers={**self.admin_headers, **(headers or {})},
+            timeout=5,
+            **kwargs,  # type: ignore[arg-type]
+        )
 
     def requests_to(self, backend: str) -> float:
         """Requests the gateway has counted for ``backend`` (its public /metrics)."""
@@ -104,7 +111,10 @@ def _wait(coro: Coroutine[Any, Any, T]) -> T:
 
 
 @contextmanager
-def running_fleet(log_dir: Path, redis_url: str, redis_prefix: str) -> Iterator[Fleet]:
+def running_fleet(
+    log_dir: Path, redis_url: str, redis_prefix: str, extra: dict[str, str] | None = None
+) -> Iterator[Fleet]:
+    """The gateway and its simulators; ``extra``: more of its settings (``GATEWAY_...``)."""
     port, admin_port = free_port(), free_port()
     token = f"console-{uuid.uuid4().hex}"
     with ExitStack() as stack:
@@ -130,6 +140,7 @@ def running_fleet(log_dir: Path, redis_url: str, redis_prefix: str) -> Iterator[
             # would admit a request unchecked and fire LimitsDegraded in a healthy run.
             "GATEWAY_LIMITS__REDIS__TIMEOUT": "0.5",
             "GATEWAY_TRACING__OTLP_ENDPOINT": "",  # traffic stays on this machine
+            **(extra or {}),
         }
         gateway = start_gateway_with_config(CONFIG, f"http://127.0.0.1:{port}", log_dir, env=env)
         stack.callback(gateway.stop)

@@ -7,18 +7,13 @@ carries the token in its URL, and nothing is left in the browser's storage.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from playwright.sync_api import Browser, Page, Playwright, Request, expect, sync_playwright
+from playwright.sync_api import Browser, Page, expect
 
 from tests.gateway.admin.console.fleet import (
     KEYS,
@@ -29,39 +24,15 @@ from tests.gateway.admin.console.fleet import (
     chat,
     running_fleet,
 )
+from tests.gateway.admin.console.page import (
+    apply_in_dialog,
+    opened,
+    sign_in,
+    signed_in,
+    wait_until,
+)
 
 pytestmark = pytest.mark.slow
-
-CHROMIUM_ENV = "LLM_GATEWAY_CHROMIUM"
-
-
-def chromium_path() -> str:
-    found = (
-        os.environ.get(CHROMIUM_ENV) or shutil.which("chromium") or shutil.which("chromium-browser")
-    )
-    if not found:
-        pytest.fail(
-            "No Chromium for the console's browser tests: `make browser` installs Debian's "
-            f"(apt), or set {CHROMIUM_ENV} to a Chromium binary.",
-            pytrace=False,
-        )
-    return found
-
-
-@pytest.fixture(scope="module")
-def playwright() -> Iterator[Playwright]:
-    with sync_playwright() as p:
-        yield p
-
-
-@pytest.fixture(scope="module")
-def browser(playwright: Playwright) -> Iterator[Browser]:
-    b = playwright.chromium.launch(
-        executable_path=chromium_path(),
-        args=["--no-sandbox", "--disable-background-networking", "--no-first-run"],
-    )
-    yield b
-    b.close()
 
 
 @pytest.fixture
@@ -78,59 +49,6 @@ def fleet(tmp_path: Path, redis_url: str, redis_prefix: str) -> Iterator[Fleet]:
 def page(browser: Browser, fleet: Fleet) -> Iterator[Page]:
     with opened(browser, fleet) as p:
         yield p
-
-
-@contextmanager
-def opened(browser: Browser, fleet: Fleet) -> Iterator[Page]:
-    """The console of ``fleet``'s gateway in a new browser context, checked when closed."""
-    context = browser.new_context()
-    p = context.new_page()
-    requests: list[Request] = []
-    p.on("request", lambda r: requests.append(r))  # noqa: PLW0108 - a bound method is refused
-    p.goto(fleet.admin_url + "/")
-    yield p
-    # What the page did, whatever the test: only its own listener, the token in no URL and in
-    # no storage it keeps.
-    origin = urlsplit(fleet.admin_url).netloc
-    assert requests
-    assert {urlsplit(r.url).netloc for r in requests} == {origin}
-    assert not [r.url for r in requests if fleet.token in r.url]
-    assert fleet.token not in p.url
-    storage = p.evaluate("() => [localStorage.length, sessionStorage.length, document.cookie]")
-    assert storage == [0, 0, ""]
-    assert context.cookies() == []
-    context.close()
-
-
-def sign_in(page: Page, token: str) -> None:
-    page.fill("#token", token)
-    page.click("#sign-in")
-
-
-def signed_in(page: Page, fleet: Fleet) -> None:
-    sign_in(page, fleet.token)
-    expect(page.locator("#console")).to_be_visible()
-    for backend in ("gpu-a", "gpu-b", "gpu-canary"):
-        expect(page.locator(f'#backends tr[data-backend="{backend}"]')).to_be_visible()
-
-
-def apply_in_dialog(page: Page, expected_rows: list[tuple[str, str, str]]) -> None:
-    """The confirmation shows each change as (setting, now, after) before it is applied."""
-    dialog = page.locator("#confirm")
-    expect(dialog).to_be_visible()
-    rows = dialog.locator("#confirm-diff tbody tr")
-    expect(rows).to_have_count(len(expected_rows))
-    for i, row in enumerate(expected_rows):
-        expect(rows.nth(i).locator("td")).to_have_text(list(row))
-    page.click("#confirm-apply")
-    expect(dialog).to_be_hidden()
-
-
-def wait_until(condition: object, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)  # sleep-ok: polling a condition with a deadline
 
 
 def test_the_page_loads_with_the_backends_and_their_live_figures(page: Page, fleet: Fleet) -> None:
@@ -368,6 +286,41 @@ def test_the_fleet_panel_lists_replicas_and_changes_and_manages_keys(
         page.wait_for_function(FLEET_TOTAL_IS_THE_SUM, arg=["console-second", 5], timeout=20_000)
         first = page.locator("#replicas tbody tr").filter(has_text="(this one)").locator("td")
         assert int(first.nth(5).inner_text()) > 0  # the traffic through the first
+
+
+def test_the_audit_trail_shows_each_changes_id_and_the_page_sends_one_per_action(
+    page: Page, fleet: Fleet
+) -> None:
+    """A change's id (its caller's Idempotency-Key, or one made by the gateway) is in the audit
+    trail; a change made on the page carries a key of its own, which becomes its id."""
+    signed_in(page, fleet)
+    made = fleet.admin(
+        "PUT",
+        "/admin/aliases/chat",
+        json={"stable": 90, "canary": 10},
+        headers={"Idempotency-Key": "shift-from-curl-1"},
+    )
+    assert made.headers["X-Gateway-Change-Id"] == "shift-from-curl-1"
+    newest = page.locator("#changes tbody tr").first
+    expect(newest.locator("td").nth(1)).to_have_text("shift-from-curl-1")
+    expect(newest.locator("td").nth(2)).to_have_text("PUT /admin/aliases/chat")
+    # Made on the page: its key is sent with it, and is the id the trail and the API show.
+    with page.expect_request(lambda r: r.method == "POST" and "/drain" in r.url) as sent:
+        page.locator('#backends tr[data-backend="gpu-b"] button.drain').click()
+        apply_in_dialog(page, [("draining", "false", "true")])
+    key = sent.value.headers["idempotency-key"]
+    assert re.fullmatch(r"console_[0-9a-f]{24}", key)
+    expect(page.locator("#banner")).to_have_text("Drained gpu-b.")
+    expect(newest.locator("td").nth(1)).to_have_text(key)
+    expect(newest.locator("td").nth(2)).to_have_text("POST /admin/backends/gpu-b/drain")
+    fate = fleet.admin("GET", f"/admin/changes/{key}").json()
+    assert (fate["state"], fate["outcome"]["body"]["draining"]) == ("applied", True)
+    # Another action on the page: another key.
+    with page.expect_request(lambda r: r.method == "POST" and "/undrain" in r.url) as again:
+        page.locator('#backends tr[data-backend="gpu-b"] button.undrain').click()
+        apply_in_dialog(page, [("draining", "true", "false")])
+    assert again.value.headers["idempotency-key"] not in (key, "shift-from-curl-1")
+    expect(page.locator("#banner")).to_have_text("Undrained gpu-b.")
 
 
 # True once the replicas table lists two, ``second`` having served ``sent`` requests, and the

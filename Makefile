@@ -27,8 +27,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 lint:
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
-	@# the console's script (no build step): at least it parses, where Node.js is at hand
-	@if command -v node >/dev/null; then node --check gateway/admin/console/console.js; fi
+	@# the console's script (no build step): at least it parses, as the module the page loads,
+	@# where Node.js is at hand (a module's rules: a name declared twice is an error)
+	@if command -v node >/dev/null; then \
+		node --input-type=module --check < gateway/admin/console/console.js; fi
 
 typecheck:
 	$(BIN)/mypy

@@ -323,7 +323,9 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
             r = s.limits.redis
             redis = Redis.from_url(
                 r.url.get_secret_value(),
-                socket_timeout=5.0,  # longer than the follower's blocking read (1 s)
+                # Longer than the follower's blocking read (1 s), short enough that a Redis that
+                # stopped answering (paused, overloaded) is noticed within a few seconds
+                socket_timeout=2.5,
                 socket_connect_timeout=2.0,
                 max_connections=8,
             )

@@ -336,20 +336,20 @@ async def _replicas_doc(request: web.Request, member: Member) -> dict[str, Any]:
         return _replicas_view(member, [], None)
 
     doc = await request.app[VIEWS].read("replicas", fetch, fallback)
-    if "stale" in doc:  # this replica's own report, as it is now
-        me = member.report()
-        others = [r for r in doc["replicas"] if r["id"] != member.id]
-        doc = {**doc, "replicas": sorted([*others, me.view(time.time())], key=lambda r: r["id"])}
-        doc["log_reachable"] = member.follower.reachable
-        doc["log"] = member.log_state()
-    return doc
+    if "stale" in doc:  # the others as last known, this replica as it is now, summed again
+        reports = [Report.decode(json.dumps(r)) for r in doc["_reports"]]
+        head = None if doc["summary"]["head"] is None else Position.parse(doc["summary"]["head"])
+        doc = {**_replicas_view(member, reports, head), "stale": doc["stale"]}
+    return {k: v for k, v in doc.items() if k != "_reports"}
 
 
 def _replicas_view(member: Member, reports: list[Report], head: Any) -> dict[str, Any]:
     now = time.time()
-    if not any(r.id == member.id for r in reports):
-        reports = sorted([*reports, member.report()], key=lambda r: r.id)
+    reports = sorted(
+        [*(r for r in reports if r.id != member.id), member.report()], key=lambda r: r.id
+    )
     return {
+        "_reports": [json.loads(r.encode()) for r in reports if r.id != member.id],
         "fleet": member.settings.fleet,
         "self": member.id,
         "log_reachable": member.follower.reachable,
@@ -387,7 +387,9 @@ async def list_changes(request: web.Request) -> web.Response:
         recent = await member.changes.recent(limit)
         return {"changes": [change.describe(position) for position, change in recent]}
 
-    doc = await request.app[VIEWS].read(f"changes:{limit}", fetch, lambda: {"changes": []})
+    # One listing kept (the last read): a stale answer is as much of it as asked for
+    doc = await request.app[VIEWS].read("changes", fetch, lambda: {"changes": []})
+    doc = {**doc, "changes": doc["changes"][:limit]}
     applied = member.follower.applied
     return web.json_response(
         {

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 from redis.asyncio import Redis
 
 from gateway.fleet.changes import Change, Position, Snapshot, change_id
@@ -227,3 +228,32 @@ async def test_a_log_lost_with_its_redis_is_noticed_nothing_goes_into_it_and_hea
     finally:
         await client.aclose()
     assert ahead.drained == behind_.drained == ["b0", "b1", "b2"]
+
+
+async def test_a_log_put_back_from_an_older_copy_is_lost_to_a_replica_that_applied_more(
+    redis: Redis, redis_prefix: str
+) -> None:
+    """A Redis restored from a backup: the same epoch behind what was applied (rewound), or an
+    older epoch, is a lost log (healed by the fleet), never applied as it is."""
+    keys = LogKeys.of(redis_prefix, "f")
+    log = RedisLog(redis, keys)
+    follower = Follower(log, Replica())
+    first = await put(log, change("drain", "b0"))
+    copy = {k: await redis.dump(k) for k in (keys.log, keys.epoch, keys.snapshot)}
+    await put(log, change("drain", "b1"))
+    await follower.catch_up()
+    for key, value in copy.items():  # the backup, put back
+        await redis.delete(key)
+        if value is not None:
+            await redis.restore(key, 0, value)
+    assert (await log.after(None)).head == first
+    with pytest.raises(LogLost) as rewound:
+        await follower.catch_up()
+    assert (rewound.value.seen, rewound.value.head) == (EPOCH, first)
+    assert follower.lost is not None
+    await redis.set(keys.epoch, "0000000000000-older")  # an older log altogether
+    late = Follower(log, Replica())
+    late.epoch = EPOCH  # as a replica that followed the newer one
+    with pytest.raises(LogLost) as older:
+        await late.catch_up()
+    assert older.value.seen == "0000000000000-older"

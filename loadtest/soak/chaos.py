@@ -24,6 +24,7 @@ from loadtest.soak.fleet import REPLICAS, Fleet
 from loadtest.soak.invariants import AdminChange, LimitsProbe
 from loadtest.soak.mix import PROBED_KEY
 from loadtest.soak.outcomes import Observation
+from loadtest.soak.redis_faults import RedisFaults
 
 RECOVERY_S: Final = 20.0  # a restarted or reverted backend must be up on both replicas by then
 CHANGE_WITHIN_S: Final = 5.0  # an admin change must be seen on every replica by then
@@ -38,6 +39,7 @@ class Chaos:
     clock: Clock
     t0: float  # time.monotonic() of the load's start
     rpm: int  # the probed key's requests per minute
+    redis: RedisFaults  # Redis paused, and restarted empty, with admin changes around
     windows: list[FaultWindow] = field(default_factory=list)
     probes: list[LimitsProbe] = field(default_factory=list)
     probe_observations: list[Observation] = field(default_factory=list)
@@ -65,7 +67,8 @@ class Chaos:
             "hang": self._held,
             "down": self._held,
             "error_burst": self._error_burst,
-            "redis_kill": self._redis_kill,
+            "redis_kill": self.redis.restart_empty,
+            "redis_pause": self.redis.pause,
             "reload": self._reload,
             "policy": self._policy,
             "canary_shift": self._canary_shift,
@@ -115,13 +118,6 @@ class Chaos:
                 await asyncio.sleep(0.05)  # sleep-ok: polling the revert with a deadline
         detail = "" if reverted else "revert_after did not revert"
         return FaultWindow("error_burst", f.target, start, self.clock(), reverted, detail)
-
-    async def _redis_kill(self, f: PlannedFault) -> FaultWindow:
-        await self.fleet.kill_redis()
-        start = self.clock()
-        await asyncio.sleep(f.hold)  # sleep-ok: Redis stays down this long
-        await self.fleet.restart_redis()
-        return FaultWindow("redis_kill", None, start, self.clock())
 
     async def _through_one(
         self,

@@ -9,6 +9,11 @@ the alias must then pass its share to the stable pool. It is never killed or hun
 already routed to a pool whose only backend dies before answering cannot move to another pool
 (future work), so that would say nothing about what the gateway can save today.
 
+Redis, the fleet's change log and the limits' store, is paused (SIGSTOP, ``redis_pause``) and
+killed then started again empty (``redis_kill``), with admin changes made around and during
+each (``loadtest.soak.redis_faults``). A Redis fault is never near a backend fault or a limits
+probe, which would then measure fail-open admissions.
+
 After a run, the faults' recorded ``FaultWindow``s answer the questions the invariants ask:
 which backends were healthy at a time, was a backend being killed, was an error burst on.
 """
@@ -25,7 +30,8 @@ FaultKind = Literal[
     "hang",  # hang_before_first_byte + unhealthy for `hold` seconds
     "down",  # unhealthy (its probes fail, it still serves) for `hold` seconds
     "error_burst",  # error_rate / error_status with revert_after = `hold`
-    "redis_kill",  # SIGKILL Redis, restart it after `hold` seconds
+    "redis_kill",  # SIGKILL Redis, restart it empty after `hold` seconds; changes around it
+    "redis_pause",  # SIGSTOP Redis for `hold` seconds, admin changes sent meanwhile
     "reload",  # rewrite the TOML with other alias weights, POST /admin/reload
     "policy",  # PUT /admin/policy
     "canary_shift",  # PUT /admin/aliases/chat
@@ -33,10 +39,15 @@ FaultKind = Literal[
     "limits_probe",  # a burst on the internal-tools key (its bucket idle for 60 s)
 ]
 BACKEND_FAULTS: Final = frozenset({"kill", "hang", "down", "error_burst"})
+REDIS_FAULTS: Final = frozenset({"redis_kill", "redis_pause"})
 STABLE: Final = ("gpu-a", "gpu-b")
 CANARY: Final = "gpu-canary"
 CYCLE_TARGET_S: Final = 300.0  # a long run repeats the cycle about this often
 KILL_HOLD_S: Final = 3.0
+# Longer than an admin change's wait for Redis (1.5 x fleet.log_timeout, 3 s): the changes sent
+# at its start are answered within it. Shorter than fleet.report_ttl (6 s), so that the
+# replicas' reports in Redis outlive it (a longer pause is another fault: replicas dropping out).
+PAUSE_HOLD_S: Final = 5.0
 PROBE_IDLE_S: Final = 65.0  # the probed key is left alone this long before (bucket refilled)
 PROBE_MAX_S: Final = 30.0  # ... and until the probe is over (it takes a few seconds)
 ERROR_BURST: Final = {"error_rate": 0.8, "error_status": 503}
@@ -78,6 +89,7 @@ _CYCLE: Final[tuple[tuple[float, FaultKind, int | None], ...]] = (
     (0.64, "canary_shift", None),
     (0.68, "down", None),  # the canary (CANARY)
     (0.72, "policy", None),
+    (0.79, "redis_pause", None),  # between the canary's probes failing and the last kill
     (0.80, "canary_rollback", None),
     (0.88, "kill", 1),
 )
@@ -109,8 +121,9 @@ def plan_faults(duration: float) -> tuple[PlannedFault, ...]:
                 out.append(PlannedFault(at, kind, CANARY, burst, DOWN))
             elif kind == "error_burst":
                 out.append(PlannedFault(at, kind, target, burst, ERROR_BURST))
-            elif kind == "redis_kill":
-                out.append(PlannedFault(at, kind, hold=max(3.0, 0.04 * length)))
+            elif kind in REDIS_FAULTS:
+                hold = PAUSE_HOLD_S if kind == "redis_pause" else max(3.0, 0.04 * length)
+                out.append(PlannedFault(at, kind, hold=hold))
             elif kind == "reload":
                 weights = RELOAD_WEIGHTS[c % 2]
                 out.append(PlannedFault(at, kind, params={"aliases": {"chat": weights}}))
@@ -124,14 +137,14 @@ def plan_faults(duration: float) -> tuple[PlannedFault, ...]:
 
 
 def overlapping(plan: Sequence[PlannedFault], margin: float = 5.0) -> list[tuple[str, str]]:
-    """Pairs of backend faults (and Redis outages) closer than ``margin`` s: there must be none.
+    """Pairs of backend faults (and Redis faults) closer than ``margin`` s: there must be none.
 
     A fault's own span is ``hold`` plus recovery, which ``margin`` stands for.
     """
     spans = [
         (f.at, f.at + f.hold + margin, f.label)
         for f in plan
-        if f.kind in BACKEND_FAULTS or f.kind == "redis_kill"
+        if f.kind in BACKEND_FAULTS or f.kind in REDIS_FAULTS
     ]
     spans.sort()
     return [(a[2], b[2]) for a, b in itertools.pairwise(spans) if b[0] < a[1]]

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import secrets
+import signal
 import time
 import tomllib
 from collections import Counter
@@ -24,6 +25,7 @@ from typing import Any, Final
 import aiohttp
 import redis.asyncio as aioredis
 from aiohttp import web
+from multidict import CIMultiDict
 from redis.exceptions import RedisError
 
 from loadtest import procs
@@ -35,6 +37,15 @@ REPLICAS: Final = 2
 # Long enough streams to leave mid-way (~30 ms a token), cheap enough for two cores.
 SIM_ARGS: Final = ("--model", SERVED_MODEL, "--sim-step-base-ms", "30", "--max-num-seqs", "64")
 _TIMEOUT: Final = aiohttp.ClientTimeout(total=3.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """An admin API call's answer: status (0: none), parsed JSON (or text), headers."""
+
+    status: int
+    doc: Any
+    headers: Mapping[str, str] = field(default_factory=dict)
 
 
 class OtlpSink:
@@ -76,7 +87,8 @@ class Fleet:
     sim_ports: dict[str, int] = field(default_factory=dict)
     sims: dict[str, procs.Proc] = field(default_factory=dict)
     redis_port: int = 0
-    redis: procs.Proc | None = None
+    redis: procs.Proc | None = None  # the run's own redis-server, the only one it ever signals
+    redis_paused: bool = False
     gateways: list[procs.Proc] = field(default_factory=list)
     ports: list[tuple[int, int]] = field(default_factory=list)  # (port, admin port) per replica
     sink: OtlpSink = field(default_factory=OtlpSink)
@@ -142,6 +154,7 @@ class Fleet:
         )
 
     async def stop(self) -> None:
+        self.resume_redis()  # a stopped process would not hear SIGTERM
         everything = [*self.gateways, *self.sims.values(), *self._dead]
         if self.redis is not None:
             everything.append(self.redis)
@@ -186,6 +199,19 @@ class Fleet:
             await asyncio.to_thread(self.redis.popen.wait)
             self._dead.append(self.redis)
             self.redis = None
+            self.redis_paused = False
+
+    def pause_redis(self) -> None:
+        """SIGSTOP the run's own redis-server: connections are still accepted by the kernel and
+        commands wait in its sockets, unanswered, until ``resume_redis``."""
+        if self.redis is not None and self.redis.popen.poll() is None:
+            self.redis.popen.send_signal(signal.SIGSTOP)
+            self.redis_paused = True
+
+    def resume_redis(self) -> None:
+        if self.redis is not None and self.redis_paused and self.redis.popen.poll() is None:
+            self.redis.popen.send_signal(signal.SIGCONT)
+        self.redis_paused = False
 
     async def restart_redis(self) -> None:
         n = len([p for p in self._dead if p.name.startswith("redis")])
@@ -227,18 +253,39 @@ class Fleet:
         body: object = None,
     ) -> tuple[int, Any, str | None]:
         """``admin``, with the answer's ``X-Gateway-Replicas`` (how many replicas applied it)."""
+        answer = await self.call_admin(session, replica, method, path, body)
+        return answer.status, answer.doc, answer.headers.get("X-Gateway-Replicas")
+
+    async def call_admin(
+        self,
+        session: aiohttp.ClientSession,
+        replica: int,
+        method: str,
+        path: str,
+        body: object = None,
+        *,
+        key: str | None = None,
+        within: float | None = None,
+    ) -> Answer:
+        """One admin API call on ``replica``; ``key``: its ``Idempotency-Key``; ``within``:
+        seconds to wait for the answer (None: the session's timeout)."""
         headers = {"Authorization": f"Bearer {self.token}"}
+        if key is not None:
+            headers["Idempotency-Key"] = key
         url = self.admin_url(replica) + path
+        wait = session.timeout if within is None else aiohttp.ClientTimeout(total=within)
         try:
-            async with session.request(method, url, json=body, headers=headers) as resp:
-                spread = resp.headers.get("X-Gateway-Replicas")
+            async with session.request(
+                method, url, json=body, headers=headers, timeout=wait
+            ) as resp:
                 text = await resp.text()
+                got = CIMultiDict(resp.headers)
                 try:
-                    return resp.status, await resp.json(content_type=None), spread
+                    return Answer(resp.status, json.loads(text), got)
                 except ValueError:
-                    return resp.status, text, spread
+                    return Answer(resp.status, text, got)
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            return 0, f"{type(exc).__name__}: {exc}", None
+            return Answer(0, f"{type(exc).__name__}: {exc}")
 
     async def backend_health(self, session: aiohttp.ClientSession, replica: int) -> dict[str, str]:
         status, doc = await self.admin(session, replica, "GET", "/admin/backends")

@@ -112,6 +112,7 @@ def markdown(doc: Mapping[str, Any]) -> str:
             for p in doc["limits_probes"]
         ],
     )  # fmt: skip
+    lines += _redis_faults(doc["invariants"])
     aborts = next((v for v in doc["invariants"] if v["name"] == "aborted_upstream"), None)
     if aborts is not None:
         lines += ["## Aborts", ""]
@@ -127,6 +128,53 @@ def markdown(doc: Mapping[str, Any]) -> str:
             lines += [json.dumps(e) for e in examples]
             lines += ["```", ""]
     return "\n".join(lines)
+
+
+def _answer(call: Mapping[str, Any]) -> str:
+    said = str(call["status"]) + (f" {call['state']}" if call.get("state") else "")
+    said += f" {call['code']}" if call.get("code") else ""
+    return said + (" replayed" if call.get("replayed") else "") + f" (r{call['through']})"
+
+
+def _redis_faults(invariants: Sequence[Mapping[str, Any]]) -> list[str]:
+    """The admin changes made under Redis faults, and each empty restart of Redis."""
+    by_name = {v["name"]: v for v in invariants}
+    lines: list[str] = []
+    answers = by_name.get("admin_answers_true", {})
+    if answers.get("detail"):
+        lines += ["## Admin changes under Redis faults", ""]
+        lines += _table(
+            ("phase", "change", "answers", "fate (every replica)", "repeat", "entries"),
+            [
+                (
+                    c["phase"],
+                    c["what"],
+                    ", ".join(_answer(call) for call in c["calls"]),
+                    "/".join(sorted(set(c["settled"]))),
+                    "" if c["repeat"] is None else _answer(c["repeat"]),
+                    "" if c["entries"] is None else c["entries"],
+                )
+                for c in answers["detail"]
+            ],
+        )
+    losses = by_name.get("lost_log_healed", {}).get("losses")
+    if losses:
+        lines += ["## Redis restarted empty", ""]
+        lines += _table(
+            ("at (s)", "losses", "healed", "whole after (s)", "same state", "spent before/after"),
+            [
+                (
+                    x["at_s"],
+                    x["losses"],
+                    x["healed"],
+                    x["healed_after_s"],
+                    x["same_state"],
+                    f"{x['spent_before']} / {x['spent_after']}",
+                )
+                for x in losses
+            ],
+        )
+    return lines
 
 
 def plot(doc: Mapping[str, Any], path: Path) -> None:
@@ -149,7 +197,7 @@ def plot(doc: Mapping[str, Any], path: Path) -> None:
     for key, style in (("failed", "-"), ("excused", "--"), ("left", ":")):
         err_ax.plot(ts, [row[key] / bucket for row in rows], linestyle=style, label=key)
     colours = {"kill": "tab:red", "hang": "tab:orange", "error_burst": "tab:purple",
-               "redis_kill": "tab:brown"}  # fmt: skip
+               "redis_kill": "tab:brown", "redis_pause": "tab:olive"}  # fmt: skip
     for w in doc["faults"]["windows"]:
         colour = colours.get(w["kind"])
         for ax in (rss_ax, flight_ax, err_ax):

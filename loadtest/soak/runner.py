@@ -33,11 +33,22 @@ import aiohttp
 from loadtest import procs
 from loadtest.soak import prom as soak_prom
 from loadtest.soak.aborts import AbortFigures, check_aborts, client_leaving
+from loadtest.soak.changes import (
+    KeyedChange,
+    LogLoss,
+    Outage,
+    ViewRead,
+    check_answers,
+    check_log_losses,
+    check_replica_logs,
+    check_views,
+)
 from loadtest.soak.chaos import Chaos
 from loadtest.soak.client import CLIENT_TIMEOUT, Clock, execute, now_since
 from loadtest.soak.config import BACKENDS, PRODUCTION_TOML, tier_of
 from loadtest.soak.faults import (
     ADMIN_KINDS,
+    REDIS_FAULTS,
     FaultWindow,
     PlannedFault,
     overlapping,
@@ -66,6 +77,7 @@ from loadtest.soak.invariants import (
 )
 from loadtest.soak.mix import PROBED_KEY, Mix
 from loadtest.soak.outcomes import Observation, classify
+from loadtest.soak.redis_faults import RedisFaults
 from loadtest.soak.report import markdown, plot, timeline, write_json
 
 POLL_INTERVAL_S: Final = 0.5
@@ -103,6 +115,11 @@ class Recorded:
     leak: LeakState | None = None
     aborts: AbortFigures | None = None
     otlp_posts: int = 0
+    keyed: list[KeyedChange] = field(default_factory=list)  # changes made under Redis faults
+    view_reads: list[ViewRead] = field(default_factory=list)
+    outages: list[Outage] = field(default_factory=list)  # Redis paused or dead
+    log_losses: list[LogLoss] = field(default_factory=list)
+    replica_logs: dict[str, str] = field(default_factory=dict)  # each replica's log, at the end
 
     @property
     def warm_until(self) -> float:
@@ -129,6 +146,10 @@ def evaluate(rec: Recorded) -> list[Verdict]:
         check_limits(rec.probes),
         check_memory(rec.memory, rec.warm_until, REPLICAS),
         check_admin_changes(rec.changes, sum(f.kind in ADMIN_KINDS for f in rec.plan)),
+        check_answers(rec.keyed, sum(f.kind in REDIS_FAULTS for f in rec.plan)),
+        check_views(rec.view_reads, rec.outages, REPLICAS),
+        check_log_losses(rec.log_losses, sum(f.kind == "redis_kill" for f in rec.plan)),
+        check_replica_logs(rec.replica_logs, len(rec.outages)),
         check_faults(rec.plan, rec.windows),
         check_traces(rec.otlp_posts),
     ]
@@ -245,7 +266,7 @@ async def _drive(fleet: Fleet, rec: Recorded, options: SoakOptions, mix: Mix, rp
         ) as load,
         aiohttp.ClientSession(timeout=_POLL_TIMEOUT) as ops,
     ):
-        chaos = Chaos(fleet, ops, load, clock, t0, rpm)
+        chaos = Chaos(fleet, ops, load, clock, t0, rpm, RedisFaults(fleet, ops, clock))
         stop = asyncio.Event()
         helpers = [
             asyncio.create_task(
@@ -284,6 +305,10 @@ async def _drive(fleet: Fleet, rec: Recorded, options: SoakOptions, mix: Mix, rp
             await asyncio.gather(*helpers, return_exceptions=True)
         rec.windows = chaos.windows
         rec.changes = chaos.changes
+        rec.keyed = chaos.redis.changes
+        rec.view_reads = chaos.redis.reads
+        rec.outages = chaos.redis.outages
+        rec.log_losses = chaos.redis.losses
         rec.probes = chaos.probes
         rec.observations += chaos.probe_observations
         rec.otlp_posts = fleet.sink.posts
@@ -309,6 +334,7 @@ async def run_soak(options: SoakOptions) -> SoakResult:
         await _drive(fleet, rec, options, mix, rpm)
     finally:
         await fleet.stop()
+    rec.replica_logs = {g.name: g.log_path.read_text(errors="replace") for g in fleet.gateways}
     verdicts = evaluate(rec)
     wall = time.monotonic() - wall0
     doc = _document(

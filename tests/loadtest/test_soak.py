@@ -18,6 +18,8 @@ from loadtest.soak import prom as soak_prom
 from loadtest.soak.faults import (
     BACKEND_FAULTS,
     CANARY,
+    PAUSE_HOLD_S,
+    REDIS_FAULTS,
     STABLE,
     FaultWindow,
     healthy_backends_at,
@@ -113,7 +115,7 @@ def test_the_probed_key_is_the_default_tier_at_60_a_minute() -> None:
 def test_a_short_run_gets_every_fault_once() -> None:
     plan = plan_faults(120)
     kinds = [f.kind for f in plan]
-    for kind in ("kill", "hang", "error_burst", "redis_kill", "reload", "policy",
+    for kind in ("kill", "hang", "error_burst", "redis_kill", "redis_pause", "reload", "policy",
                  "canary_shift", "canary_rollback", "limits_probe"):  # fmt: skip
         assert kind in kinds
     assert all(0 <= f.at < 120 for f in plan)
@@ -122,7 +124,7 @@ def test_a_short_run_gets_every_fault_once() -> None:
 
 
 def test_backend_faults_come_one_at_a_time_and_the_canary_is_only_marked_down() -> None:
-    for duration in (75, 120, 180, 600, 1800):
+    for duration in (112, 120, 180, 600, 1800):
         plan = plan_faults(duration)
         assert overlapping(plan) == []
         targets = {f.target for f in plan if f.kind in BACKEND_FAULTS and f.kind != "down"}
@@ -134,14 +136,26 @@ def test_a_long_run_repeats_the_cycle() -> None:
     plan = plan_faults(1800)
     assert sum(f.kind == "kill" for f in plan) == 12
     assert len(probe_times(plan)) == 6
+    assert sum(f.kind == "redis_pause" for f in plan) == 6
     assert all(
-        not any(w.kind == "redis_kill" and p - 5 < w.at < p + 5 for w in plan)
+        not any(w.kind in REDIS_FAULTS and p - 5 < w.at + w.hold and w.at < p + 5 for w in plan)
         for p in probe_times(plan)
     )  # a probe never runs near a Redis outage
 
 
 def test_too_short_a_run_for_the_faults_is_noticed() -> None:
     assert overlapping(plan_faults(60)) != []
+    assert overlapping(plan_faults(100)) != []  # the Redis pause meets a backend fault
+
+
+def test_redis_is_paused_a_few_seconds_and_killed_apart_from_backend_faults() -> None:
+    plan = plan_faults(130)
+    pause = next(f for f in plan if f.kind == "redis_pause")
+    assert pause.hold == PAUSE_HOLD_S
+    assert 1.5 * 2.0 < pause.hold < 6.0  # past a change's wait for Redis, within a report TTL
+    for f in plan:
+        if f.kind in BACKEND_FAULTS:
+            assert not (f.at < pause.at + pause.hold + 5 and pause.at < f.at + f.hold + 5), f
 
 
 def test_the_probed_key_rests_before_each_probe() -> None:

@@ -5,8 +5,8 @@ A view's read is bounded (``timeout``): a paused Redis costs an operator one sho
 call, not the client's socket timeout. A failed read answers the last document that view got
 (per name: the same view with other parameters is another name), or the view's own fallback
 (what this replica knows without Redis), with ``"stale": {"age_s": ..., "why": ...}``. One log
-line when the views start answering stale (``admin_views_stale``) and one when they answer fresh
-again (``admin_views_fresh``): never one per call.
+line when the views start answering stale (``admin_views_stale``) and one when every view that
+did answers fresh again (``admin_views_fresh``): never one per call, nor one per view.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ log = structlog.get_logger("gateway.admin.api")
 
 _FAILURES: Final = (RedisError, OSError, TimeoutError)
 _KEPT: Final = 64  # views remembered (a name per view and its parameters)
+_FORGET_S: Final = 120.0  # a view stale this long ago and not read since ends no outage
 
 Doc = dict[str, Any]
 
@@ -39,6 +40,7 @@ class LastKnown:
         self._clock = clock
         self._docs: OrderedDict[str, tuple[float, Doc]] = OrderedDict()
         self.failing: str | None = None  # why the views answer stale, while they do
+        self._stale: dict[str, float] = {}  # the views answering stale, since when
 
     async def read(
         self,
@@ -51,13 +53,15 @@ class LastKnown:
         try:
             doc = await asyncio.wait_for(fetch(), self.timeout)
         except (*_FAILURES, ViewUnavailable) as exc:
-            return self._stale(name, fallback, str(exc) or type(exc).__name__)
+            return self._answer_stale(name, fallback, str(exc) or type(exc).__name__)
         now = self._clock()
         self._docs[name] = (now, doc)
         self._docs.move_to_end(name)
         while len(self._docs) > _KEPT:
             self._docs.popitem(last=False)
-        if self.failing is not None:
+        self._stale.pop(name, None)
+        self._stale = {n: at for n, at in self._stale.items() if now - at < _FORGET_S}
+        if self.failing is not None and not self._stale:
             log.info("admin_views_fresh", after=self.failing)
             self.failing = None
         return doc
@@ -72,7 +76,8 @@ class LastKnown:
             )
             self.failing = why
 
-    def _stale(self, name: str, fallback: Callable[[], Doc], why: str) -> Doc:
+    def _answer_stale(self, name: str, fallback: Callable[[], Doc], why: str) -> Doc:
+        self._stale.setdefault(name, self._clock())
         self.note_failure(why)
         kept = self._docs.get(name)
         if kept is None:

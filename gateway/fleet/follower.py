@@ -33,7 +33,7 @@ from typing import Any, Final, Protocol
 import structlog
 from redis.exceptions import RedisError
 
-from gateway.fleet.changes import KEPT_IDS, Change, Known, Position, Snapshot
+from gateway.fleet.changes import KEPT_IDS, Batch, Change, Known, Position, Snapshot
 from gateway.fleet.epoch import judge, new_epoch
 from gateway.fleet.log import ChangeLog
 
@@ -125,25 +125,10 @@ class Follower:
                     log.info("fleet_log_epoch_claimed", epoch=self.epoch)
                     continue
                 if verdict == "adopt":
-                    await self._adopt(got.epoch)
+                    self._adopt(got.epoch)
                     continue
                 self.lost = None
-                if got.snapshot is not None:
-                    await self.applier.restore(got.snapshot)
-                    self._remember(got.snapshot.ids.items())
-                    log.info("fleet_snapshot_restored", position=str(got.snapshot.position))
-                    self._advance(got.snapshot.position)
-                if self._dropping is not None:  # a log adopted: did it lack what was applied?
-                    start = None if got.snapshot is None else got.snapshot.position
-                    if start is None or start < self._dropping:
-                        log.warning(
-                            "fleet_log_adopted_behind",
-                            applied_before=str(self._dropping),
-                            log_starts_at=None if start is None else str(start),
-                            effect="what this replica had applied beyond the adopted log's "
-                            "start is gone (it was away while the fleet healed the log)",
-                        )
-                    self._dropping = None
+                await self._start(got)
                 for position, change in got.entries:
                     outcome = await self._apply(position, change)
                     self._outcomes[position] = outcome
@@ -156,7 +141,30 @@ class Follower:
                 if len(got.entries) < self.batch:
                     return done
 
-    async def _adopt(self, epoch: str | None) -> None:
+    async def _start(self, got: Batch) -> None:
+        """The log's snapshot, where this replica is behind it, as its state; after a log was
+        adopted, its start (the snapshot, or the state before any change) in any case."""
+        if self._dropping is not None and got.snapshot is None:  # adopted, no snapshot
+            assert self._initial is not None
+            await self.applier.restore(Snapshot(Position(0, 0), self._initial))
+        if got.snapshot is not None:
+            await self.applier.restore(got.snapshot)
+            self._remember(got.snapshot.ids.items())
+            log.info("fleet_snapshot_restored", position=str(got.snapshot.position))
+            self._advance(got.snapshot.position)
+        if self._dropping is not None:  # a log adopted: did it lack what was applied?
+            start = None if got.snapshot is None else got.snapshot.position
+            if start is None or start < self._dropping:
+                log.warning(
+                    "fleet_log_adopted_behind",
+                    applied_before=str(self._dropping),
+                    log_starts_at=None if start is None else str(start),
+                    effect="what this replica had applied beyond the adopted log's start is "
+                    "gone (it was away while the fleet healed the log)",
+                )
+            self._dropping = None
+
+    def _adopt(self, epoch: str | None) -> None:
         """Follow the log of ``epoch``: a replica that had followed another starts again from
         this one's snapshot (or, without one, from its state before any change)."""
         assert epoch is not None
@@ -164,11 +172,12 @@ class Follower:
         self.epoch = epoch
         if was is None and applied is None:
             return  # joining: from the snapshot, as always
+        # The state stays as it is until the new log's start replaces it, in the same turn of
+        # the event loop as its read (no request or view sees anything in between): its
+        # snapshot, or without one the state before any change.
         self.applied = None
         self._outcomes.clear()
         self.ids.clear()  # positions of the old log: the new one's snapshot brings its own
-        assert self._initial is not None
-        await self.applier.restore(Snapshot(Position(0, 0), self._initial))
         self._dropping = applied
         log.info(
             "fleet_log_adopted",

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from redis.asyncio import Redis
 
-from gateway.fleet.changes import Change, Position, Snapshot, change_id
+from gateway.fleet.changes import Batch, Change, Position, Snapshot, change_id
 from gateway.fleet.follower import Follower, LogLost, Outcome
 from gateway.fleet.log import Appended, LogKeys, RedisLog, Refused
 from tests.redis_server import RedisServer
@@ -257,3 +257,32 @@ async def test_a_log_put_back_from_an_older_copy_is_lost_to_a_replica_that_appli
     with pytest.raises(LogLost) as older:
         await late.catch_up()
     assert older.value.seen == "0000000000000-older"
+
+
+async def test_a_replica_adopting_a_healed_log_never_shows_its_files_state_meanwhile(
+    redis: Redis, redis_prefix: str
+) -> None:
+    """Between taking a new epoch and reading its snapshot a replica awaits Redis; requests
+    and views run then. They see the state it had, then the snapshot's: never the state
+    before any change (a run-time key gone, an alias back to the file's)."""
+    keys = LogKeys.of(redis_prefix, "f")
+    replica = Replica()
+    seen: list[list[str]] = []
+
+    class Spy(RedisLog):
+        async def after(self, applied: Position | None, *, count: int = 256) -> Batch:
+            seen.append(list(replica.drained))  # what a request sees while Redis is asked
+            return await super().after(applied, count=count)
+
+    log = Spy(redis, keys)
+    follower = Follower(log, replica)
+    await put(log, change("drain", "b0"))
+    await follower.catch_up()
+    assert replica.drained == ["b0"]
+    snapshot = await follower.snapshot()
+    assert await log.heal(EPOCH, "0000000000002-new", snapshot)  # healed by another replica
+    seen.clear()
+    await follower.catch_up()
+    assert follower.epoch == "0000000000002-new"
+    assert [] not in seen
+    assert replica.drained == ["b0"]

@@ -44,7 +44,8 @@ from gateway.admin.action import CALLER, Action
 from gateway.admin.actions import find, parse_body
 from gateway.admin.lastknown import VIEWS, LastKnown, ViewUnavailable
 from gateway.fleet.changes import Change, Position, change_id, fingerprint
-from gateway.fleet.member import Fate, Member, Submitted
+from gateway.fleet.fates import Fate
+from gateway.fleet.member import Member, Submitted
 from gateway.fleet.registry import Report, summary
 from gateway.keys import FLEET, GATEWAY, LIMITER
 
@@ -239,7 +240,7 @@ async def change_fate(request: web.Request) -> web.Response:
         return web.json_response(
             {"id": cid, "state": "applied", "applied_here": True, "outcome": _outcome(*kept)}
         )
-    fate = await member.fate(cid)
+    fate = await member.fates.fate(cid)
     doc: dict[str, Any] = {
         "id": cid,
         "state": fate.state,

@@ -11,8 +11,8 @@ as the last replica applied it.
 **Every change has a known fate.** It has an id (``gateway.fleet.changes``); an append is sent
 once and either certainly did not reach Redis (``FleetLogUnavailable``, nothing anywhere), or
 is in the log, or was sent and not answered within ``log_timeout`` (``Submitted.position``
-None: its fate is unknown). An unknown fate is settled as soon as Redis answers: the id is
-fenced (``ChangeLog.fence``), so the change is in the log, or never will be. ``fate`` tells any
+None: its fate is unknown). An unknown fate is settled as soon as Redis answers
+(``gateway.fleet.fates``): the change is in the log, or never will be; ``fates.fate`` tells any
 caller which, for any id, on any replica. A repeated call (the same id) finds the change the
 first one made (``earlier``) and is answered with its outcome; it never applies it twice.
 
@@ -35,17 +35,17 @@ import dataclasses
 import os
 import socket
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import structlog
 from redis.exceptions import RedisError
 
 from backends.errors import FleetLogLost, FleetLogUnavailable, IdempotencyKeyReused
-from gateway.fleet.changes import Change, Known, Position, change_id
+from gateway.fleet.changes import Change, Position, change_id
 from gateway.fleet.epoch import leader, new_epoch
+from gateway.fleet.fates import Fates
 from gateway.fleet.figures import Figures
 from gateway.fleet.follower import Applier, Follower, LogLost, Outcome
 from gateway.fleet.log import Appended, ChangeLog, FateUnknown, NotAppended
@@ -55,10 +55,7 @@ log = structlog.get_logger("gateway.fleet")
 
 _FAILURES: Final = (RedisError, OSError, TimeoutError)
 _POLL_S: Final = 0.02  # how often a submitter reads the registry while replicas catch up
-_KEPT_FATES: Final = 1024  # the fates of changes submitted here, once known
 _ATTEMPTS: Final = 3  # appends of one call, while a look at its fate fences it meanwhile
-
-FateState = Literal["applied", "refused", "pending", "not_applied", "unknown"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,19 +79,6 @@ class Submitted:
     outcome: Outcome | None  # None: not applied here within the wait
     spread: Spread
     replayed: bool = False  # an earlier call with the same id made it
-
-
-@dataclass(frozen=True, slots=True)
-class Fate:
-    """What became of a change, as this replica knows it: ``applied`` (here, by its handler),
-    ``refused`` (in the log, refused by its handler here, and so everywhere), ``pending`` (in
-    the log, not applied here yet), ``not_applied`` (never in the log, and never will be),
-    ``unknown`` (Redis does not answer)."""
-
-    id: str
-    state: FateState
-    position: Position | None = None
-    outcome: Outcome | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +142,7 @@ class Member:
         self.heals = 0  # lost logs this replica healed
         self.lost_since: float | None = None  # while the log is lost (Unix time)
         self._epoch_seen: str | None = None  # the epoch the hook last ran for
-        self._unknown: OrderedDict[str, float] = OrderedDict()  # ids of unknown fate, since
-        self._settled: OrderedDict[str, Known | None] = OrderedDict()  # None: not applied
-        self._unsettled = asyncio.Event()
+        self.fates = Fates(changes, self.follower, settings.log_timeout)
         self._healing_since: float | None = None  # loop time of this healing's first turn
 
     # -- life -----------------------------------------------------------------------------
@@ -204,7 +186,7 @@ class Member:
         self._tasks = [
             asyncio.create_task(self.follower.run(), name="fleet-follower"),
             asyncio.create_task(self._report_loop(), name="fleet-reports"),
-            asyncio.create_task(self._settle_loop(), name="fleet-fates"),
+            asyncio.create_task(self.fates.run(), name="fleet-fates"),
         ]
 
     async def stop(self) -> None:
@@ -227,7 +209,7 @@ class Member:
         (the second part: whether it was), so the change is checked against the latest state.
         Both within half a ``log_timeout``: Redis slow or away, neither (the append tells what
         it can); ``FleetLogLost`` while the log is being healed."""
-        known = self.follower.ids.get(change_id) or self._settled.get(change_id)
+        known = self.fates.local(change_id)
         current = False
         try:
             async with asyncio.timeout(self.settings.log_timeout / 2):
@@ -289,11 +271,7 @@ class Member:
             except NotAppended as exc:
                 raise _unavailable(str(exc)) from exc
             except FateUnknown as exc:
-                self._unknown[change.id] = time.time()
-                self._unsettled.set()
-                log.warning(
-                    "fleet_change_fate_unknown", id=change.id, path=change.path, error=str(exc)
-                )
+                self.fates.unknown(change, str(exc))
                 return None
             except _FAILURES as exc:
                 raise _unavailable(str(exc) or type(exc).__name__) from exc
@@ -304,61 +282,10 @@ class Member:
             attempt = got.fenced  # a look at its fate fenced it meanwhile: a new attempt
         raise _unavailable("its id was fenced at every attempt")
 
-    async def fate(self, change_id: str) -> Fate:
-        """What became of ``change_id``, for good where Redis answers (an id never seen is
-        fenced: it can no longer arrive, so it is ``not_applied``)."""
-        known = self.follower.ids.get(change_id) or self._settled.get(change_id)
-        if known is None and change_id in self._settled:
-            return Fate(change_id, "not_applied")
-        if known is None:
-            try:
-                known = await self._fence(change_id)
-            except _FAILURES:
-                return Fate(change_id, "unknown")
-            if known is None:
-                return Fate(change_id, "not_applied")
-        applied = self.follower.applied
-        if applied is None or applied < known.position:
-            return Fate(change_id, "pending", known.position)
-        outcome = self.follower.outcome(known.position)
-        state: FateState = "refused" if outcome is not None and not outcome.applied else "applied"
-        return Fate(change_id, state, known.position, outcome)
-
-    async def _fence(self, change_id: str) -> Known | None:
-        state = await asyncio.wait_for(self.changes.fence(change_id), self.settings.log_timeout)
-        self._settle(change_id, state.known)
-        return state.known
-
-    def _settle(self, change_id: str, known: Known | None) -> None:
-        if self._unknown.pop(change_id, None) is not None:
-            log.info(
-                "fleet_change_fate_known",
-                id=change_id,
-                state="in the log" if known is not None else "not applied",
-                position=None if known is None else str(known.position),
-            )
-        self._settled[change_id] = known
-        while len(self._settled) > _KEPT_FATES:
-            self._settled.popitem(last=False)
-
     @property
     def unknown(self) -> int:
-        """Changes submitted here whose fate is not known yet."""
-        return len(self._unknown)
-
-    async def _settle_loop(self) -> None:
-        """Each change of unknown fate fenced as soon as Redis answers: in the log, or never."""
-        while True:
-            await self._unsettled.wait()
-            self._unsettled.clear()
-            while self._unknown:
-                change_id = next(iter(self._unknown))
-                try:
-                    await self._fence(change_id)
-                except _FAILURES:
-                    await asyncio.sleep(self.follower.retry)  # sleep-ok: Redis still away
-            while len(self._unknown) > _KEPT_FATES:  # never fenced: the oldest forgotten
-                self._unknown.popitem(last=False)
+        """Changes submitted here whose fate is not known yet (metrics)."""
+        return self.fates.pending
 
     async def spread(self, position: Position, deadline: float) -> Spread:
         """How many replicas applied ``position``, waiting for all of them until ``deadline``."""

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from gateway.config.settings import Settings, load_settings
 from gateway.keys import METRICS, POOL
-from gateway.request.rollout import ROLLOUT
+from gateway.request.rollout import ROLLOUT, Rollout
 from tests.helpers import (
     FakeBackend,
     RunningGateway,
@@ -422,3 +422,27 @@ async def test_a_pool_lost_while_the_request_waited_for_its_limits_is_chosen_aga
             assert r.status == 200, await r.text()
             assert (await r.json())["model"] == ALIAS
             assert served(gw).get("v1") == 1.0
+
+
+def test_a_pool_the_file_drains_starts_drained_and_a_reload_keeps_what_runs() -> None:
+    """``[[pools]] drain = true`` (what ``state export`` writes for a drained pool) starts
+    drained; a reload keeps the running pools' drains and drains a pool it adds as the file
+    says."""
+
+    def settings(*pools: dict[str, Any]) -> Settings:
+        return Settings(
+            backends=[{"url": "http://a:1", "name": "a"}, {"url": "http://b:1", "name": "b"}],
+            pools=list(pools),
+            aliases={"m": {p["name"]: 50 for p in pools}},
+        )
+
+    stable = {"name": "stable", "model": "m", "backends": ["a"]}
+    canary = {"name": "canary", "model": "m", "backends": ["b"], "drain": True}
+    rollout = Rollout.from_settings(settings(stable, canary))
+    assert rollout.drained == {"canary"}
+    rollout.set_drained("canary", False)
+    rollout.reconfigure(settings(stable, canary))  # the file still says drained
+    assert rollout.drained == set()  # what runs stays
+    extra = {"name": "new", "model": "m", "backends": ["a"], "drain": True}
+    rollout.reconfigure(settings(stable, canary, extra))
+    assert rollout.drained == {"new"}  # a pool the reload adds: as the file says

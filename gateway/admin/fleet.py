@@ -46,7 +46,7 @@ from gateway.admin.lastknown import VIEWS, LastKnown, ViewUnavailable
 from gateway.fleet.changes import Change, Position, change_id, fingerprint
 from gateway.fleet.fates import Fate
 from gateway.fleet.member import Member, Submitted
-from gateway.fleet.registry import Report, summary
+from gateway.fleet.registry import Report, applied_by, summary
 from gateway.keys import FLEET, GATEWAY, LIMITER
 
 log = structlog.get_logger("gateway.admin.api")
@@ -161,10 +161,10 @@ def _alone(
     body, extra = parse_body(action, raw), dict[str, Any]()
     if action.prepare is not None:
         body, extra = action.prepare(gateway, params, body)
-    if action.skip_unchanged and action.before(gateway, params) == action.check(
+    if action.skip_unchanged and (old := action.before(gateway, params)) == action.check(
         gateway, params, body
     ):
-        return _unchanged(cid, action.before(gateway, params))
+        return _unchanged(cid, old)
     doc = action.apply(gateway, {**params, CALLER: _caller(request)}, body)
     replays.put(cid, fp, 200, json.dumps(doc).encode())  # the secret made here: never kept
     return web.json_response({**doc, **extra}, headers=headers)
@@ -267,14 +267,10 @@ async def _reached(request: web.Request, member: Member, fate: Fate) -> dict[str
     if fate.position is None:
         return None
     doc = await _replicas_doc(request, member)
-    reports = doc["replicas"]
-    done = [r["id"] for r in reports if r.get("applied") and _at_least(r["applied"], fate)]
-    return {"applied": len(done), "alive": len(reports), "stale": "stale" in doc}
-
-
-def _at_least(applied: str, fate: Fate) -> bool:
-    assert fate.position is not None
-    return Position.parse(applied) >= fate.position
+    views = doc["replicas"]
+    standings = ((v["applied"], v["epoch"]) for v in views)
+    done = applied_by(standings, fate.position, member.follower.epoch)
+    return {"applied": done, "alive": len(views), "stale": "stale" in doc}
 
 
 async def record_done(request: web.Request, path: str, body: dict[str, Any]) -> dict[str, str]:

@@ -49,7 +49,7 @@ from gateway.fleet.fates import Fates
 from gateway.fleet.figures import Figures
 from gateway.fleet.follower import Applier, Follower, LogLost, Outcome
 from gateway.fleet.log import Appended, ChangeLog, FateUnknown, NotAppended
-from gateway.fleet.registry import Registry, Report
+from gateway.fleet.registry import Registry, Report, applied_by
 
 log = structlog.get_logger("gateway.fleet")
 
@@ -297,11 +297,7 @@ class Member:
                 reports = await self.registry.replicas()
             except _FAILURES:
                 return seen
-            done = sum(
-                1
-                for r in reports
-                if r.position is not None and r.position >= position and r.epoch in (None, epoch)
-            )
+            done = applied_by(((r.applied, r.epoch) for r in reports), position, epoch)
             seen = Spread(done, len(reports))
             if done >= len(reports) or loop.time() >= deadline:
                 return seen

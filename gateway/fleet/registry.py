@@ -16,7 +16,7 @@ the I/O.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
@@ -90,6 +90,18 @@ def lagging(reports: Sequence[Report], head: Position | None) -> list[str]:
     if head is None:
         return []
     return sorted(r.id for r in reports if r.position is None or r.position < head)
+
+
+def applied_by(
+    standings: Iterable[tuple[str | None, str | None]], position: Position, epoch: str | None
+) -> int:
+    """How many replicas, each as (the position it applied, its epoch), applied ``position``
+    of the log of ``epoch`` (a replica reporting no epoch: of a version before epochs)."""
+    return sum(
+        1
+        for applied, their in standings
+        if applied is not None and Position.parse(applied) >= position and their in (None, epoch)
+    )
 
 
 def log_problems(reports: Sequence[Report], epoch: str | None) -> dict[str, str]:

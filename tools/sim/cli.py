@@ -6,8 +6,10 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import sys
+from collections.abc import Mapping
 from typing import Final
 
 from gateway.helpfmt import DefaultsHelp
@@ -24,6 +26,7 @@ DESCRIPTION: Final = (
 )
 
 _D = SimConfig()
+DEV_MODE_ENV: Final = "VLLM_SERVER_DEV_MODE"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -177,6 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--startup-delay", type=float, default=0.0, help="seconds bound but not answering"
     )
 
+    _add_sleep_arguments(parser)
+
     flt = parser.add_argument_group("faults (also changeable at run time via /sim/faults)")
     flt.add_argument("--slowdown", type=float, default=1.0, help="multiplies step durations")
     flt.add_argument("--error-rate", type=float, default=0.0, help="fraction answered with error")
@@ -203,6 +208,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flt.add_argument("--unhealthy", action="store_true", help="/health answers 503")
 
 
+def _add_sleep_arguments(parser: argparse.ArgumentParser) -> None:
+    slp = parser.add_argument_group("sleep mode (vLLM's dev routes)")
+    slp.add_argument(
+        "--dev-mode",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="serve vLLM's dev routes /sleep, /wake_up and /is_sleeping (default: on when "
+        f"{DEV_MODE_ENV}=1, as vLLM)",
+    )
+    slp.add_argument(
+        "--wake-time",
+        type=float,
+        default=_D.wake_time,
+        help="seconds /wake_up takes to bring the weights back after sleep level 1",
+    )
+    slp.add_argument(
+        "--wake-time-level2",
+        type=float,
+        default=_D.wake_time_level2,
+        help="seconds /wake_up takes to load the weights again after sleep level 2",
+    )
+    slp.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=_D.gpu_memory_gib,
+        help="GPU memory of the model's weights (sim:gpu_memory_used_bytes)",
+    )
+    slp.add_argument(
+        "--kv-cache-kib-per-token",
+        type=float,
+        default=_D.kv_cache_kib_per_token,
+        help="GPU memory of the KV cache per token it holds (blocks x block size)",
+    )
+
+
 def _lora_module(item: str) -> tuple[str, str]:
     name, sep, path = item.partition("=")
     if not sep or not name or not path:
@@ -210,7 +250,10 @@ def _lora_module(item: str) -> tuple[str, str]:
     return name, path
 
 
-def config_from_args(args: argparse.Namespace) -> SimConfig:
+def config_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] = os.environ
+) -> SimConfig:
+    """The options as a ``SimConfig``; ``--dev-mode``'s default is read from ``environ``."""
     return SimConfig(
         model=args.model,
         served_model_name=args.served_model_name,
@@ -242,7 +285,24 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_role=_kv_role(args),
         kv_transfer_us_per_token=args.sim_kv_transfer_us_per_token,
         kv_events=_kv_events(args),
+        dev_mode=_dev_mode(args, environ),
+        wake_time=args.wake_time,
+        wake_time_level2=args.wake_time_level2,
+        gpu_memory_gib=args.gpu_memory_gib,
+        kv_cache_kib_per_token=args.kv_cache_kib_per_token,
     )
+
+
+def _dev_mode(args: argparse.Namespace, environ: Mapping[str, str]) -> bool:
+    """``--[no-]dev-mode``, else vLLM's environment variable, read as vLLM reads it (an
+    integer, 0 when unset)."""
+    if args.dev_mode is not None:
+        return bool(args.dev_mode)
+    raw = environ.get(DEV_MODE_ENV, "0")
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise ValueError(f"{DEV_MODE_ENV} must be an integer (0 or 1), got {raw!r}") from None
 
 
 def _kv_events(args: argparse.Namespace) -> KvEventsConfig | None:

@@ -94,6 +94,18 @@ class SimConfig:
     # -- startup: the socket is bound but nothing is answered for this long
     startup_delay_s: float = 0.0
 
+    # -- sleep mode (sleep.py): vLLM's dev routes /sleep, /wake_up, /is_sleeping, served
+    # only in dev mode (vLLM's VLLM_SERVER_DEV_MODE=1); waking the weights takes wake_time
+    # after level 1, wake_time_level2 after level 2 (seconds, real time)
+    dev_mode: bool = False
+    wake_time: float = 2.0
+    wake_time_level2: float = 6.0
+    # GPU memory the model takes (the simulator's own figures): its weights, and its KV
+    # cache per token of num_gpu_blocks_override x block_size (a 7B model in fp16: about
+    # 13.5 GiB of weights, 512 KiB per token)
+    gpu_memory_gib: float = 13.5
+    kv_cache_kib_per_token: float = 512.0
+
     def __post_init__(self) -> None:
         positive = {
             "max_model_len": self.max_model_len,
@@ -133,6 +145,7 @@ class SimConfig:
         if self.kv_transfer_us_per_token < 0:
             raise ValueError("kv_transfer_us_per_token must not be negative")
         self._check_serving()
+        self._check_sleep()
         if self.startup_delay_s < 0:
             raise ValueError("startup_delay_s must not be negative")
 
@@ -145,6 +158,17 @@ class SimConfig:
             raise ValueError("max_loras must be at least 1")
         if self.audio and self.runner != "generate":
             raise ValueError("audio needs runner 'generate'")
+
+    def _check_sleep(self) -> None:
+        figures = {
+            "wake_time": self.wake_time,
+            "wake_time_level2": self.wake_time_level2,
+            "gpu_memory_gib": self.gpu_memory_gib,
+            "kv_cache_kib_per_token": self.kv_cache_kib_per_token,
+        }
+        for name, value in figures.items():
+            if not value >= 0:  # NaN too
+                raise ValueError(f"{name} must not be negative, got {value}")
 
     @property
     def kv_producer(self) -> bool:

@@ -12,6 +12,11 @@ step's events after its forward pass); a step that changed nothing sends nothing
 
 ``abort`` ends a request on demand (vLLM's ``/inference/v1/abort_requests``): it leaves the
 engine at once and its handle finishes with reason ``abort`` and no further token.
+
+Sleep mode (``sleep_mode.py``) pauses the engine through ``pause`` (aborting every request
+in mode ``abort``), waits for the running requests to finish with ``drained`` (mode
+``wait``), discards the KV cache with ``drop_kv_cache`` and lets it run again with
+``resume``. A paused engine's loop idles, the requests still in it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from tools.sim.engine import Engine, Request, TokenEvent, TokenSource
+from tools.sim.engine import Engine, PauseState, Request, TokenEvent, TokenSource
 from tools.sim.kvcache import CacheEvent
 
 KvEventSink = Callable[[list[CacheEvent]], object]
@@ -102,6 +107,7 @@ class EngineDriver:
         self._handles: dict[int, RequestHandle] = {}
         self._next_id = 0
         self._wake = asyncio.Event()
+        self._idle: list[asyncio.Future[None]] = []  # ``drained`` callers
         self.lag = 0.0  # wall clock behind the simulated clock now, seconds
         self.max_lag = 0.0
         self.busy_sim = 0.0  # simulated seconds of steps
@@ -152,6 +158,39 @@ class EngineDriver:
         handle._aborted()
         return self.engine.abort(handle.request_id)
 
+    def abort_all(self) -> int:
+        """Abort every request in the engine, queued or running (sleep mode ``abort``, as
+        vLLM's ``finish_requests(None, FINISHED_ABORTED)``); returns how many."""
+        handles = list(self._handles.values())
+        for handle in handles:
+            self.abort(handle)
+        return len(handles)
+
+    def pause(self, state: PauseState) -> None:
+        """Pause scheduling (``paused_new``: the running requests go on; ``paused_all``:
+        nothing runs); new requests are still queued."""
+        self.engine.pause = state
+
+    def resume(self) -> None:
+        """Schedule again: whatever was queued or kept meanwhile runs now."""
+        self.engine.pause = "unpaused"
+        self._wake.set()
+
+    async def drained(self) -> None:
+        """Wait until a step has nothing left to do (with ``paused_new``: until the running
+        requests have finished)."""
+        if not self.engine.has_unfinished():
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._idle.append(waiter)
+        await waiter
+
+    def drop_kv_cache(self) -> None:
+        """Sleep level 1 or 2: see ``Engine.drop_kv_cache``; the prefix cache's
+        ``AllBlocksCleared`` is published at once."""
+        self.engine.drop_kv_cache()
+        self.flush_kv_events()
+
     def release(self, handle: RequestHandle) -> str | None:
         """The handler is done with ``handle``: abort the request if it is still in
         the engine, returning the phase it was aborted in."""
@@ -166,9 +205,10 @@ class EngineDriver:
         clock = self._clock
         mark: float | None = None  # wall time the current busy stretch is accounted to
         while True:
-            if not engine.has_work():
+            if not engine.has_unfinished():
                 self.lag = 0.0
                 mark = None
+                self._notify_idle()
                 self._wake.clear()
                 await self._wake.wait()
                 continue
@@ -208,6 +248,12 @@ class EngineDriver:
             mark = ended
             self.lag = max(0.0, ended - engine.clock)
             self.max_lag = max(self.max_lag, self.lag)
+
+    def _notify_idle(self) -> None:
+        waiters, self._idle = self._idle, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
     def flush_kv_events(self) -> None:
         """Hand what the cache recorded since the last flush to the sink, as one batch."""

@@ -29,17 +29,28 @@ Disaggregated prefill (vLLM's KV connectors, e.g. NIXL):
   at" time: ``kv_transfer_us_per_token`` per transferred token later. Then it computes the
   prompt's last token itself (as vLLM's decode instance does) and decodes as usual.
   ``next_ready_at`` tells the driver when to step again if only transfers are pending.
+
+Pausing (vLLM's scheduler pause states, which sleep mode sets; ``sleep.py``):
+
+- ``paused_new``: running requests go on, nothing is admitted from the queue (new requests
+  are still queued); ``paused_all``: nothing is scheduled at all. ``has_unfinished`` is what
+  a step could still do (vLLM's ``get_num_unfinished_requests``), so a paused engine idles
+  with requests in it.
+- ``drop_kv_cache``: sleep levels 1 and 2 discard the KV cache: requests holding blocks are
+  preempted (recomputed once awake) and the prefix cache is emptied.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 from tools.sim.config import SimConfig
 from tools.sim.kvcache import BlockPool, chain_hash
 from tools.sim.stats import EngineStats
+
+PauseState = Literal["unpaused", "paused_new", "paused_all"]
 
 
 class TokenSource(Protocol):
@@ -156,6 +167,7 @@ class Engine:
         )
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
+        self.pause: PauseState = "unpaused"
         self._seqs: dict[int, _Seq] = {}
         self._bs = config.block_size
         self._base = config.step_base_ms / 1e3
@@ -194,7 +206,32 @@ class Engine:
         return phase
 
     def has_work(self) -> bool:
+        """Whether any request is in the engine, paused or not."""
         return bool(self.running or self.waiting)
+
+    def has_unfinished(self) -> bool:
+        """Whether a step could do anything now: every request unless paused, only the
+        running ones under ``paused_new``, none under ``paused_all``."""
+        if self.pause == "paused_all":
+            return False
+        if self.pause == "paused_new":
+            return bool(self.running)
+        return bool(self.running or self.waiting)
+
+    def drop_kv_cache(self) -> None:
+        """Sleep level 1 or 2 discards the KV cache: every request holding blocks is
+        preempted (running ones back to the front of the queue, in order; a queued one
+        receiving its KV will compute it instead), then the prefix cache is emptied."""
+        while self.running:
+            self._preempt(self.running.pop())
+        for seq in self.waiting:
+            if seq.blocks:
+                self.pool.free(seq.blocks)
+                seq.blocks = []
+                seq.num_computed = 0
+                seq.num_registered = 0
+                seq.ready_at = None
+        self.pool.clear()
 
     def next_ready_at(self) -> float | None:
         """The earliest time a queued request's KV transfer completes, if one is pending."""
@@ -271,6 +308,8 @@ class Engine:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[_Seq, int]] = []
         preempted: list[int] = []
+        if self.pause == "paused_all":
+            return scheduled, preempted
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
@@ -287,7 +326,7 @@ class Engine:
             scheduled.append((seq, n))
             budget -= n
             i += 1
-        if preempted:
+        if preempted or self.pause != "unpaused":
             return scheduled, preempted
 
         waiting = self.waiting

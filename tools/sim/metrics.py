@@ -3,6 +3,11 @@
 A custom collector on a per-app ``CollectorRegistry`` turns ``EngineStats`` and the
 live gauges into metric families only when ``/metrics`` is scraped, so the hot path
 never touches prometheus_client. Simulator-only series use the ``sim:`` prefix.
+
+Sleep mode's series (``sleep.py``): ``vllm:engine_sleep_state`` always, as vLLM's;
+``vllm:sleep_mode_operation_duration_seconds`` and ``vllm:sleep_mode_operations_in_flight``
+(label ``operation`` only, as vLLM's) in dev mode, where its routes are; the simulator's GPU
+memory model as ``sim:gpu_memory_used_bytes`` and ``sim:cpu_memory_offloaded_bytes``.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from prometheus_client.core import (
 from prometheus_client.registry import Collector
 
 from tools.sim.driver import EngineDriver
+from tools.sim.sleep import SLEEP_STATES
+from tools.sim.sleep_mode import OPERATIONS, SleepReport
 from tools.sim.stats import Histogram
 
 
@@ -33,11 +40,19 @@ class ServerCounters:
 
 class SimCollector(Collector):
     def __init__(
-        self, model_name: str, driver: EngineDriver, server: Callable[[], ServerCounters]
+        self,
+        model_name: str,
+        driver: EngineDriver,
+        server: Callable[[], ServerCounters],
+        sleep: Callable[[], SleepReport],
+        *,
+        dev_mode: bool = False,
     ) -> None:
         self._model = model_name
         self._driver = driver
         self._server = server
+        self._sleep = sleep
+        self._dev_mode = dev_mode
 
     def describe(self) -> Iterable[Metric]:
         return []  # unchecked collector: families are built per scrape
@@ -161,7 +176,53 @@ class SimCollector(Collector):
             "Histogram of time spent in DECODE phase for request.",
             stats.decode_time,
         )
+        yield from self._sleep_metrics()
         yield from self._sim_metrics()
+
+    def _sleep_metrics(self) -> Iterable[Metric]:
+        report = self._sleep()
+        state = GaugeMetricFamily(
+            "vllm:engine_sleep_state",
+            "Engine sleep state; awake = 0 means engine is sleeping; awake = 1 means engine "
+            "is awake; weights_offloaded = 1 means sleep level 1; discard_all = 1 means sleep "
+            "level 2.",
+            labels=["model_name", "engine", "sleep_state"],
+        )
+        gauge = report.state.gauge()
+        for name in SLEEP_STATES:
+            state.add_metric([self._model, "0", name], gauge[name])
+        yield state
+        if self._dev_mode:
+            durations = HistogramMetricFamily(
+                "vllm:sleep_mode_operation_duration_seconds",
+                "Duration of one sleep-mode operation.",
+                labels=["operation"],
+            )
+            in_flight = GaugeMetricFamily(
+                "vllm:sleep_mode_operations_in_flight",
+                "Sleep-mode operations currently awaited.",
+                labels=["operation"],
+            )
+            for op in OPERATIONS:
+                buckets, total = report.durations[op]
+                durations.add_metric([op], [(le, float(n)) for le, n in buckets], total)
+                in_flight.add_metric([op], report.in_flight[op])
+            yield durations
+            yield in_flight
+        memory = GaugeMetricFamily(
+            "sim:gpu_memory_used_bytes",
+            "GPU memory the model takes now: its weights and KV cache, unless asleep.",
+            labels=["model_name"],
+        )
+        memory.add_metric([self._model], report.memory.gpu)
+        yield memory
+        offloaded = GaugeMetricFamily(
+            "sim:cpu_memory_offloaded_bytes",
+            "CPU memory holding the weights sleep level 1 offloaded.",
+            labels=["model_name"],
+        )
+        offloaded.add_metric([self._model], report.memory.cpu_offloaded)
+        yield offloaded
 
     def _sim_metrics(self) -> Iterable[Metric]:
         driver = self._driver

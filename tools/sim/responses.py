@@ -227,12 +227,16 @@ class ChunkStream:
         )
 
     def closing(self, end: Outcome) -> list[bytes]:
-        if not self.include_usage:
-            return [DONE]
-        details = None
-        if self.details:
-            details = end.prompt_details(created=self.fmt.chat, whole=False)
-        return [self.fmt.usage_chunk(end.tokens, details), DONE]
+        parts = []
+        if end.finish_reason == "abort":  # vLLM's terminal output: no token, the reason
+            parts.append(self.fmt.token_chunk("", "abort"))
+        if self.include_usage:
+            details = None
+            if self.details:
+                details = end.prompt_details(created=self.fmt.chat, whole=False)
+            parts.append(self.fmt.usage_chunk(end.tokens, details))
+        parts.append(DONE)
+        return parts
 
     def failure(self) -> list[bytes]:
         return [ENGINE_ERROR, DONE]

@@ -12,6 +12,9 @@ count a gateway reads to know how many tokens a broken stream had delivered.
 With ``--kv-events-config`` the app publishes its KV-cache events (``kvevents.py``) from
 start-up to clean-up; ``GET /kv_event_sources`` tells where, and ``POST
 /reset_prefix_cache`` empties the prefix cache (vLLM serves it in dev mode only).
+
+With ``--dev-mode`` the app serves vLLM's sleep mode (``sleep_api.py``): ``/sleep``,
+``/wake_up``, ``/is_sleeping``.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Final
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from tools.sim import admin, apis, serving
+from tools.sim import admin, apis, serving, sleep_api
 from tools.sim.config import SimConfig
 from tools.sim.faults import Faults
 from tools.sim.http import (
@@ -62,6 +65,8 @@ def create_app(
             config.model_name,
             state.driver,
             lambda: ServerCounters(state.injected_errors, state.in_flight),
+            state.sleep.report,
+            dev_mode=config.dev_mode,
         )
     )
     app.cleanup_ctx.append(_kv_events)  # before the engine loop starts, after it stops
@@ -84,6 +89,8 @@ def create_app(
     app.router.add_post("/tokenize", tokenize_text)
     app.router.add_get("/kv_event_sources", kv_event_sources)
     app.router.add_post("/reset_prefix_cache", reset_prefix_cache)
+    if config.dev_mode:
+        sleep_api.add_routes(app)
     admin.add_routes(app, state)
     return app
 
@@ -100,6 +107,7 @@ async def _engine_loop(app: web.Application) -> AsyncIterator[None]:
     yield
     if timer is not None:
         timer.cancel()
+    await state.sleep.close()
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
 

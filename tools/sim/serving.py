@@ -137,6 +137,8 @@ async def stream(
                 sent += 1
             finished = stop is None and handle.finished and sent == handle.num_tokens
             if finished:
+                if sent == 0:  # aborted before its first token: vLLM still opens the stream
+                    parts += fmt.opening()
                 parts += fmt.closing(outcome(handle))
             elif stop == "error":
                 parts += fmt.failure()

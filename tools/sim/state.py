@@ -1,4 +1,5 @@
-"""What one simulator app shares between its handlers: engine, driver, faults, counters."""
+"""What one simulator app shares between its handlers: engine, driver, faults, counters,
+sleep mode."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from tools.sim.driver import EngineDriver, RequestHandle
 from tools.sim.engine import Engine, EngineSnapshot
 from tools.sim.faults import Faults
 from tools.sim.responses_api import ResponseStore
+from tools.sim.sleep_mode import SleepMode
 
 log = structlog.get_logger(__name__)
 
@@ -33,6 +35,7 @@ class SimState:
         self.config = config
         self.engine = Engine(config, start=clock())
         self.driver = EngineDriver(self.engine, clock)
+        self.sleep = SleepMode(config, self.driver, clock)
         self.rng = random.Random(config.seed)
         self.in_flight = 0
         self.injected_errors = 0
@@ -116,4 +119,18 @@ class SimState:
             "kv_transfers": self.engine.stats.kv_transfers,
             "kv_transfer_tokens": self.engine.stats.kv_transfer_tokens,
             "faults": self._faults.to_json(),
+            "sleep": self._sleep_json(),
+        }
+
+    def _sleep_json(self) -> dict[str, object]:
+        report = self.sleep.report()
+        state = report.state
+        return {
+            "is_sleeping": state.is_sleeping,
+            "paused": self.engine.pause,
+            "level": state.level,
+            "asleep": sorted(state.asleep),
+            "waking": report.waking,
+            "gpu_memory_bytes": report.memory.gpu,
+            "cpu_offloaded_bytes": report.memory.cpu_offloaded,
         }

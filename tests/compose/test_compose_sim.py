@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -122,6 +123,30 @@ def test_prometheus_scrapes_the_gateway_and_every_simulator(stack: Stack) -> Non
     eventually(lambda: targets() == {"gateway": 1, "vllm": 3}, within=60, what="targets up")
     rules = httpx.get(prometheus + "/api/v1/rules", timeout=5).json()["data"]["groups"]
     assert {r["name"] for g in rules for r in g["rules"]} >= {"LLMGatewayBackendDown"}
+
+
+def test_the_simulators_are_on_the_internal_engines_network_alone(stack: Stack) -> None:
+    """Their dev routes answer without a key (VLLM_SERVER_DEV_MODE): each simulator is on the
+    project's `engines` network only, with nothing published, and that network is internal and
+    gives the host no address on its bridge, so the host has no route to them. The gateway
+    reaching them is the rest of this file; Prometheus reaching them, the test above."""
+    [network] = json.loads(docker("network", "inspect", f"{stack.project}_engines"))
+    assert network["Internal"] is True
+    bridge = network["Options"].get("com.docker.network.bridge.name") or f"br-{network['Id'][:12]}"
+    host_side = subprocess.run(
+        ["ip", "-o", "-4", "addr", "show", "dev", bridge],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert host_side.strip() == "", host_side
+    sims = stack.containers("sim")
+    assert len(sims) == 3
+    for sim in sims:
+        [info] = json.loads(docker("inspect", sim))
+        assert set(info["NetworkSettings"]["Networks"]) == {f"{stack.project}_engines"}
+        assert all(not bound for bound in info["NetworkSettings"]["Ports"].values()), sim
+        assert "VLLM_SERVER_DEV_MODE=1" in info["Config"]["Env"]
 
 
 async def test_scaled_to_five_the_gateway_routes_to_all_five(stack: Stack) -> None:

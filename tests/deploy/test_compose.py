@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import runpy
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,9 @@ from tests.deploy.manifests import (
 GATEWAY_PORT = Settings.model_fields["port"].default  # 8080
 ADMIN_PORT = 8081  # compose.yaml's GATEWAY_ADMIN__PORT
 VLLM_PORT = 8000  # vLLM's default --port
+ENGINES = "engines"  # the internal network of the vLLM servers and simulators
+# vLLM's dev routes (sleep, wake_up, ...), which the capacity manager needs; no API key on them.
+DEV_MODE = "VLLM_SERVER_DEV_MODE"
 
 
 def gateway_env() -> dict[str, str]:
@@ -74,7 +78,7 @@ def test_gateway_discovers_the_vllm_service_by_its_compose_name() -> None:
 def test_sim_profile_answers_to_the_same_name_and_port() -> None:
     sim = compose()["services"]["sim"]
     assert sim["profiles"] == ["sim"]
-    assert "vllm" in sim["networks"]["default"]["aliases"]
+    assert "vllm" in sim["networks"][ENGINES]["aliases"]
     args = build_parser(sim["command"]).parse_args(sim["command"])  # the real CLI accepts them
     assert args.command == "sim"
     assert args.port == VLLM_PORT
@@ -83,6 +87,100 @@ def test_sim_profile_answers_to_the_same_name_and_port() -> None:
         args.served_model_name
         == flags(compose()["services"]["vllm"]["command"])["--served-model-name"]
     )
+
+
+def networks_of(service: dict[str, Any]) -> set[str]:
+    """The networks a service joins (a list or a mapping; none given: the default one)."""
+    return set(service.get("networks", ["default"]))
+
+
+def engine_services() -> dict[str, dict[str, Any]]:
+    """Every vLLM server (the GPU slot script runs `vllm serve`) and simulator, any profile."""
+    return {
+        name: svc
+        for name, svc in compose()["services"].items()
+        if svc.get("entrypoint") == ["bash", "/opt/llm-gateway/vllm-gpu-slot.sh"]
+        or svc.get("command", [None])[0] == "sim"
+    }
+
+
+def test_engines_are_on_an_internal_network_alone_and_publish_no_port() -> None:
+    """vLLM's dev routes answer without an API key: in every profile the engines are on an
+    internal network that only the gateways and Prometheus join, with no address for the host
+    on its bridge, and nothing of theirs is published."""
+    doc = compose()
+    engines = engine_services()
+    assert set(engines) == {
+        "vllm",
+        "sim",
+        "vllm-prefill-0",
+        "vllm-decode-0",
+        "sim-prefill-0",
+        "sim-decode-0",
+    }
+    network = doc["networks"][ENGINES]
+    assert network["internal"] is True
+    assert network["driver_opts"] == {"com.docker.network.bridge.inhibit_ipv4": "true"}
+    assert network.get("driver", "bridge") == "bridge"
+    for name, svc in engines.items():
+        assert networks_of(svc) == {ENGINES}, name
+        assert "ports" not in svc, name
+        assert "network_mode" not in svc, name
+    joined = {n for n, svc in doc["services"].items() if ENGINES in networks_of(svc)}
+    assert joined == set(engines) | {"gateway", "gateway-pd", "prometheus"}
+    # Nothing else publishes a port on the host that leads to an engine: only the gateways,
+    # Prometheus and Grafana publish, and none of those is an engine.
+    published = {n for n, svc in doc["services"].items() if svc.get("ports")}
+    assert published == {"gateway", "gateway-pd", "prometheus", "grafana"}
+    # Those that publish need a network with a way out besides: a port on an internal network
+    # alone is not published.
+    for name in published:
+        assert networks_of(doc["services"][name]) - {ENGINES}, name
+
+
+def test_dev_mode_is_on_for_the_capacity_manager_in_the_gpu_and_sim_profiles() -> None:
+    services = compose()["services"]
+    assert services["vllm"]["environment"][DEV_MODE] == "1"
+    assert services["sim"]["environment"][DEV_MODE] == "1"
+
+
+def test_vllm_servers_load_offline_what_vllm_weights_downloaded() -> None:
+    """With no way out of their network, the vLLM servers read the model from the cache volume
+    that the one-shot `vllm-weights` fills first, on the ordinary network."""
+    services = compose()["services"]
+    weights = services["vllm-weights"]
+    assert ENGINES not in networks_of(weights)
+    assert "ports" not in weights
+    assert weights.get("restart", "no") == "no"
+    [script] = [v.split(":")[0] for v in weights["volumes"] if v.endswith(".py:ro")]
+    assert (COMPOSE.parent / script).is_file()
+    assert weights["entrypoint"] == ["python3", "/opt/llm-gateway/vllm-weights.py"]
+    for name, svc in engine_services().items():
+        if svc["command"][0] == "sim":
+            continue
+        assert set(svc["profiles"]) <= set(weights["profiles"]), name
+        assert svc["image"] == weights["image"], name
+        assert svc["environment"]["HF_HUB_OFFLINE"] == "1", name
+        assert svc["depends_on"] == {
+            "vllm-weights": {"condition": "service_completed_successfully"}
+        }, name
+        assert flags(svc["command"])["--model"] == weights["environment"]["MODEL"], name
+        cache = "hf-cache:/root/.cache/huggingface"
+        assert cache in svc["volumes"], name
+        assert cache in weights["volumes"], name
+
+
+def test_vllm_weights_fetches_one_weight_format() -> None:
+    """What vllm-weights.py skips: the formats vLLM never loads, and all weight formats but
+    the one vLLM would pick (safetensors first)."""
+    script = runpy.run_path(str(ROOT / "deploy" / "compose" / "vllm-weights.py"))
+    ignored = script["ignored"]
+    both = ["config.json", "model-00001.safetensors", "pytorch_model.bin", "original/x.pth"]
+    assert "*.bin" in ignored(both)
+    assert "*.safetensors" not in ignored(both)
+    assert "original/*" in ignored(both)
+    only_bin = ["config.json", "pytorch_model.bin"]
+    assert "*.bin" not in ignored(only_bin)
 
 
 def test_gateway_environment_is_valid_gateway_settings(monkeypatch: pytest.MonkeyPatch) -> None:

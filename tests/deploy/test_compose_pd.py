@@ -27,6 +27,14 @@ def gateway_pd_settings(monkeypatch: pytest.MonkeyPatch) -> Settings:
     return Settings()
 
 
+def engines_aliases(service: dict[str, Any]) -> list[str]:
+    """The names a service answers to on the engines' network, besides its own."""
+    networks = service.get("networks", [])  # a list of names, or a mapping with aliases
+    if not isinstance(networks, dict):
+        return []
+    return list((networks.get("engines") or {}).get("aliases", []))
+
+
 def kv_role(command: list[str]) -> str:
     config = json.loads(
         flags([a for a in command if a.startswith("--")])["--kv-transfer-config"] or ""
@@ -61,9 +69,7 @@ def test_gateway_pd_has_a_prefill_and_a_decode_pool(monkeypatch: pytest.MonkeyPa
         assert "--port=8000" in vllm["command"]
         assert vllm["environment"]["VLLM_NIXL_SIDE_CHANNEL_HOST"] == url.hostname
         [sim_name] = [  # ...and the simulator answering to that name (profile pd-sim)
-            n
-            for n, v in services().items()
-            if url.hostname in v.get("networks", {}).get("default", {}).get("aliases", [])
+            n for n, v in services().items() if url.hostname in engines_aliases(v)
         ]
         sim = services()[sim_name]
         args = build_parser(sim["command"]).parse_args(sim["command"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -36,6 +37,11 @@ VLLM_PORT = 8000
 REDIS_DATA = "/data"  # the official image's working directory, where it keeps its files
 # NVIDIA dcgm-exporter's GPU utilisation gauge (percent), in its default counter set.
 DCGM_GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
+# The gateway capacity manager's gauge: engines it wants awake per model (gateway/capacity).
+DESIRED_ENGINES_METRIC = "llm_gateway_capacity_desired_engines"
+# Where Prometheus (and the prometheus-adapter) run: deploy/k8s/monitoring's namespace.
+MONITORING_NAMESPACE = "monitoring"
+PROMETHEUS_POD = {"app.kubernetes.io/name": "prometheus"}
 
 
 @pytest.mark.parametrize("obj", k8s_docs(), ids=str)
@@ -61,11 +67,19 @@ def test_kustomization_lists_every_manifest_beside_it(path: Any) -> None:
     assert listed == beside
 
 
+def replacements_of(field_path: str) -> list[dict[str, Any]]:
+    """kustomization.yaml's replacements that copy this field of the vllm-params ConfigMap."""
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    return [
+        r
+        for r in kustomization["replacements"]
+        if r["source"] == {"kind": "ConfigMap", "name": "vllm-params", "fieldPath": field_path}
+    ]
+
+
 def test_tensor_parallel_size_sets_the_gpu_count() -> None:
     """The one parameter: the kustomize replacement copies it into the GPU request and limit."""
-    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
-    [replacement] = kustomization["replacements"]
-    assert replacement["source"]["fieldPath"] == "data.TENSOR_PARALLEL_SIZE"
+    [replacement] = replacements_of("data.TENSOR_PARALLEL_SIZE")
     [target] = replacement["targets"]
     assert target["select"] == {"kind": "StatefulSet", "name": "vllm"}
     prefix = "spec.template.spec.containers.[name=vllm].resources"
@@ -235,9 +249,12 @@ def test_autoscaler_metrics_are_exposed_by_the_adapter() -> None:
         "kind": "StatefulSet",
         "name": "vllm",
     }
-    by_type = {m["type"]: m for m in hpa["spec"]["metrics"]}
-    assert by_type["Pods"]["pods"]["metric"]["name"] == DCGM_GPU_UTIL
-    assert by_type["External"]["external"]["metric"]["name"] == QUEUE_DEPTH_METRIC
+    names = {(m["type"], m[m["type"].lower()]["metric"]["name"]) for m in hpa["spec"]["metrics"]}
+    assert names == {
+        ("Pods", DCGM_GPU_UTIL),
+        ("External", QUEUE_DEPTH_METRIC),
+        ("External", DESIRED_ENGINES_METRIC),
+    }
     rules = adapter_rules()
     pods_rule = rule_for(rules["rules"], DCGM_GPU_UTIL)
     overrides = pods_rule["resources"]["overrides"]
@@ -248,6 +265,121 @@ def test_autoscaler_metrics_are_exposed_by_the_adapter() -> None:
     query = external_rule["metricsQuery"]
     assert query.startswith(f"max by (<<.GroupBy>>) ({FLEET_ENGINE_QUEUE_METRIC}{{")
     assert f"+ sum by (<<.GroupBy>>) ({ADMISSION_QUEUE_METRIC}{{" in query
+
+
+def test_autoscaler_follows_the_engines_the_capacity_manager_wants() -> None:
+    """The slow lever: one server per engine the capacity manager wants awake for the model
+    these servers serve (ceil(desired / 1) with AverageValue), read as the max across gateway
+    replicas: the fleet's one decision, whichever replica manages capacity exports it."""
+    hpa = k8s_object("HorizontalPodAutoscaler", "vllm")
+    metrics = hpa["spec"]["metrics"]
+    [index] = [
+        i
+        for i, m in enumerate(metrics)
+        if m["type"] == "External" and m["external"]["metric"]["name"] == DESIRED_ENGINES_METRIC
+    ]
+    external = metrics[index]["external"]
+    assert external["target"] == {"type": "AverageValue", "averageValue": "1"}
+    # The model is SERVED_MODEL_NAME, copied into the selector by kustomize: the file's value
+    # is the same, and the replacement points at this metric.
+    model = kustomize_literals(K8S / "kustomization.yaml", "vllm-params")["SERVED_MODEL_NAME"]
+    assert external["metric"]["selector"] == {"matchLabels": {"model": model}}
+    assert flags(k8s_vllm_args())["--served-model-name"] == model
+    [replacement] = replacements_of("data.SERVED_MODEL_NAME")
+    [target] = replacement["targets"]
+    assert target["select"] == {"kind": "HorizontalPodAutoscaler", "name": "vllm"}
+    assert target["fieldPaths"] == [
+        f"spec.metrics.{index}.external.metric.selector.matchLabels.model"
+    ]
+    rule = rule_for(adapter_rules()["externalRules"], DESIRED_ENGINES_METRIC)
+    assert 'model!=""' in rule["seriesQuery"]
+    assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}}
+    assert rule["metricsQuery"] == "max by (<<.GroupBy>>) (<<.Series>>{<<.LabelMatchers>>})"
+
+
+def vllm_pod_labels() -> dict[str, str]:
+    labels: dict[str, str] = k8s_object("StatefulSet", "vllm")["spec"]["template"]["metadata"][
+        "labels"
+    ]
+    return labels
+
+
+def selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A label selector of only matchLabels (what these manifests use) against pod labels."""
+    assert set(selector) == {"matchLabels"}, selector
+    return bool(selector["matchLabels"].items() <= labels.items())
+
+
+def kv_event_ports() -> set[int]:
+    """The ports of vLLM's KV-cache event publisher and its replay socket, from its flags."""
+    config = json.loads(flags(k8s_vllm_args())["--kv-events-config"] or "{}")
+    return {int(config[key].rsplit(":", 1)[1]) for key in ("endpoint", "replay_endpoint")}
+
+
+def test_network_policy_admits_only_the_gateway_and_prometheus_to_the_vllm_pods() -> None:
+    """vLLM's dev routes check no API key: the engines take connections from the gateway (the
+    API, /metrics and the KV-event sockets) and from Prometheus (its /metrics scrape) alone."""
+    sts = k8s_object("StatefulSet", "vllm")
+    ctr = container(sts, "vllm")
+    [policy] = [
+        d.doc
+        for d in k8s_docs()
+        if d.kind == "NetworkPolicy" and selects(d.doc["spec"]["podSelector"], vllm_pod_labels())
+    ]
+    assert policy["spec"]["policyTypes"] == ["Ingress"]  # egress open: the weights' download
+    # It selects the engines and nothing else of the deployment.
+    for kind, name in (("Deployment", "gateway"), ("Deployment", "redis")):
+        labels = k8s_object(kind, name)["spec"]["template"]["metadata"]["labels"]
+        assert not selects(policy["spec"]["podSelector"], labels), name
+    gateway_labels = k8s_object("Deployment", "gateway")["spec"]["template"]["metadata"]["labels"]
+    admitted: dict[str, set[int]] = {}
+    for rule in policy["spec"]["ingress"]:
+        # An empty or missing `from` or `ports` would admit every source or every port.
+        assert rule.get("from"), rule
+        assert rule.get("ports"), rule
+        assert all(p.get("protocol", "TCP") == "TCP" for p in rule["ports"])
+        ports = {named_port(ctr, p["port"]) for p in rule["ports"]}
+        for peer in rule["from"]:
+            assert "ipBlock" not in peer, peer
+            pods = peer["podSelector"]
+            if "namespaceSelector" not in peer:  # pods of this namespace: the gateway's
+                assert selects(pods, gateway_labels), peer
+                assert not selects(pods, vllm_pod_labels()), peer
+                who = "gateway"
+            else:  # Prometheus, in the monitoring namespace
+                assert peer["namespaceSelector"] == {
+                    "matchLabels": {"kubernetes.io/metadata.name": MONITORING_NAMESPACE}
+                }
+                assert pods == {"matchLabels": PROMETHEUS_POD}
+                who = "prometheus"
+            admitted.setdefault(who, set()).update(ports)
+    annotations = sts["spec"]["template"]["metadata"]["annotations"]
+    assert annotations["prometheus.io/scrape"] == "true"
+    scrape_port = int(annotations["prometheus.io/port"])
+    assert admitted == {
+        "gateway": {VLLM_PORT, *kv_event_ports()},
+        "prometheus": {scrape_port},
+    }
+    assert scrape_port == VLLM_PORT
+    # The same namespace as the adapter the autoscaler reads (its Prometheus beside it).
+    monitoring = yaml.safe_load((K8S / "monitoring" / "kustomization.yaml").read_text())
+    assert monitoring["namespace"] == MONITORING_NAMESPACE
+
+
+def test_vllm_dev_routes_are_on_only_behind_the_network_policy() -> None:
+    """The capacity manager sleeps and wakes engines through vLLM's dev routes, which are on;
+    the NetworkPolicy that keeps them to the gateway is applied with them."""
+    ctr = container(k8s_object("StatefulSet", "vllm"), "vllm")
+    env = {e["name"]: e.get("value") for e in ctr["env"]}
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    [policy] = [
+        d
+        for d in k8s_docs()
+        if d.kind == "NetworkPolicy" and selects(d.doc["spec"]["podSelector"], vllm_pod_labels())
+    ]
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert policy.path.name in kustomization["resources"]
+    assert "vllm.yaml" in kustomization["resources"]
 
 
 async def test_the_gateway_really_exports_the_queue_depth_metric() -> None:

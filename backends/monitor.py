@@ -2,8 +2,12 @@
 
 Per backend, three loops: ``GET /health`` every probe interval (with its own timeout, so a
 backend that accepts connections but never answers is caught), ``GET /v1/models`` now and then,
-and ``GET /metrics`` on a short interval. Results go into the pool; the request path never
-waits on any of this. Backends can be watched and unwatched at run time (discovery).
+and ``GET /metrics`` on a short interval; with ``sleep_probe`` (the capacity manager on), a
+fourth: ``GET /is_sleeping`` every probe interval, and every ``sleep_poll`` while the engine is
+going to sleep or waking (a request held for a wake goes as soon as the engine is awake).
+Without it, vLLM's ``vllm:engine_sleep_state`` gauge in the scrape says whether it sleeps.
+Results go into the pool; the request path never waits on any of this. Backends can be
+watched and unwatched at run time (discovery).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import structlog
 from backends.errors import UpstreamError
 from backends.health import Health
 from backends.pool import BackendPool
+from backends.sleep import Rest
 from backends.state import BackendSpec, BackendState
 from backends.supervise import Supervisor
 from backends.upstream.client import json_or_none
@@ -45,6 +50,8 @@ class MonitorSettings:
     models_interval: float
     probe_interval: float
     probe_timeout: float
+    sleep_probe: bool = False
+    sleep_poll: float = 0.25
 
 
 def parse_model_list(raw: bytes) -> list[str] | None:
@@ -100,6 +107,10 @@ class BackendMonitor:
             spawn("models", f"models:{backend.id}", lambda: self._models_loop(backend)),
             spawn("scrape", f"scrape:{backend.id}", lambda: self._load_loop(backend)),
         ]
+        if self._settings.sleep_probe:
+            self._tasks[backend.id].append(
+                spawn("sleep", f"sleep:{backend.id}", lambda: self._sleep_loop(backend))
+            )
 
     def unwatch(self, backend_id: str) -> None:
         for t in self._tasks.pop(backend_id, []):
@@ -111,6 +122,27 @@ class BackendMonitor:
     async def _first_look(self, backend: BackendState) -> None:
         if await self.probe(backend):
             await self.refresh_models(backend)
+            if self._settings.sleep_probe:
+                await self.read_sleep(backend)
+
+    async def read_sleep(self, backend: BackendState) -> bool | None:
+        """Ask the engine whether it sleeps (vLLM's dev-mode ``GET /is_sleeping``) and record
+        it; None if it cannot say (no such route: not in dev mode, or not vLLM)."""
+        try:
+            status, raw = await self._client.get(
+                backend.spec, "/is_sleeping", within=self._settings.probe_timeout
+            )
+        except UpstreamError:
+            return backend.asleep  # unreachable: its health says so; its sleep is unchanged
+        doc = json_or_none(raw) if status == 200 else None
+        asleep = doc.get("is_sleeping") if isinstance(doc, dict) else None
+        if not isinstance(asleep, bool):
+            if backend.asleep is not None or status != 404:
+                log.warning("backend_sleep_unreadable", backend=backend.id, status=status)
+            asleep = None
+        if self._pool.record_asleep(backend.id, asleep):
+            log.info("backend_sleep", backend=backend.id, asleep=asleep, rest=backend.rest.value)
+        return asleep
 
     async def probe(self, backend: BackendState) -> bool:
         try:
@@ -162,6 +194,9 @@ class BackendMonitor:
             self._pool.record_scrape_failed(backend.id)
             return False
         self._pool.record_load(backend.id, reading, began_at=began_at, sent_at_start=sent_at_start)
+        if not self._settings.sleep_probe and reading.asleep is not backend.asleep:
+            self._pool.record_asleep(backend.id, reading.asleep)
+            log.info("backend_sleep", backend=backend.id, asleep=reading.asleep, source="gauge")
         return True
 
     async def _probe_loop(self, backend: BackendState) -> None:
@@ -183,6 +218,14 @@ class BackendMonitor:
             )
             if backend.up or not known:
                 await self.refresh_models(backend)
+
+    async def _sleep_loop(self, backend: BackendState) -> None:
+        settings = self._settings
+        while True:
+            moving = backend.rest in (Rest.WAKING, Rest.GOING_TO_SLEEP)
+            await asyncio.sleep(settings.sleep_poll if moving else settings.probe_interval)
+            if backend.up:
+                await self.read_sleep(backend)
 
     async def _load_loop(self, backend: BackendState) -> None:
         interval = self._settings.scrape_interval

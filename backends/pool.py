@@ -16,6 +16,7 @@ from backends.circuit import Circuit, CircuitBreaker, CircuitPolicy
 from backends.errors import EndpointNotServed, ModelNotFound, NoBackendAvailable
 from backends.health import Health, HealthPolicy, HealthTracker
 from backends.shared_inflight import SharedInFlight
+from backends.sleep import Rest, rest_of
 from backends.state import BackendSpec, BackendState
 from backends.vllm_metrics import LoadReading
 from policies import BackendSnapshot
@@ -154,6 +155,7 @@ class BackendPool:
             backend.health.state is Health.UP
             and backend.models_known
             and not backend.draining
+            and not backend.resting
             and not backend.removed
             and backend.circuit.allows(now)
         )
@@ -280,6 +282,8 @@ class BackendPool:
             b.circuit = CircuitBreaker(self._circuit_policy)
             b.load, b.load_at, b.scrape_failing = None, float("-inf"), False
             b.models, b.models_known = frozenset(), False
+            b.asleep = None  # another server: its sleep not known yet
+            b.resting = b.sleep_wanted
             self._forget_lacks(b)
         log.info(
             "backend_changed",
@@ -313,6 +317,42 @@ class BackendPool:
         b.draining = draining
         self.changed()
         return True
+
+    def set_sleep_wanted(self, backend_id: str, wanted: bool) -> bool:
+        """The fleet wants the backend asleep (no new requests from now), or awake again."""
+        b = self._backends.get(backend_id)
+        if b is None:
+            return False
+        was = b.rest
+        b.sleep_wanted = wanted
+        self._rested(b, was)
+        return True
+
+    def record_asleep(self, backend_id: str, asleep: bool | None) -> bool:
+        """What the backend says of its sleep (None: it cannot say); True if that changed."""
+        b = self._backends.get(backend_id)
+        if b is None or b.asleep is asleep:
+            return False
+        was = b.rest
+        b.asleep = asleep
+        self._rested(b, was)
+        return True
+
+    def _rested(self, b: BackendState, was: Rest) -> None:
+        b.resting = b.sleep_wanted or bool(b.asleep)
+        rest = rest_of(b.sleep_wanted, b.asleep)
+        if rest is not was:
+            b.rest_since = self._clock()
+            if b.asleep and b.in_flight:
+                # Requests sent to it before this replica knew it was to sleep: those with
+                # nothing sent to their client yet go elsewhere (as from a backend gone down)
+                for callback in list(b.down_watchers):
+                    callback()
+        self.changed()
+
+    def serving(self, model: str) -> list[BackendState]:
+        """The backends last seen serving ``model`` (whatever their state)."""
+        return list(self._by_model.get(model, ()))
 
     def record_models(self, backend_id: str, models: Iterable[str]) -> None:
         b = self._backends.get(backend_id)

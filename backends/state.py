@@ -8,6 +8,7 @@ from typing import Literal
 
 from backends.circuit import CircuitBreaker, CircuitPolicy
 from backends.health import Health, HealthPolicy, HealthTracker
+from backends.sleep import Rest, rest_of
 from backends.vllm_metrics import LoadReading
 
 
@@ -35,6 +36,14 @@ class BackendState:
     # its models change (it may have been restarted as the other kind).
     lacks: frozenset[str] = frozenset()
     draining: bool = False
+    # Sleep (``backends.sleep``): whether the fleet wants it asleep (the capacity manager's, or
+    # an operator's, through the fleet's log), and whether it was last seen asleep (its
+    # ``/is_sleeping``, or its sleep-state gauge; None: not known, taken as awake). Either one
+    # keeps new requests off it: a sleeping engine queues what it is sent until woken.
+    sleep_wanted: bool = False
+    asleep: bool | None = None
+    resting: bool = False  # sleep_wanted or asleep: kept by the pool, read by ``routable``
+    rest_since: float = 0.0  # when its rest last changed (the pool's clock)
     removed: bool = False  # gone from discovery: no new requests, in-flight ones finish
     in_flight: int = 0
     sent_total: int = 0
@@ -55,3 +64,7 @@ class BackendState:
     @property
     def up(self) -> bool:
         return self.health.state is Health.UP
+
+    @property
+    def rest(self) -> Rest:
+        return rest_of(self.sleep_wanted, self.asleep)

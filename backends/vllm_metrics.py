@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Final
 
 _LINE: Final = re.compile(
-    r"^vllm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc|gpu_cache_usage_perc)"
-    r"(?:\{[^\n]*\})?[ \t]+(\S+)",
+    r"^vllm:(num_requests_waiting|num_requests_running|kv_cache_usage_perc|gpu_cache_usage_perc"
+    r"|engine_sleep_state)(\{[^\n]*\})?[ \t]+(\S+)",
     re.MULTILINE,
 )
 
@@ -25,6 +25,9 @@ class LoadReading:
     waiting: int
     running: int
     kv_cache_usage: float | None
+    # vllm:engine_sleep_state: True when a state other than "awake" is the one set (weights
+    # offloaded, or all discarded); None if the server does not export it
+    asleep: bool | None = None
 
 
 class MetricsFormatError(ValueError):
@@ -37,15 +40,21 @@ def parse_load(text: str) -> LoadReading:
     kv: float | None = None
     legacy_kv: float | None = None
     seen = False
+    asleep: bool | None = None
     for match in _LINE.finditer(text):
-        name, raw = match.group(1), match.group(2)
+        name, labels, raw = match.group(1), match.group(2) or "", match.group(3)
         try:
             value = float(raw)
         except ValueError as exc:
             raise MetricsFormatError(f"bad value {raw!r} for vllm:{name}") from exc
         if not math.isfinite(value) or value < 0:
             raise MetricsFormatError(f"bad value {raw!r} for vllm:{name}")
-        if name == "num_requests_waiting":
+        if name == "engine_sleep_state":
+            if value > 0:
+                asleep = bool(asleep) or 'sleep_state="awake"' not in labels
+            elif asleep is None:
+                asleep = False
+        elif name == "num_requests_waiting":
             waiting += value
             seen = True
         elif name == "num_requests_running":
@@ -60,4 +69,6 @@ def parse_load(text: str) -> LoadReading:
     usage = kv if kv is not None else legacy_kv
     if usage is not None:
         usage = min(usage, 1.0)
-    return LoadReading(waiting=int(waiting), running=int(running), kv_cache_usage=usage)
+    return LoadReading(
+        waiting=int(waiting), running=int(running), kv_cache_usage=usage, asleep=asleep
+    )

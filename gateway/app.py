@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Collection
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -23,8 +24,14 @@ from backends.shared_inflight import SharedInFlight
 from backends.supervise import Supervisor
 from backends.upstream.client import Transport, UpstreamClient
 from gateway.admin.actions import ActionApplier
+from gateway.admin.capacity import submit_sleep
 from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
 from gateway.admin.rollouts import start_configured, submit_decision
+from gateway.capacity.book import CapacityBook
+from gateway.capacity.hold import Holds
+from gateway.capacity.manager import HttpEngines, Inputs, Manager
+from gateway.capacity.settings import rule_of
+from gateway.capacity.ttft import RecentTtft
 from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
@@ -40,17 +47,21 @@ from gateway.http import Request, Response, Routes
 from gateway.keys import (
     ADAPTERS,
     ADMISSION,
+    CAPACITY,
+    CAPACITY_CLAIM,
     CLAIMS,
     DRIVER,
     FLEET,
     GATEWAY,
     GENERATIONS,
     HEDGES,
+    HOLDS,
     KV_FEEDS,
     KV_INDEX,
     LATENCY,
     LIFECYCLE,
     LIMITER,
+    MANAGER,
     METRICS,
     MONITOR,
     POOL,
@@ -73,6 +84,7 @@ from gateway.limits.admission import AdmissionQueue
 from gateway.limits.fairqueue import SaturationThresholds, fleet_saturated
 from gateway.limits.limiter import open_limiter
 from gateway.observe import host_metrics
+from gateway.observe.capacity_metrics import CapacityCollector
 from gateway.observe.kv_metrics import KvEventsCollector
 from gateway.observe.latency_metrics import LatencyCollector
 from gateway.observe.metrics import GatewayMetrics
@@ -180,6 +192,8 @@ def _backends_ctx(resolver: Resolver | None, transport: Transport | None):  # ty
                 models_interval=s.scrape.models_interval,
                 probe_interval=s.health.interval,
                 probe_timeout=s.health.timeout,
+                sleep_probe=s.capacity.enabled,
+                sleep_poll=s.capacity.sleep_poll,
             ),
             supervisor=supervisor,
         )
@@ -302,6 +316,8 @@ def _describe_replica(app: web.Application) -> Description:
         health={b.id: b.health.state.value for b in backends},
         figures=read_figures(families, limiter.rejections if limiter is not None else {}),
         driving=dict(app[DRIVER].progress) if DRIVER in app else {},
+        held=dict(holds.held) if (holds := app[HOLDS]) is not None else {},
+        capacity=manager.look if (manager := app[MANAGER]) is not None and manager.token else {},
     )
 
 
@@ -336,6 +352,9 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
             holder = replica_id(f.replica, None if worker is None else worker.index)
             ttl = s.rollout.lease_ttl
             app[CLAIMS] = lambda alias: Lease(redis, leases + alias, holder, ttl)
+            app[CAPACITY_CLAIM] = Lease(
+                redis, f"{r.key_prefix}{f.name}:capacity-lease", holder, s.capacity.lease_ttl
+            )
         else:
             if f.dir is not None:
                 directory = f.dir
@@ -348,6 +367,7 @@ async def _fleet_ctx(app: web.Application) -> AsyncIterator[None]:
                 await changes.establish(new_epoch())
             first = worker is None or worker.index == 0
             app[CLAIMS] = lambda _alias: Sole() if first else Never()  # one host: worker 0
+            app[CAPACITY_CLAIM] = Sole() if first else Never()
         member = Member(
             changes,
             registry,
@@ -410,6 +430,73 @@ async def _rollouts_ctx(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
+async def _capacity_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The capacity manager (``gateway.capacity.manager``): on every replica, turning on the one
+    that holds its lease; off unless ``capacity.enabled``."""
+    s = app[SETTINGS]
+    if not s.capacity.enabled:
+        yield
+        return
+    holds, member = app[HOLDS], app[FLEET]
+    assert holds is not None
+
+    async def held() -> dict[str, int]:
+        total = Counter(holds.held)
+        if member is not None:
+            for report in await member.registry.replicas():
+                if report.id != member.id:
+                    total.update(report.held)
+        return dict(total)
+
+    c = s.capacity
+    manager = Manager(
+        app[POOL],
+        app[CAPACITY],
+        app[CAPACITY_CLAIM],
+        submit=lambda backend, asleep, why, token: submit_sleep(app, backend, asleep, why, token),
+        engines=HttpEngines(app[UPSTREAM], c.call_timeout),
+        inputs=Inputs(held=held, ttft=RecentTtft(app[METRICS].ttft.collect).look),
+        every=c.every,
+        # an engine going to sleep gets no /sleep before every replica has had the time to
+        # apply the change that stopped their requests to it
+        settle=0.0 if member is None else 2 * s.fleet.wait,
+        trend_window=c.trend_window,
+    )
+    app[MANAGER] = manager
+    task = app[SUPERVISOR].spawn("capacity_manager", "capacity-manager", manager.run)
+    yield
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _capacity(
+    app: web.Application, settings: Settings, pool: BackendPool, metrics: GatewayMetrics
+) -> None:
+    """Capacity's parts the request path and the metrics read (the manager: ``_capacity_ctx``)."""
+    app[HOLDS] = _holds(app, settings, pool)
+    app[MANAGER] = None
+    metrics.registry.register(CapacityCollector(pool, lambda: app[HOLDS], lambda: app[MANAGER]))
+
+
+def _holds(app: web.Application, settings: Settings, pool: BackendPool) -> Holds | None:
+    """Requests held while an engine wakes (capacity on), each for its model's wake timeout."""
+    c = settings.capacity
+    if not c.enabled:
+        return None
+    default = rule_of(c.defaults)
+
+    def timeout_of(model: str) -> float:
+        return app[CAPACITY].rules.get(model, default).wake_timeout
+
+    def wake(model: str, only: Collection[str] | None) -> None:
+        manager = app[MANAGER]
+        if manager is not None:
+            manager.wake_for(model, only)
+
+    return Holds(pool, timeout_of, wake, retry_after=settings.retry_after_seconds)
+
+
 def _version() -> str:
     try:
         return metadata.version("llm-gateway")
@@ -469,9 +556,13 @@ def worker_private_app(gateway: web.Application) -> web.Application:
 def _admin_state(app: web.Application) -> None:
     """What only admin changes move (the fleet's log, or this replica's admin API): LoRA
     adapters loaded, progressive rollouts."""
+    app[FLEET] = None  # until the fleet's context joins it (``_fleet_ctx``)
     app[ADAPTERS] = {}
     app[ROLLOUTS] = RolloutBook()
     app[CLAIMS] = lambda _alias: Sole()  # one process drives its rollouts (a fleet: a lease)
+    s = app[SETTINGS]
+    app[CAPACITY] = CapacityBook(enabled=s.capacity.enabled, rules=s.capacity.rules())
+    app[CAPACITY_CLAIM] = Sole()  # one process manages its capacity (a fleet: a lease)
 
 
 def create_app(
@@ -560,10 +651,11 @@ def create_app(
     if provider is not None and tracer_provider is None:
         app.on_cleanup.append(lambda _: _shutdown_tracing(provider))
     app.cleanup_ctx.append(_backends_ctx(resolver, transport))
-    app[FLEET] = None
     _admin_state(app)
-    # Last: the fleet applies changes to all of the above; rollouts are driven through it.
-    app.cleanup_ctx.extend((_fleet_ctx, _rollouts_ctx))
+    _capacity(app, settings, pool, metrics)
+    # Last: the fleet applies changes to all of the above; rollouts are driven through it, and
+    # capacity managed.
+    app.cleanup_ctx.extend((_fleet_ctx, _rollouts_ctx, _capacity_ctx))
     _add_routes(app)
     app.on_startup.append(hand_in)  # after every cleanup context: the services they made
     return app

@@ -13,6 +13,9 @@ from backends.monitor import BackendMonitor
 from backends.pool import BackendPool
 from backends.supervise import Supervisor
 from backends.upstream.client import Transport
+from gateway.capacity.book import CapacityBook
+from gateway.capacity.hold import Holds
+from gateway.capacity.manager import Manager
 from gateway.config.settings import Settings
 from gateway.http import Routes
 from gateway.limits.admission import AdmissionQueue
@@ -78,5 +81,11 @@ ROLLOUTS: Final = web.AppKey("rollouts", RolloutBook)  # progressive rollouts (g
 # A rollout's lease by alias (the fleet's, on Redis; or standing for one), and its driver
 CLAIMS: Final = web.AppKey[Callable[[str], Claim]]("claims")
 DRIVER: Final = web.AppKey("driver", Driver)
+# Capacity (gateway.capacity): its rules and token (the fleet's log), the requests held for a
+# wake (None: capacity off), and the manager (None: off)
+CAPACITY: Final = web.AppKey("capacity", CapacityBook)
+CAPACITY_CLAIM: Final = web.AppKey[Claim]("capacity_claim")  # the manager's lease
+HOLDS: Final = web.AppKey[Holds | None]("holds")
+MANAGER: Final = web.AppKey[Manager | None]("manager")
 
 REQUEST_ID_KEY: Final = web.RequestKey("request_id", str)

@@ -22,7 +22,7 @@ import structlog
 from aiohttp import web
 
 from backends.errors import GatewayError, InvalidRequest, NotFound
-from gateway.admin import rollouts
+from gateway.admin import capacity, rollouts
 from gateway.admin.action import CALLER, Action, Doc, Params
 from gateway.admin.reload import (
     change_policy,
@@ -35,7 +35,7 @@ from gateway.admin.state import reload_plan
 from gateway.admin.views import backend_view
 from gateway.fleet.changes import Change, Position, Snapshot
 from gateway.fleet.follower import Outcome
-from gateway.keys import ADAPTERS, LIMITER, POOL
+from gateway.keys import ADAPTERS, CAPACITY, LIMITER, POOL
 from gateway.limits.budget import FIELDS, Budget, iso
 from gateway.limits.keys import Authenticator, check_labels, check_limits, hash_key
 from gateway.request.rollout import ROLLOUT
@@ -418,6 +418,7 @@ ACTIONS: Final = (
         _key_before,
     ),
     *rollouts.ROLLOUT_ACTIONS,
+    *capacity.CAPACITY_ACTIONS,
 )
 _MATCHERS: Final = [(a, a.matcher()) for a in ACTIONS]
 
@@ -458,6 +459,10 @@ def state(app: web.Application) -> dict[str, Any]:
         "keys": _auth(app).state(),
         "adapters": {name: dict(held) for name, held in app[ADAPTERS].items()},
         **rollouts.state(app),
+        "capacity": {
+            **app[CAPACITY].state(),
+            "sleep_wanted": sorted(b.id for b in app[POOL].all() if b.sleep_wanted),
+        },
     }
 
 
@@ -479,6 +484,13 @@ def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
         held = {str(k): dict(v) for k, v in adapters.items() if isinstance(v, dict)}
     app[ADAPTERS] = held
     rollouts.restore(app, doc)
+    held_capacity = doc.get("capacity")
+    if isinstance(held_capacity, dict):
+        app[CAPACITY].restore(held_capacity)
+        asleep = set(held_capacity.get("sleep_wanted") or ())
+        for b in pool.all():
+            if b.sleep_wanted != (b.id in asleep):
+                pool.set_sleep_wanted(b.id, b.id in asleep)
 
 
 class ActionApplier:

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from backends.errors import FleetLogUnavailable, GatewayError, error_envelope
-from gateway.admin import lora, rollouts
+from gateway.admin import capacity, lora, rollouts
 from gateway.admin.actions import ACTIONS
 from gateway.admin.console import PUBLIC_PATHS, add_console_routes
 from gateway.admin.fleet import add_fleet_routes, change_handler
@@ -211,6 +211,7 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     app.router.add_get("/admin/aliases/{alias}", get_alias)
     app.router.add_get("/admin/rollouts", rollouts.list_rollouts)
     app.router.add_get("/admin/rollouts/{alias}", rollouts.get_rollout)
+    app.router.add_get("/admin/capacity", capacity.get_capacity)
     for action in ACTIONS:
         if action.routed:
             app.router.add_route(action.method, action.pattern, change_handler(action))

@@ -23,7 +23,6 @@ through its steps, its promotion or its abort.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -34,7 +33,7 @@ from aiohttp import web
 from backends.errors import Conflict, InvalidRequest, NotFound
 from gateway.admin.action import CALLER, Action, Doc, Params
 from gateway.admin.lastknown import VIEWS
-from gateway.fleet.changes import Change
+from gateway.admin.own import submit_own
 from gateway.keys import DRIVER, FLEET, GATEWAY, METRICS, ROLLOUTS
 from gateway.request.rollout import ROLLOUT
 from gateway.rollouts.plan import Plan, PlanError
@@ -277,31 +276,8 @@ async def start_configured(app: web.Application, plan: Plan) -> None:
 async def _submit(
     app: web.Application, action: Action, alias: str, body: dict[str, Any], caller: str
 ) -> None:
-    """A change the gateway makes (``action``, not routed) appended to the fleet's log and
-    applied by every replica (this one's answer awaited), or, without a fleet, applied here.
-    Raises the refusal (``GatewayError``: a step already made, a driver succeeded, a plan
-    started already) or the log's failure."""
-    params = {"alias": alias}
-    body = {**body, "at": time.time()}
-    member = app[FLEET]
-    if member is None:
-        action.apply(app, params, body)
-        return
-    change = Change(
-        method=action.method,
-        path=action.pattern.format(alias=alias),
-        body=json.dumps(body).encode(),
-        replica=member.id,
-        caller=caller,
-        at=body["at"],
-        old=action.before(app, params),
-        new=action.check(app, params, body),
-    )
-    # Applied here is enough: the driver renews its lease each turn, so it must not wait for
-    # every replica (a dead one stays in the registry until its report expires).
-    outcome = await member.append(change)
-    if outcome is not None and outcome.status >= 400:
-        raise Conflict(f"the fleet refused the change: {outcome.body[:200]!r}")
+    """A change the gateway makes (``action``, not routed) for the fleet (``submit_own``)."""
+    await submit_own(app, action, {"alias": alias}, body, caller)
 
 
 Look = tuple[str, dict[str, Any]]  # the replica driving a rollout, and its last look

@@ -26,6 +26,7 @@ from pydantic_settings import (
 from backends.circuit import CircuitPolicy
 from backends.health import HealthPolicy
 from backends.kv.sources import FeedSettings
+from gateway.capacity.settings import CapacitySettings
 from gateway.config.declared import Section, declared
 from gateway.config.routing import (
     AffinitySettings,
@@ -402,6 +403,7 @@ class Settings(BaseSettings):
     )
     rollout: RolloutSettings = Field(default_factory=RolloutSettings)
     disagg: DisaggSettings = Field(default_factory=DisaggSettings)
+    capacity: CapacitySettings = Field(default_factory=CapacitySettings)
     upstream: UpstreamSettings = Field(default_factory=UpstreamSettings)
     scrape: ScrapeSettings = Field(default_factory=ScrapeSettings)
     health: HealthSettings = Field(default_factory=HealthSettings)

@@ -16,7 +16,8 @@ from typing import Final
 
 from redis.asyncio import Redis
 
-# KEYS: holder, token. ARGV: holder id, ttl ms. The token, or nil if another holds it.
+# KEYS: holder, token. ARGV: holder id, ttl ms, the least token a new holder may get. The
+# token, or nil if another holds it.
 _ACQUIRE_LUA: Final = """
 local holder = redis.call('GET', KEYS[1])
 if holder == ARGV[1] then
@@ -25,7 +26,12 @@ if holder == ARGV[1] then
 end
 if holder then return nil end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-return redis.call('INCR', KEYS[2])
+local token = redis.call('INCR', KEYS[2])
+if token < tonumber(ARGV[3]) then
+  token = tonumber(ARGV[3])
+  redis.call('SET', KEYS[2], token)
+end
+return token
 """
 
 # KEYS: holder. ARGV: holder id, ttl ms. 1 if still held (and extended), else 0.
@@ -60,11 +66,13 @@ class Lease:
         self._ttl_ms = max(round(ttl * 1000), 1)
         self.token: int | None = None  # while held: this holder's fencing token
 
-    async def acquire(self) -> int | None:
+    async def acquire(self, at_least: int = 0) -> int | None:
         """Take the lease (or extend it, if held already): its fencing token, or None if
-        another holder has it."""
+        another holder has it. ``at_least``: the least token a new holder gets (the newest one
+        the fleet has seen applied: a Redis that lost the counter must not hand out an older
+        one)."""
         token = await self._redis.eval(
-            _ACQUIRE_LUA, 2, self.key, self.token_key, self.holder, self._ttl_ms
+            _ACQUIRE_LUA, 2, self.key, self.token_key, self.holder, self._ttl_ms, at_least
         )
         self.token = None if token is None else int(token)
         return self.token

@@ -90,6 +90,8 @@ class Description:
     health: dict[str, str]  # per backend id: its view
     figures: Figures = field(default_factory=Figures)  # what it served since it started
     driving: dict[str, dict[str, Any]] = field(default_factory=dict)  # rollouts it drives
+    held: dict[str, int] = field(default_factory=dict)  # requests held for a wake, per model
+    capacity: dict[str, Any] = field(default_factory=dict)  # its last look, if it manages
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,6 +410,8 @@ class Member:
             health=now.health,
             figures=now.figures,
             driving=now.driving,
+            held=now.held,
+            capacity=now.capacity,
             epoch=self.follower.epoch,
             log=self.log_state(),
         )

@@ -42,6 +42,8 @@ class Report:
     figures: Figures = field(default_factory=Figures)  # since it started
     # The rollouts it drives: alias -> its driver's last look (``gateway.rollouts.driver``)
     driving: dict[str, dict[str, Any]] = field(default_factory=dict)
+    held: dict[str, int] = field(default_factory=dict)  # requests held for a wake, per model
+    capacity: dict[str, Any] = field(default_factory=dict)  # the capacity manager's last look
     epoch: str | None = None  # the epoch of the log it follows (None: none yet, or older)
     log: str = "ok"  # its log as it sees it: ok, lost (being healed), unreachable
 
@@ -66,6 +68,8 @@ class Report:
                 health={str(k): str(v) for k, v in doc.get("health", {}).items()},
                 figures=Figures.parse(doc.get("figures")),  # none from an older replica
                 driving={str(k): dict(v) for k, v in doc.get("driving", {}).items()},
+                held={str(k): int(v) for k, v in doc.get("held", {}).items()},
+                capacity=dict(doc.get("capacity", {})),
                 epoch=None if doc.get("epoch") is None else str(doc["epoch"]),
                 log=str(doc.get("log", "ok")),
             )

@@ -88,6 +88,8 @@ async def attempts(
         except NoBackendAvailable:
             if last is not None:  # every candidate failed: say how the last did
                 raise last from None
+            if await _held(call, step):  # its engines sleep: one is awake now
+                continue
             raise
         backend = lease.backend.id
         tried.append(backend)
@@ -123,6 +125,16 @@ async def attempts(
             wait_ms=round(wait * 1e3, 1),
         )
         await asyncio.sleep(wait)
+
+
+async def _held(call: Call, step: Step) -> bool:
+    """Hold a request whose model's engines all sleep while one wakes (``gateway.capacity.hold``):
+    True once one is awake, False if there is nothing to wait for (the pick's refusal stands)."""
+    holds = call.svc.holds
+    if holds is None or step.role is not None:
+        return False
+    call.record.held = True
+    return await holds.hold(step.facts.model, step.only)
 
 
 def _rescue_plan(t: Try) -> float | None:

@@ -45,6 +45,7 @@ class RequestRecord:
     abort_reason: str | None = None
     continuations: int = 0  # times the stream went on from another backend
     hedged: bool = False  # a copy raced on a second backend (``gateway.request.hedge``)
+    held: bool = False  # held while an engine of its model woke (``gateway.capacity.hold``)
 
     @property
     def backend(self) -> str:
@@ -95,6 +96,8 @@ class RequestRecord:
             fields["continuations"] = self.continuations
         if self.hedged:
             fields["hedged"] = True
+        if self.held:
+            fields["held_for_wake"] = True
         if len(self.backends) > 1:
             fields["tried"] = self.backends
         if self.candidates:

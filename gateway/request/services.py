@@ -16,11 +16,13 @@ from aiohttp import web
 from opentelemetry.trace import Tracer
 
 from backends.upstream.client import Transport
+from gateway.capacity.hold import Holds
 from gateway.config.settings import Settings
 from gateway.keys import (
     ADMISSION,
     GENERATIONS,
     HEDGES,
+    HOLDS,
     LATENCY,
     LIFECYCLE,
     LIMITER,
@@ -70,6 +72,7 @@ class Services:
     tokenizers: Tokenizers | None
     generations: Generations
     changes: ChangeSignal
+    holds: Holds | None  # requests held while an engine wakes (None: capacity off)
 
     @classmethod
     def of(cls, app: web.Application) -> Services:
@@ -91,6 +94,7 @@ class Services:
             tokenizers=app[TOKENIZERS],
             generations=app[GENERATIONS],
             changes=app[CHANGES],
+            holds=app[HOLDS],
         )
 
     def cancel_reason(self) -> str:

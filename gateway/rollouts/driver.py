@@ -30,9 +30,10 @@ log = structlog.get_logger("gateway.rollouts")
 
 
 class Claim(Protocol):
-    """A rollout's lease (``gateway.fleet.lease.Lease``), or what stands for one."""
+    """A duty's lease (``gateway.fleet.lease.Lease``: a rollout's, the capacity manager's), or
+    what stands for one. ``at_least``: the least fencing token a new holder gets."""
 
-    async def acquire(self) -> int | None: ...
+    async def acquire(self, at_least: int = 0) -> int | None: ...
 
     async def release(self) -> bool: ...
 
@@ -40,8 +41,8 @@ class Claim(Protocol):
 class Sole:
     """The only driver there is (one process, or the first worker of a host): always held."""
 
-    async def acquire(self) -> int | None:
-        return 1
+    async def acquire(self, at_least: int = 0) -> int | None:
+        return max(1, at_least)
 
     async def release(self) -> bool:
         return True
@@ -50,7 +51,7 @@ class Sole:
 class Never:
     """Another process drives (the other workers of a host whose fleet is in files)."""
 
-    async def acquire(self) -> int | None:
+    async def acquire(self, at_least: int = 0) -> int | None:
         return None
 
     async def release(self) -> bool:

@@ -14,7 +14,8 @@ One operation runs at a time, in the order they came, each in a task of its own:
 that gives up does not stop it, as it does not stop vLLM's engine. The time each took
 (queueing behind another included) goes to vLLM's
 ``vllm:sleep_mode_operation_duration_seconds`` histogram; those under way to
-``vllm:sleep_mode_operations_in_flight``.
+``vllm:sleep_mode_operations_in_flight``. ``done`` lists them in the order they ran (the
+simulator's own, for tests: an engine put to sleep twice without a wake in between shows).
 
 ``wait`` is the seam through which a wake's time passes (``asyncio.sleep``); a test can
 replace it, e.g. with one that waits for an event, to look at the engine mid-wake.
@@ -67,6 +68,7 @@ class SleepMode:
         self._tasks: set[asyncio.Task[None]] = set()
         self._durations = {op: Histogram(DURATION_BUCKETS) for op in OPERATIONS}
         self._in_flight: dict[Operation, int] = dict.fromkeys(OPERATIONS, 0)
+        self.done: list[Operation] = []  # every operation run, in order
 
     async def sleep(self, request: SleepRequest) -> None:
         """``POST /sleep``: returns once asleep."""
@@ -103,6 +105,7 @@ class SleepMode:
         try:
             async with self._lock:
                 await work()
+                self.done.append(op)
         finally:
             self._in_flight[op] -= 1
             self._durations[op].observe(self._clock() - started)

@@ -133,4 +133,5 @@ class SimState:
             "waking": report.waking,
             "gpu_memory_bytes": report.memory.gpu,
             "cpu_offloaded_bytes": report.memory.cpu_offloaded,
+            "operations": list(self.sleep.done),
         }

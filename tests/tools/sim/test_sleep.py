@@ -347,6 +347,18 @@ async def test_sleep_state_gauge_follows_each_sleep_and_wake(
         assert sample(m, "vllm:sleep_mode_operations_in_flight", operation=op) == 0
 
 
+async def test_sim_state_lists_the_sleep_operations_in_the_order_they_ran(
+    client: aiohttp.ClientSession,
+) -> None:
+    headers = {"Authorization": "Bearer t"}
+    async with running_sim(DEV.replace(admin_token="t")) as sim:
+        for path in ("/sleep", "/sleep", "/wake_up"):
+            assert await post(client, f"{sim.url}{path}") == (200, b"")
+        async with client.get(f"{sim.url}/sim/state", headers=headers) as resp:
+            doc = await resp.json()
+    assert doc["sleep"]["operations"] == ["sleep", "sleep", "wake"]
+
+
 async def test_gpu_memory_drops_while_asleep(client: aiohttp.ClientSession) -> None:
     config = DEV.replace(gpu_memory_gib=10.0, num_gpu_blocks_override=1024, block_size=16)
     kv_cache = 1024 * 16 * 512 * 1024  # 512 KiB per token: 8 GiB

@@ -25,7 +25,17 @@ from gateway.config.policies import (
 )
 from gateway.config.routing import AffinitySettings, LatencySettings, WeightSettings
 from gateway.config.settings import Settings
-from gateway.keys import KV_FEEDS, KV_INDEX, LATENCY, METRICS, MONITOR, POOL, ROLLOUTS, ROUTER
+from gateway.keys import (
+    CAPACITY,
+    KV_FEEDS,
+    KV_INDEX,
+    LATENCY,
+    METRICS,
+    MONITOR,
+    POOL,
+    ROLLOUTS,
+    ROUTER,
+)
 from gateway.request.rollout import ROLLOUT
 from policies import AffinityConfig, PolicyName, PredictionConfig, Weights
 from policies.types import Capabilities
@@ -210,7 +220,8 @@ def reload_settings(app: web.Application) -> ReloadResult:
     result = ReloadResult()
     for name in type(new).model_fields:
         if getattr(old, name) != getattr(new, name):
-            (result.applied if name in _LIVE else result.restart_required).append(name)
+            applies = name in _LIVE or (name == "capacity" and _rules_only(old, new))
+            (result.applied if applies else result.restart_required).append(name)
     if _needs_events(new.policy, prediction_config(new.latency)) and app.get(KV_FEEDS) is None:
         _refuse_untracked_events()
     if _POLICY_FIELDS & set(result.applied):
@@ -225,6 +236,8 @@ def reload_settings(app: web.Application) -> ReloadResult:
         )
     if "backends" in result.applied:
         _apply_backends(app, new)
+    if "capacity" in result.applied:
+        _apply_capacity_rules(app, new)
     # A change of [rollout.plans] alone is the driver's to read (``gateway.rollouts``); the
     # weights of an alias a rollout is moving stay the rollout's.
     routing = {"pools", "aliases"} & set(result.applied) or old.rollout.model_dump(
@@ -238,6 +251,23 @@ def reload_settings(app: web.Application) -> ReloadResult:
     app[CONFIG].current = old.model_copy(update={k: getattr(new, k) for k in result.applied})
     log.info("config_reloaded", applied=result.applied, restart_required=result.restart_required)
     return result
+
+
+def _rules_only(old: Settings, new: Settings) -> bool:
+    """Only ``[capacity]``'s rules changed (live); its other fields need a restart."""
+    rules = {"models", "defaults"}
+    return old.capacity.model_dump(exclude=rules) == new.capacity.model_dump(exclude=rules)
+
+
+def _apply_capacity_rules(app: web.Application, new: Settings) -> None:
+    """The file's rules, over those set at run time (as the policy's are); the engines of a
+    model no longer managed wanted awake."""
+    book, pool = app[CAPACITY], app[POOL]
+    rules = new.capacity.rules()
+    for model in set(book.rules) - set(rules):
+        for b in pool.serving(model):
+            pool.set_sleep_wanted(b.id, False)
+    book.rules = rules
 
 
 def _apply_backends(app: web.Application, new: Settings) -> None:

@@ -19,9 +19,10 @@ from aiohttp import web
 
 from backends.errors import InvalidRequest
 from gateway.admin.reload import CONFIG, describe_policy, live, read_settings
+from gateway.capacity.settings import rule_doc
 from gateway.config.export import HEADER_MARK, Running, key_entry, running_toml
 from gateway.config.settings import FileLoader
-from gateway.keys import FLEET, GATEWAY, LIMITER, POOL, ROLLOUTS
+from gateway.keys import CAPACITY, FLEET, GATEWAY, LIMITER, POOL, ROLLOUTS
 from gateway.request.rollout import ROLLOUT
 
 
@@ -49,6 +50,7 @@ def running(app: web.Application) -> Running:
         drained_pools=frozenset(rollout.drained),
         keys=[key_entry(n, d) for n, d in keys.items()],
         notes=notes,
+        capacity_rules={m: rule_doc(r) for m, r in app[CAPACITY].rules.items()},
     )
 
 

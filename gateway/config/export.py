@@ -1,7 +1,7 @@
 """The running state written back into the configuration file, so that what the fleet's admin
 changes made (aliases moved by a rollout, policy and weights, drained backends and pools, keys
-made, changed and revoked, their budgets and limits) can be committed. Pure: the file's text and
-the running state in, TOML out.
+made, changed and revoked, their budgets and limits, capacity rules) can be committed. Pure: the
+file's text and the running state in, TOML out.
 
 The file's own text is the start (tomlkit keeps its comments, order and layout); only the
 settings the admin changes move are rewritten, each where the file has it (a ``[limits]``
@@ -42,6 +42,8 @@ class Running:
     drained_pools: frozenset[str]
     keys: Sequence[Mapping[str, Any]]  # as [[limits.keys]] entries
     notes: Sequence[str] = field(default_factory=tuple)
+    # [capacity.models]: each managed model's rule (PUT/DELETE /admin/capacity/{model})
+    capacity_rules: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 HEADER_MARK: Final = "llm-gateway state export"  # in the header's first line
@@ -69,6 +71,7 @@ def running_toml(file_text: str | None, running: Running, *, header: str) -> str
     for entry in _entries(doc, "pools"):
         _flag(entry, "drain", str(entry.get("name", "")) in running.drained_pools)
     _set_keys(doc, running.keys)
+    _set_capacity(doc, running.capacity_rules)
     hidden = [".".join(p) for p in SECRETS if _redact(doc, p)]
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
     lines += [f"# NOTE: {note}" for note in running.notes]
@@ -76,6 +79,19 @@ def running_toml(file_text: str | None, running: Running, *, header: str) -> str
         lines.append(f"# NOTE: secrets not written, to set again: {', '.join(hidden)}")
     body = tomlkit.dumps(doc)
     return "\n".join(lines) + "\n\n" + body.lstrip("\n")
+
+
+def _set_capacity(doc: Any, rules: Mapping[str, Mapping[str, Any]]) -> None:
+    """``[capacity.models]`` as running (left out of a file without them, when none run)."""
+    capacity = doc.get("capacity")
+    if capacity is None:
+        if not rules:
+            return
+        capacity = doc["capacity"] = tomlkit.table()
+    models = tomlkit.table()
+    for model, rule in rules.items():
+        models[model] = _inline({k: v for k, v in rule.items() if v is not None})
+    capacity["models"] = models
 
 
 def _without_header(text: str) -> str:

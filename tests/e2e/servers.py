@@ -175,6 +175,9 @@ def launch(
         "VLLM_ENABLE_RESPONSES_API_STORE": "1",
         # LoRA adapters loaded at run time (with --enable-lora): tests/e2e/test_endpoints.py
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1",
+        # The dev-mode routes (/sleep, /wake_up, /is_sleeping): tests/e2e/test_sleep.py, the
+        # gateway's capacity manager putting a server to sleep and waking it
+        "VLLM_SERVER_DEV_MODE": "1",
         "DO_NOT_TRACK": "1",
         "PYTHONUNBUFFERED": "1",
     }

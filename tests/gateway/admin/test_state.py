@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import tomllib
+from dataclasses import replace
 
+from gateway.capacity.plan import Rule
+from gateway.capacity.settings import rule_doc
 from gateway.config.export import REDACTED, Running, key_entry, running_toml
+from gateway.config.settings import Settings
 
 FILE = """# Our gateway: edit with care
 policy = "least_load" # the default
@@ -101,3 +105,12 @@ def test_without_a_file_the_export_holds_what_the_admin_changes_set() -> None:
     assert doc["policy"] == "least_load"
     assert doc["limits"]["keys"][0]["name"] == "team"
     assert "backends" not in doc
+
+
+def test_capacity_rules_set_at_run_time_are_written_and_read_back() -> None:
+    rule = rule_doc(Rule(min_awake=0, per_engine=4, ttft_slo=0.5))
+    text = running_toml(FILE, replace(RUNNING, capacity_rules={"m": rule}), header="export")
+    capacity = Settings.model_validate({"capacity": tomllib.loads(text)["capacity"]}).capacity
+    assert capacity.rules() == {"m": Rule(min_awake=0, per_engine=4, ttft_slo=0.5)}
+    # none running, none in the file: no [capacity] written
+    assert "capacity" not in tomllib.loads(running_toml(FILE, RUNNING, header="export"))

@@ -13,6 +13,9 @@ from typing import Any
 import aiohttp
 
 from backends.sleep import Rest
+from gateway.admin.reload import CONFIG
+from gateway.capacity.settings import CapacitySettings
+from gateway.config.settings import Settings
 from gateway.keys import POOL
 from tests.helpers import Rig, gateway_for, sample, wait_for
 from tools.sim import FAST, RunningSim
@@ -135,3 +138,30 @@ async def test_a_bad_rule_is_refused_in_the_openai_shape_and_changes_nothing() -
             assert (await r.json())["rules"][MODEL]["min_awake"] == 1
         async with s.post(f"{admin}/admin/backends/nope/sleep", headers=AUTH) as r:
             assert r.status == 404
+
+
+async def test_a_reload_applies_the_files_rules_and_says_the_rest_needs_a_restart() -> None:
+    engines = sims(2)
+    loaded: list[Settings] = []
+
+    def loader() -> Settings:
+        return loaded[-1]
+
+    async with managed(engines, {"min_awake": 2}, loader=loader) as rig:
+        admin, s = rig.gw.admin_url, rig.session
+        current = rig.gw.app[CONFIG].current
+        capacity = current.capacity.model_dump()
+        capacity["models"] = {MODEL: {"min_awake": 1, "idle_before_sleep": 0.1}}
+        loaded.append(current.model_copy(update={"capacity": CapacitySettings(**capacity)}))
+        async with s.post(f"{admin}/admin/reload", headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["applied"] == ["capacity"]
+        await wait_for(
+            lambda: sorted(r.value for r in rests(rig)) == ["asleep", "awake"],
+            within=30,
+            what="one asleep under the file's new rule",
+        )
+        capacity["every"] = 0.5
+        loaded.append(current.model_copy(update={"capacity": CapacitySettings(**capacity)}))
+        async with s.post(f"{admin}/admin/reload", headers=AUTH) as r:
+            assert (await r.json())["restart_required"] == ["capacity"]

@@ -455,7 +455,11 @@ async def _capacity_ctx(app: web.Application) -> AsyncIterator[None]:
         app[CAPACITY_CLAIM],
         submit=lambda backend, asleep, why, token: submit_sleep(app, backend, asleep, why, token),
         engines=HttpEngines(app[UPSTREAM], c.call_timeout),
-        inputs=Inputs(held=held, ttft=RecentTtft(app[METRICS].ttft.collect).look),
+        inputs=Inputs(
+            held=held,
+            ttft=RecentTtft(app[METRICS].ttft.collect).look,
+            pools=lambda: {name: p.backends for name, p in app[ROLLOUT].pools.items()},
+        ),
         every=c.every,
         # an engine going to sleep gets no /sleep before every replica has had the time to
         # apply the change that stopped their requests to it
@@ -486,15 +490,23 @@ def _holds(app: web.Application, settings: Settings, pool: BackendPool) -> Holds
         return None
     default = rule_of(c.defaults)
 
-    def timeout_of(model: str) -> float:
-        return app[CAPACITY].rules.get(model, default).wake_timeout
+    def timeout_of(group: str) -> float:
+        return app[CAPACITY].rules.get(group, default).wake_timeout
 
     def wake(model: str, only: Collection[str] | None) -> None:
         manager = app[MANAGER]
         if manager is not None:
             manager.wake_for(model, only)
 
-    return Holds(pool, timeout_of, wake, retry_after=settings.retry_after_seconds)
+    def group(model: str, only: Collection[str] | None) -> str:
+        """A request routed to a model pool is held for the pool (its rule, if it has one)."""
+        if only is not None:
+            for name, p in app[ROLLOUT].pools.items():
+                if p.backends == only and name in app[CAPACITY].rules:
+                    return name
+        return model
+
+    return Holds(pool, timeout_of, wake, retry_after=settings.retry_after_seconds, group=group)
 
 
 def _version() -> str:

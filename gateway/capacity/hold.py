@@ -29,13 +29,15 @@ class Holds:
         wake: Callable[[str, Collection[str] | None], None],
         *,
         retry_after: int = 1,
+        group: Callable[[str, Collection[str] | None], str] = lambda model, _only: model,
     ) -> None:
         self._pool = pool
         self._timeout_of = timeout_of
         self._wake = wake
         self._retry_after = retry_after
+        self._group = group  # what a held request counts for: its model, or its model pool
         self._waiters: dict[asyncio.Future[None], tuple[str, Collection[str] | None]] = {}
-        self.held: Counter[str] = Counter()  # per model: held now
+        self.held: Counter[str] = Counter()  # per model (or pool): held now
         self.outcomes: Counter[tuple[str, str]] = Counter()  # (model, served|timed_out|left)
         pool.on_change(self._changed)
 
@@ -62,9 +64,10 @@ class Holds:
             return True
         future = asyncio.get_running_loop().create_future()
         self._waiters[future] = (model, only)
-        self.held[model] += 1
+        group = self._group(model, only)
+        self.held[group] += 1
         self._wake(model, only)
-        timeout = self._timeout_of(model)
+        timeout = self._timeout_of(group)
         try:
             async with asyncio.timeout(timeout):
                 await future
@@ -79,9 +82,9 @@ class Holds:
             raise
         finally:
             self._waiters.pop(future, None)
-            self.held[model] -= 1
-            if not self.held[model]:
-                del self.held[model]
+            self.held[group] -= 1
+            if not self.held[group]:
+                del self.held[group]
         self.outcomes[model, "served"] += 1
         return True
 

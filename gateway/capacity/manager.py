@@ -63,6 +63,8 @@ class Inputs:
 
     held: Callable[[], Awaitable[Mapping[str, int]]]  # requests held per model, fleet-wide
     ttft: Callable[[], Mapping[str, float]] = dict  # recent time to first token per model
+    # the model pools (``[[pools]]``): name -> its backends; a rule may name a pool
+    pools: Callable[[], Mapping[str, frozenset[str]]] = dict
 
 
 class Manager:
@@ -92,6 +94,7 @@ class Manager:
         self._low: dict[str, float] = {}
         self._calls: dict[str, asyncio.Task[None]] = {}
         self._poked = asyncio.Event()
+        self._groups: dict[str, frozenset[str]] = {}  # engine -> the models and pools it is in
         self._last_turn: float | None = None
         self.token: int | None = None  # while this replica manages: its fencing token
         self.decisions: Counter[tuple[str, str]] = Counter()  # (action, outcome)
@@ -180,6 +183,7 @@ class Manager:
             self.token = token
         now = self._pool.now()
         engines = [b for b in self._pool.all() if not b.removed]
+        self._groups = _groups(engines, self._inputs.pools())
         self._count_asleep(engines, now)
         held = await self._inputs.held()
         ttft = self._inputs.ttft()
@@ -205,12 +209,12 @@ class Manager:
 
     def _engine(self, b: BackendState) -> Engine:
         now = self._pool.now()
-        return Engine(b.id, b.rest, b.models, self._load(b, now), b.up, b.rest_since)
+        return Engine(b.id, b.rest, self._groups[b.id], self._load(b, now), b.up, b.rest_since)
 
     def _demand(
         self, model: str, engines: list[BackendState], held: int, now: float, ttft: float | None
     ) -> Demand:
-        serving = [b for b in engines if model in b.models and b.up]
+        serving = [b for b in engines if model in self._groups[b.id] and b.up]
         load = sum(self._load(b, now) for b in serving) + held
         trend = self._trends.get(model)
         if trend is None:
@@ -313,7 +317,7 @@ class Manager:
                 "need": None if n is None else n.engines,
                 "desired": None if n is None else n.desired,
                 "why": None if n is None else n.why,
-                "awake": sum(model in b.models and b.rest is Rest.AWAKE for b in engines),
+                "awake": sum(model in self._groups[b.id] and b.rest is Rest.AWAKE for b in engines),
                 "idle_for_s": None
                 if model not in turn.low_since
                 else round(now - turn.low_since[model], 1),
@@ -324,6 +328,17 @@ class Manager:
             "steps": [{"action": s.action, "backend": s.engine, "why": s.why} for s in turn.steps],
             "asleep_seconds": round(sum(self.asleep_seconds.values()), 1),
         }
+
+
+def _groups(
+    engines: list[BackendState], pools: Mapping[str, frozenset[str]]
+) -> dict[str, frozenset[str]]:
+    """What each engine is one of, for the rules: the models it serves and the pools it is in
+    (a rule names either)."""
+    return {
+        b.id: b.models | {name for name, members in pools.items() if b.id in members}
+        for b in engines
+    }
 
 
 def _detached(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

@@ -128,7 +128,8 @@ class CapacitySettings(BaseModel):
     )
     defaults: RuleSettings = Field(default_factory=RuleSettings)
     models: dict[str, RuleSettings] = Field(
-        default_factory=dict, description='model -> its rule ([capacity.models."<model>"])'
+        default_factory=dict,
+        description='model (or model pool) -> its rule ([capacity.models."<model>"])',
     )
 
     @model_validator(mode="after")

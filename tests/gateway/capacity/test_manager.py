@@ -252,3 +252,33 @@ async def test_nothing_is_held_for_a_model_whose_engines_do_not_sleep() -> None:
     holds = Holds(pool, lambda _m: 30.0, lambda _m, _o: None)
     assert await holds.hold(M) is False
     assert holds.held == {}
+
+
+async def test_a_rule_may_name_a_model_pool_whose_engines_alone_it_manages() -> None:
+    clock = Clock()
+    pool = fleet(3, clock)
+    book = CapacityBook(enabled=True, rules={"canary": Rule(min_awake=0, idle_before_sleep=0)})
+
+    async def submit(backend: str, asleep: bool, why: str, token: int | None) -> None:
+        book.accept(token)
+        pool.set_sleep_wanted(backend, asleep)
+
+    async def no_holds() -> Mapping[str, int]:
+        return {}
+
+    pools = {"stable": frozenset({"e0", "e1"}), "canary": frozenset({"e2"})}
+    m = Manager(
+        pool,
+        book,
+        Sole(),
+        submit=submit,
+        engines=Engines(pool),
+        inputs=Inputs(held=no_holds, pools=lambda: pools),
+        every=1.0,
+        settle=0.0,
+    )
+    await m.turn()
+    await m.turn()
+    await settle_calls(m)
+    assert [b.rest for b in pool.all()] == [Rest.AWAKE, Rest.AWAKE, Rest.ASLEEP]
+    assert m.look["models"]["canary"]["need"] == 0

@@ -101,6 +101,7 @@ class Manager:
         self.asleep_seconds: dict[str, float] = {}  # per engine, counted while managing
         self.look: dict[str, Any] = {}  # the last turn, for the admin API and reports
         self.needs: dict[str, Need] = {}  # the last turn's, per model
+        self.turns = 0  # turns made while managing
 
     def poke(self) -> None:
         """Turn now (a request is held)."""
@@ -198,6 +199,7 @@ class Manager:
         for step in turn.steps:
             await self._carry_out(step, token)
         self.look = self._look(turn, demands, engines, now)
+        self.turns += 1
         return turn
 
     # -- reading ---------------------------------------------------------------------------
@@ -209,7 +211,15 @@ class Manager:
 
     def _engine(self, b: BackendState) -> Engine:
         now = self._pool.now()
-        return Engine(b.id, b.rest, self._groups[b.id], self._load(b, now), b.up, b.rest_since)
+        return Engine(
+            b.id,
+            b.rest,
+            self._groups[b.id],
+            self._load(b, now),
+            b.up,
+            b.rest_since,
+            can_sleep=b.asleep is not None,
+        )
 
     def _demand(
         self, model: str, engines: list[BackendState], held: int, now: float, ttft: float | None

@@ -89,6 +89,7 @@ class Engine:
     load: float = 0.0  # requests on it, running or waiting
     up: bool = True
     since: float = 0.0  # when its rest last changed
+    can_sleep: bool = True  # it answers /is_sleeping (vLLM in dev mode): it can be put to sleep
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +210,7 @@ def _to_sleep(
     # Ties: the last by id, so that the same engines stay awake turn after turn
     by_id = sorted(candidates, key=lambda e: e.id, reverse=True)
     for e in sorted(by_id, key=lambda e: e.load):
-        if e.id in woken:
+        if e.id in woken or not e.can_sleep:
             continue
         if all(awake[m] - 1 >= turn.needs[m].engines for m in e.models if m in turn.needs):
             return e
@@ -232,6 +233,9 @@ def _reconcile(
         rule = next((rules[m] for m in sorted(e.models) if m in rules), default)
         if e.rest is Rest.WAKING:
             steps.append(Step("wake_up", e.id, "wanted awake, still asleep"))
+        elif e.rest is Rest.GOING_TO_SLEEP and not e.can_sleep:
+            # wanted asleep by hand, or before it lost its dev mode: it would take no work
+            steps.append(Step("wake", e.id, "it cannot sleep (no /is_sleeping: not in dev mode)"))
         elif e.rest is Rest.GOING_TO_SLEEP and e.id not in woken:
             waited = now - e.since
             if waited >= settle and (e.load <= 0 or waited >= rule.drain_timeout):

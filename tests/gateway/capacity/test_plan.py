@@ -142,3 +142,14 @@ def test_engines_down_are_left_alone() -> None:
 def test_a_rule_out_of_bounds_is_refused(bad: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="capacity"):
         Rule(**bad)  # type: ignore[arg-type]
+
+
+def test_an_engine_that_cannot_sleep_is_never_picked_and_is_taken_back_if_wanted_asleep() -> None:
+    rule = Rule(idle_before_sleep=0, min_awake=0)
+    mute = Engine("e0", Rest.AWAKE, frozenset({M}), can_sleep=False)
+    turn = decide({M: rule}, {M: Demand(0)}, [mute], 10.0, {M: 0.0})
+    assert steps(turn, "sleep") == []
+    slept_by_hand = Engine("e0", Rest.GOING_TO_SLEEP, frozenset({M}), can_sleep=False)
+    turn = decide({M: rule}, {M: Demand(0)}, [slept_by_hand], 10.0, {})
+    assert steps(turn, "wake") == ["e0"]
+    assert steps(turn, "put_to_sleep") == []

@@ -16,7 +16,7 @@ from backends.sleep import Rest
 from gateway.admin.reload import CONFIG
 from gateway.capacity.settings import CapacitySettings
 from gateway.config.settings import Settings
-from gateway.keys import POOL
+from gateway.keys import MANAGER, POOL
 from tests.helpers import Rig, gateway_for, sample, wait_for
 from tools.sim import FAST, RunningSim
 
@@ -165,3 +165,16 @@ async def test_a_reload_applies_the_files_rules_and_says_the_rest_needs_a_restar
         loaded.append(current.model_copy(update={"capacity": CapacitySettings(**capacity)}))
         async with s.post(f"{admin}/admin/reload", headers=AUTH) as r:
             assert (await r.json())["restart_required"] == ["capacity"]
+
+
+async def test_engines_without_dev_mode_are_never_put_to_sleep() -> None:
+    engines = [RunningSim(FAST), RunningSim(FAST)]  # no /is_sleeping: vLLM without dev mode
+    async with managed(engines, {"min_awake": 0, "idle_before_sleep": 0.05}) as rig:
+        manager = rig.gw.app[MANAGER]
+        assert manager is not None
+        turns = manager.turns
+        await wait_for(lambda: manager.turns >= turns + 10, within=30, what="ten turns")
+        assert rests(rig) == [Rest.AWAKE, Rest.AWAKE]
+        assert sum(manager.decisions.values()) == 0
+        status, _ = await chat(rig)
+        assert status == 200

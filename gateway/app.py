@@ -480,7 +480,11 @@ def _capacity(
     """Capacity's parts the request path and the metrics read (the manager: ``_capacity_ctx``)."""
     app[HOLDS] = _holds(app, settings, pool)
     app[MANAGER] = None
-    metrics.registry.register(CapacityCollector(pool, lambda: app[HOLDS], lambda: app[MANAGER]))
+    metrics.registry.register(
+        CapacityCollector(
+            pool, lambda: app[HOLDS], lambda: app[MANAGER], lambda: list(app[CAPACITY].rules)
+        )
+    )
 
 
 def _holds(app: web.Application, settings: Settings, pool: BackendPool) -> Holds | None:

@@ -11,7 +11,7 @@ once).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -28,10 +28,12 @@ class CapacityCollector(Collector):
         pool: BackendPool,
         holds: Callable[[], Holds | None],
         manager: Callable[[], Manager | None],
+        ruled: Callable[[], Iterable[str]] = tuple,
     ) -> None:
         self._pool = pool
         self._holds = holds
         self._manager = manager
+        self._ruled = ruled  # the models (and pools) with a rule: their series from the start
 
     def describe(self) -> list[Metric]:
         return []
@@ -63,7 +65,9 @@ class CapacityCollector(Collector):
                 "Requests held for a wake, by how the hold ended: served, timed_out, left.",
                 labels=["model", "outcome"],
             )
-            for (model, outcome), n in holds.outcomes.items():
+            counts = {(m, o): 0 for m in self._ruled() for o in ("served", "timed_out", "left")}
+            counts.update(holds.outcomes)
+            for (model, outcome), n in counts.items():
                 outcomes.add_metric([model, outcome], n)
             yield outcomes
         manager = self._manager()

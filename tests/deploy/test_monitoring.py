@@ -198,7 +198,13 @@ def observed(
     shortened to 2 s (their timing is what the promtool unit tests above check)."""
     folder = tmp_path_factory.mktemp("monitoring")
     rules = quick_rules(folder)
-    with running_fleet(folder, redis_url, module_redis_prefix) as fleet:
+    # Capacity managed (its alerts' series exported); the simulators are not in dev mode, so
+    # none is put to sleep: the traffic's figures stay those of an always-awake fleet
+    capacity = {
+        "GATEWAY_CAPACITY__ENABLED": "true",
+        "GATEWAY_CAPACITY__MODELS": json.dumps({MODEL: {"min_awake": 1}}),
+    }
+    with running_fleet(folder, redis_url, module_redis_prefix, capacity) as fleet:
         gateway = fleet.url.removeprefix("http://")
         targets = {"gateway": [gateway], "vllm": list(sim_hosts(fleet).values())}
         with running_prometheus(folder, targets, rules) as prometheus:

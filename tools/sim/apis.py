@@ -26,6 +26,7 @@ from tools.sim.http import (
     model_body,
     validated_json,
 )
+from tools.sim.priority import PRIORITY_HEADER, body_priority, request_priority, with_header
 from tools.sim.protocol import ApiError, GenerateParams, error_envelope, parse_generate
 from tools.sim.protocol import plan_output as plan
 from tools.sim.state import SimState
@@ -93,6 +94,7 @@ async def responses_create(request: web.Request) -> web.StreamResponse:
     try:
         body = await json_body(request)
         messages, params, (output_len, reason, output) = _responses_plan(body, state)
+        priority = request_priority(body, request.headers.get(PRIORITY_HEADER))
     except ApiError as exc:
         return json_response(exc.envelope(), status=exc.status)
     rid = body.get("request_id")
@@ -103,7 +105,7 @@ async def responses_create(request: web.Request) -> web.StreamResponse:
         body,
     )
     handle = state.driver.submit(
-        params.prompt_ids, output_len, reason, output, stream=params.stream
+        params.prompt_ids, output_len, reason, output, stream=params.stream, priority=priority
     )
     state.in_flight += 1
 
@@ -203,7 +205,9 @@ async def messages_create(request: web.Request) -> web.StreamResponse:
         tool,
         details=config.enable_prompt_tokens_details,
     )
-    with serving.running(state, params, planned) as handle:
+    # The Messages body has no priority (vLLM's chat request made of it has 0): the header's.
+    priority = with_header(0, request.headers.get(PRIORITY_HEADER))
+    with serving.running(state, params, planned, priority) as handle:
         if params.stream:
             return await serving.stream(request, state, handle, fmt, headers)
         end = await serving.whole(handle)
@@ -237,6 +241,7 @@ async def _render_openai(request: web.Request, *, chat: bool) -> dict[str, Any]:
     state = request.app[STATE]
     body = await json_body(request)
     params = parse_generate(body, chat=chat)
+    priority = body_priority(body)  # vLLM renders the body's, not the header's
     check_model(params.model, state)
     base_id, _ = serving.request_ids(request, state.config)
     sampling = scale_out.sampling_params(
@@ -257,6 +262,7 @@ async def _render_openai(request: web.Request, *, chat: bool) -> dict[str, Any]:
         stream=params.stream,
         stream_options=scale_out.stream_options(body.get("stream_options")),
         cache_salt=body.get("cache_salt"),
+        priority=priority,
     )
 
 
@@ -322,7 +328,7 @@ async def generate_tokens(request: web.Request) -> web.StreamResponse:
     answer = scale_out.TokensAnswer(
         "generate-tokens-" + base_id, req, planned[2], details=config.enable_prompt_tokens_details
     )
-    with serving.running(state, params, planned) as handle:
+    with serving.running(state, params, planned, req.priority) as handle:
         same_id = state.generate_requests.setdefault(answer.id, [])
         same_id.append(handle)
         try:
@@ -434,6 +440,7 @@ def _pooling(answer: Callable[[dict[str, Any], str], dict[str, Any]]) -> Handler
         state = request.app[STATE]
         try:
             doc = model_body(await json_body(request), state)
+            body_priority(doc)  # checked as vLLM checks it; pooling runs on no queue here
             return json_response(answer(doc, state.config.model_name))
         except ApiError as exc:
             return json_response(exc.envelope(), status=exc.status)

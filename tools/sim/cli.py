@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from gateway.helpfmt import DefaultsHelp
-from tools.sim.config import KV_ROLES, KvRole, SimConfig
+from tools.sim.config import KV_ROLES, SCHEDULING_POLICIES, KvRole, SimConfig
 from tools.sim.faults import Faults, FaultsError
 from tools.sim.kvevents import KvEventsConfig
 from tools.sim.runner import SimServer
@@ -83,18 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     eng.add_argument(
         "--max-model-len", type=int, default=_D.max_model_len, help="longest prompt + output"
     )
-    eng.add_argument(
-        "--max-num-seqs", type=int, default=_D.max_num_seqs, help="sequences run at once"
-    )
-    eng.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=_D.max_num_batched_tokens,
-        help="tokens scheduled per step (prefill chunks and decodes)",
-    )
-    eng.add_argument(
-        "--max-num-queued-reqs", type=int, default=None, help="503 beyond (default unbounded)"
-    )
+    _add_scheduler_arguments(eng)
     eng.add_argument("--block-size", type=int, default=_D.block_size, help="tokens per KV block")
     eng.add_argument(
         "--num-gpu-blocks-override",
@@ -208,6 +197,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flt.add_argument("--unhealthy", action="store_true", help="/health answers 503")
 
 
+def _add_scheduler_arguments(eng: argparse._ArgumentGroup) -> None:
+    eng.add_argument(
+        "--max-num-seqs", type=int, default=_D.max_num_seqs, help="sequences run at once"
+    )
+    eng.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=_D.max_num_batched_tokens,
+        help="tokens scheduled per step (prefill chunks and decodes)",
+    )
+    eng.add_argument(
+        "--max-num-queued-reqs", type=int, default=None, help="503 beyond (default unbounded)"
+    )
+    eng.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default=_D.scheduling_policy,
+        help="fcfs: first come first served; priority: by each request's priority (lower "
+        "first, then arrival), preempting the least important running request when the KV "
+        "cache runs out",
+    )
+
+
 def _add_sleep_arguments(parser: argparse.ArgumentParser) -> None:
     slp = parser.add_argument_group("sleep mode (vLLM's dev routes)")
     slp.add_argument(
@@ -265,6 +277,7 @@ def config_from_args(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_queued_reqs=args.max_num_queued_reqs,
+        scheduling_policy=args.scheduling_policy,
         block_size=args.block_size,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         enable_prefix_caching=args.enable_prefix_caching,

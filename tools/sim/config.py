@@ -28,6 +28,9 @@ KvRole = Literal["kv_producer", "kv_consumer", "kv_both"]
 KV_ROLES: Final[tuple[KvRole, ...]] = ("kv_producer", "kv_consumer", "kv_both")
 # vLLM's --runner: a server generates (chat, completions) or pools (embeddings, scoring)
 Runner = Literal["generate", "pooling"]
+# vLLM's --scheduling-policy: first come first served, or by each request's priority
+SchedulingPolicy = Literal["fcfs", "priority"]
+SCHEDULING_POLICIES: Final[tuple[SchedulingPolicy, ...]] = ("fcfs", "priority")
 
 DEFAULT_MODEL: Final = "sim-model"
 
@@ -53,6 +56,9 @@ class SimConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     max_num_queued_reqs: int | None = None  # None: unbounded (vLLM's default)
+    # priority: the queue is ordered by (priority, arrival) and preemption takes the least
+    # important running request (engine.py); fcfs ignores requests' priorities
+    scheduling_policy: SchedulingPolicy = "fcfs"
 
     # -- KV cache
     block_size: int = 16
@@ -140,6 +146,10 @@ class SimConfig:
             raise ValueError(f"output must be 'random' or 'echo', got {self.output!r}")
         if self.max_num_queued_reqs is not None and self.max_num_queued_reqs < 0:
             raise ValueError("max_num_queued_reqs must not be negative")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy must be 'fcfs' or 'priority', got {self.scheduling_policy!r}"
+            )
         if self.kv_role is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {', '.join(KV_ROLES)}, got {self.kv_role!r}")
         if self.kv_transfer_us_per_token < 0:

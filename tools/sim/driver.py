@@ -130,6 +130,7 @@ class EngineDriver:
         stream: bool,
         remote_decode: bool = False,
         remote_prefill: bool = False,
+        priority: int = 0,
     ) -> RequestHandle:
         self._next_id += 1
         rid = self._next_id
@@ -142,6 +143,7 @@ class EngineDriver:
             self.now(),
             remote_decode=remote_decode,
             remote_prefill=remote_prefill,
+            priority=priority,
         )
         self.engine.add_request(request)
         handle = RequestHandle(rid, stream=stream)

@@ -9,12 +9,19 @@ Scheduling (after vLLM V1's unified scheduler):
 - Running requests first, in admission order, each taking the tokens it still has
   to compute (a whole prompt chunk, or one decode token) out of the step's budget
   of ``max_num_batched_tokens``, so long prompts are prefilled in chunks.
-- When the KV cache cannot hold a running request's next tokens, the most recently
-  admitted request is preempted: its blocks are freed and it goes back to the front
-  of the queue, to be recomputed (through the prefix cache) when readmitted.
-- Then, unless something was preempted, waiting requests are admitted first come
-  first served while fewer than ``max_num_seqs`` run, budget remains and their
-  blocks can be allocated; cached prefix blocks are reused and not computed again.
+- When the KV cache cannot hold a running request's next tokens, a running request is
+  preempted: its blocks are freed and it goes back to the queue, to be recomputed
+  (through the prefix cache) when readmitted. Under ``fcfs`` the most recently admitted
+  one, back to the front of the queue; under ``priority`` the least important one (the
+  highest priority value, the latest arrival among equals: vLLM's ``max`` over
+  ``(priority, arrival_time)``), wherever it stands in the batch (if it was scheduled in
+  this step already, its tokens go back to the budget), back in the queue's order.
+- Then, unless something was preempted, waiting requests are admitted in the queue's
+  order (``waiting.py``: arrival, or priority then arrival) while fewer than
+  ``max_num_seqs`` run, budget remains and their blocks can be allocated; cached prefix
+  blocks are reused and not computed again. As in vLLM 0.32, a waiting request never
+  preempts a running one by itself, whatever its priority: it waits for a free slot and
+  free blocks, which it then gets before less important ones.
 - A request whose tokens are all computed samples its next token at the end of the
   step; it finishes on its EOS token (``stop``) or at ``max_tokens`` (``length``).
 
@@ -42,13 +49,13 @@ Pausing (vLLM's scheduler pause states, which sleep mode sets; ``sleep.py``):
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
 from tools.sim.config import SimConfig
 from tools.sim.kvcache import BlockPool, chain_hash
 from tools.sim.stats import EngineStats
+from tools.sim.waiting import Order, WaitingQueue, waiting_queue
 
 PauseState = Literal["unpaused", "paused_new", "paused_all"]
 
@@ -69,6 +76,7 @@ class Request:
     arrival: float
     remote_decode: bool = False  # prefill-only half: report the filled KV blocks at the end
     remote_prefill: bool = False  # decode half: the prompt's KV is transferred, not computed
+    priority: int = 0  # lower runs first, under the priority scheduling policy only
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +129,7 @@ class _Seq:
         "num_computed",
         "num_output",
         "num_registered",
+        "order",
         "ready_at",
         "remote_pending",
         "req",
@@ -131,6 +140,7 @@ class _Seq:
 
     def __init__(self, req: Request) -> None:
         self.req = req
+        self.order: Order = (req.priority, req.arrival, req.request_id)
         self.token_ids = list(req.prompt_ids)
         self.hashes: list[int] = []
         self.blocks: list[int] = []
@@ -165,8 +175,9 @@ class Engine:
             config.block_size,
             record_events=config.publishes_kv_events,
         )
-        self.waiting: deque[_Seq] = deque()
+        self.waiting: WaitingQueue[_Seq] = waiting_queue(config.scheduling_policy)
         self.running: list[_Seq] = []
+        self._by_priority = config.scheduling_policy == "priority"
         self.pause: PauseState = "unpaused"
         self._seqs: dict[int, _Seq] = {}
         self._bs = config.block_size
@@ -186,7 +197,7 @@ class Engine:
         seq = _Seq(req)
         self._extend_hashes(seq)
         self._seqs[req.request_id] = seq
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def abort(self, request_id: int) -> str | None:
         """Drop a request at once; returns its phase, or None if it already left."""
@@ -220,8 +231,8 @@ class Engine:
 
     def drop_kv_cache(self) -> None:
         """Sleep level 1 or 2 discards the KV cache: every request holding blocks is
-        preempted (running ones back to the front of the queue, in order; a queued one
-        receiving its KV will compute it instead), then the prefix cache is emptied."""
+        preempted (running ones back to the queue, to its front in order under fcfs; a queued
+        one receiving its KV will compute it instead), then the prefix cache is emptied."""
         while self.running:
             self._preempt(self.running.pop())
         for seq in self.waiting:
@@ -243,7 +254,7 @@ class Engine:
         request holds blocks. ``reset_running_requests`` first preempts the running ones
         (they are recomputed later), so only a queued request receiving its KV can refuse."""
         if reset_running_requests:
-            while self.running:  # last admitted first: they go back to the queue in order
+            while self.running:  # last admitted first: fcfs puts them back in order
                 self._preempt(self.running.pop())
         return self.pool.clear()
 
@@ -305,18 +316,32 @@ class Engine:
         return StepResult(duration, events, preempted, len(scheduled), prefill_tokens)
 
     def _schedule(self, start: float) -> tuple[list[tuple[_Seq, int]], list[int]]:
-        budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[_Seq, int]] = []
         preempted: list[int] = []
         if self.pause == "paused_all":
             return scheduled, preempted
+        budget = self._schedule_running(scheduled, preempted)
+        if not preempted and self.pause == "unpaused":
+            self._schedule_waiting(start, budget, scheduled)
+        return scheduled, preempted
+
+    def _schedule_running(self, scheduled: list[tuple[_Seq, int]], preempted: list[int]) -> int:
+        """Schedule the running requests' tokens, preempting when blocks run out; the
+        step's budget left."""
+        budget = self.config.max_num_batched_tokens
         running = self.running
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             n = min(len(seq.token_ids) - seq.num_computed, budget)
             while not self._grow(seq, seq.num_computed + n):
-                victim = running.pop()
+                victim = self._victim()
+                at = running.index(victim)
+                del running[at]
+                if at < i:  # scheduled in this step already: its tokens go back
+                    i -= 1
+                    k = next(k for k, (s, _) in enumerate(scheduled) if s is victim)
+                    budget += scheduled.pop(k)[1]
                 self._preempt(victim)
                 preempted.append(victim.req.request_id)
                 if victim is seq:
@@ -326,22 +351,26 @@ class Engine:
             scheduled.append((seq, n))
             budget -= n
             i += 1
-        if preempted or self.pause != "unpaused":
-            return scheduled, preempted
+        return budget
 
+    def _schedule_waiting(
+        self, start: float, budget: int, scheduled: list[tuple[_Seq, int]]
+    ) -> None:
+        """Admit waiting requests in the queue's order while there is room."""
+        running = self.running
         waiting = self.waiting
         receiving: list[_Seq] = []  # KV still in transit: skipped, keeping their places
         while waiting and budget > 0 and len(running) < self.config.max_num_seqs:
-            seq = waiting[0]
+            seq = waiting.peek()
             if seq.remote_pending and not self._start_transfer(seq, start):
                 break
             if seq.ready_at is not None and seq.ready_at > start:
-                receiving.append(waiting.popleft())
+                receiving.append(waiting.pop())
                 continue
             n = self._admit(seq, budget)
             if n == 0:
                 break
-            waiting.popleft()
+            waiting.pop()
             seq.running = True
             if seq.scheduled_time is None:
                 seq.scheduled_time = start
@@ -349,8 +378,14 @@ class Engine:
             running.append(seq)
             scheduled.append((seq, n))
             budget -= n
-        waiting.extendleft(reversed(receiving))
-        return scheduled, preempted
+        for seq in reversed(receiving):
+            waiting.prepend(seq)
+
+    def _victim(self) -> _Seq:
+        """The running request to preempt when blocks run out (see module docstring)."""
+        if self._by_priority:
+            return max(self.running, key=_importance)
+        return self.running[-1]
 
     def _start_transfer(self, seq: _Seq, start: float) -> bool:
         """Allocate the prompt's blocks and start receiving its KV; False if they do not fit."""
@@ -419,7 +454,7 @@ class Engine:
         seq.num_registered = 0
         seq.running = False
         seq.ready_at = None  # recomputed locally, as vLLM does with a preempted remote prefill
-        self.waiting.appendleft(seq)
+        self.waiting.prepend(seq)
         self.stats.num_preemptions += 1
 
     def _register_blocks(self, seq: _Seq) -> None:
@@ -504,3 +539,8 @@ class Engine:
             cached_tokens=seq.num_cached,
             created_tokens=max(0, written - seq.num_cached),
         )
+
+
+def _importance(seq: _Seq) -> tuple[int, float]:
+    """vLLM's preemption key: the largest is the least important running request."""
+    return seq.req.priority, seq.req.arrival

@@ -28,6 +28,7 @@ from typing import Any, Final
 
 from tools.sim.config import SimConfig
 from tools.sim.engine import TokenEvent
+from tools.sim.priority import read_priority
 from tools.sim.protocol import ApiError, GenerateParams, Outcome, error_envelope, parse_stop
 from tools.sim.responses import DONE, ENGINE_ERROR, sse, usage
 from tools.sim.tokens import OutputText
@@ -123,6 +124,7 @@ def render_doc(
     stream: bool,
     stream_options: dict[str, Any] | None,
     cache_salt: str | None = None,
+    priority: int = 0,
 ) -> dict[str, Any]:
     """vLLM's ``GenerateRequest``, as its render endpoints answer it."""
     return {
@@ -140,7 +142,7 @@ def render_doc(
         "stream": stream,
         "stream_options": stream_options if stream else None,
         "cache_salt": cache_salt,
-        "priority": 0,
+        "priority": priority,
         "kv_transfer_params": None,
         "ec_transfer_params": None,
     }
@@ -164,6 +166,7 @@ class TokensRequest:
     params: GenerateParams
     text_mode: bool  # output_mode "text": the text too
     return_token_ids: bool
+    priority: int = 0
 
 
 def parse_tokens_request(body: Any) -> TokensRequest:
@@ -185,7 +188,7 @@ def parse_tokens_request(body: Any) -> TokensRequest:
         if o is not None:
             options = {k: o.boolean(k) for k in ("include_usage", "continuous_usage_stats")}
     f.string("cache_salt")
-    f.integer("priority")
+    priority = read_priority(f)
     kv = f.mapping("kv_transfer_params")
     f.problems.check()
     assert token_ids is not None  # else a problem was raised
@@ -211,7 +214,7 @@ def parse_tokens_request(body: Any) -> TokensRequest:
         kv_transfer_params=kv,
         stop=parse_stop(sampling.doc.get("stop"), "sampling_params.stop"),
     )
-    return TokensRequest(request_id, params, mode == "text", return_ids)
+    return TokensRequest(request_id, params, mode == "text", return_ids, priority)
 
 
 def _token_ids(f: Fields) -> tuple[int, ...] | None:

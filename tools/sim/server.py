@@ -40,6 +40,7 @@ from tools.sim.http import (
 )
 from tools.sim.kvevents import KvEvents
 from tools.sim.metrics import ServerCounters, SimCollector, make_registry, render
+from tools.sim.priority import PRIORITY_HEADER, request_priority
 from tools.sim.protocol import ApiError, parse_generate, parse_tokenize
 from tools.sim.protocol import plan_output as plan
 from tools.sim.responses import ChunkStream, ResponseFormat
@@ -262,6 +263,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
     try:
         body = await json_body(request)
         params = parse_generate(body, chat=chat)
+        priority = request_priority(body, request.headers.get(PRIORITY_HEADER))
         check_model(params.model, state)
         output_len, reason, output = plan(params, config)
         refused = await serving.admit(state)
@@ -278,7 +280,7 @@ async def _generate(request: web.Request, *, chat: bool) -> web.StreamResponse:
         model=params.model or config.model_name,
         prompt_tokens=len(params.prompt_ids),
     )
-    with serving.running(state, params, (output_len, reason, output)) as handle:
+    with serving.running(state, params, (output_len, reason, output), priority) as handle:
         if params.stream:
             events = ChunkStream(
                 fmt,

@@ -69,10 +69,14 @@ def remote_decode(config: SimConfig, params: GenerateParams) -> bool:
 
 @contextmanager
 def running(
-    state: SimState, params: GenerateParams, planned: tuple[int, str, TokenSource]
+    state: SimState,
+    params: GenerateParams,
+    planned: tuple[int, str, TokenSource],
+    priority: int = 0,
 ) -> Iterator[RequestHandle]:
-    """The request submitted to the engine as planned (``protocol.plan_output``), in flight
-    until the block ends, then released (and aborted, if it had not finished)."""
+    """The request submitted to the engine as planned (``protocol.plan_output``) with its
+    ``priority`` (``priority.py``), in flight until the block ends, then released (and
+    aborted, if it had not finished)."""
     output_len, reason, output = planned
     config = state.config
     decode = remote_decode(config, params)
@@ -84,6 +88,7 @@ def running(
         stream=params.stream,
         remote_decode=decode,
         remote_prefill=config.kv_consumer and not decode and params.remote_prefill,
+        priority=priority,
     )
     state.in_flight += 1
     try:

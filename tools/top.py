@@ -3,12 +3,14 @@
 It polls the admin API (``/admin/backends`` and ``/admin/metrics``) once a second and shows,
 per backend: health, circuit, in-flight, queue, KV usage, score, requests per second and time
 to first token (p50, p99) over the last interval, and the TTFT and inter-token latency the
-gateway predicts for it as loaded now (its learned speed); in a fleet, below them, every replica
-(``/admin/replicas``) with the last change it applied, the requests it served and its view of
-the fleet's change log (ok; lost, being healed; unreachable; on another epoch), and the fleet's
-figures summed over the replicas. While Redis does not answer, the gateway answers the replicas
-from the last state known: ``top`` marks them stale, with their age. The arithmetic is pure
-(``Frame``); only ``run`` does I/O.
+gateway predicts for it as loaded now (its learned speed); with capacity on
+(``/admin/capacity``), each engine's state (awake, going to sleep, asleep, waking), and below
+the table how many are in each, who manages and the engine-seconds asleep it counted; in a
+fleet, below them, every replica (``/admin/replicas``) with the last change it applied, the
+requests it served and its view of the fleet's change log (ok; lost, being healed;
+unreachable; on another epoch), and the fleet's figures summed over the replicas. While Redis
+does not answer, the gateway answers the replicas from the last state known: ``top`` marks them
+stale, with their age. The arithmetic is pure (``Frame``); only ``run`` does I/O.
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ from gateway.fleet.figures import quantile
 DESCRIPTION: Final = (
     "Live view of a running gateway: per backend health, circuit, in-flight requests, queue "
     "depth, KV-cache usage, routing score, requests/s, time to first token (p50/p99) and the "
-    "predicted TTFT and inter-token latency (learned), refreshed every second. Needs the "
-    "admin API (its URL and bearer token)."
+    "predicted TTFT and inter-token latency (learned), with capacity on each engine's state "
+    "(awake, going to sleep, asleep, waking) and the engine-seconds asleep, refreshed every "
+    "second. Needs the admin API (its URL and bearer token)."
 )
 TOKEN_ENV: Final = "GATEWAY_ADMIN__TOKEN"  # the one the gateway reads (``admin.token``)
 # What ``top --help`` once named instead: still read, with a warning, so a shell set up from
@@ -99,10 +102,17 @@ class Row:
     ttft_p99: float | None
     predicted_ttft: float | None = None  # seconds, learned (``policies.latency``)
     predicted_itl: float | None = None
+    state: str | None = None  # capacity's: awake, going_to_sleep, asleep, waking (None: not shown)
 
 
-def frame(backends: Mapping[str, Any], cur: MetricsSample, prev: MetricsSample | None) -> list[Row]:
-    """One frame's rows from the admin view and two metric samples (rates over the gap)."""
+def frame(
+    backends: Mapping[str, Any],
+    cur: MetricsSample,
+    prev: MetricsSample | None,
+    states: Mapping[str, str] | None = None,
+) -> list[Row]:
+    """One frame's rows from the admin view and two metric samples (rates over the gap), with
+    each engine's state from ``states`` (backend -> state) when given."""
     rows = []
     dt = (cur.at - prev.at) if prev is not None else 0.0
     for b in backends.get("backends", []):
@@ -127,6 +137,7 @@ def frame(backends: Mapping[str, Any], cur: MetricsSample, prev: MetricsSample |
                 ttft_p99=p99,
                 predicted_ttft=(b.get("latency") or {}).get("predicted_ttft_s"),
                 predicted_itl=(b.get("latency") or {}).get("predicted_itl_s"),
+                state=None if states is None else states.get(bid),
             )
         )
     return rows
@@ -136,11 +147,28 @@ def _fmt(v: float | None, pattern: str) -> str:
     return "-" if v is None else pattern.format(v)
 
 
+# An engine's state (capacity) -> shown as, style: the two on their way in italics
+STATES: Final = {
+    "awake": ("awake", "green"),
+    "going_to_sleep": ("going to sleep", "italic yellow"),
+    "asleep": ("asleep", "blue"),
+    "waking": ("waking", "italic cyan"),
+}
+
+
+def state_text(state: str | None) -> Text:
+    if state is None:
+        return Text("-")
+    shown, style = STATES.get(state, (state, "magenta"))
+    return Text(shown, style=style)
+
+
 def render(rows: list[Row], policy: str) -> Table:
     table = Table(title=f"llm-gateway backends  (policy: {policy})", expand=False)
+    with_state = any(r.state is not None for r in rows)
     for col in (
-        "backend", "health", "circuit", "in-flight", "queue", "KV", "score", "req/s",
-        "TTFT p50", "TTFT p99", "TTFT pred", "ITL pred",
+        "backend", "health", "circuit", *(["state"] if with_state else []), "in-flight",
+        "queue", "KV", "score", "req/s", "TTFT p50", "TTFT p99", "TTFT pred", "ITL pred",
     ):  # fmt: skip
         table.add_column(col, justify="left" if col == "backend" else "right")
     colour = {"up": "green", "down": "red", "unknown": "yellow"}
@@ -152,6 +180,7 @@ def render(rows: list[Row], policy: str) -> Table:
             r.backend,
             health,
             r.circuit,
+            *([state_text(r.state)] if with_state else []),
             str(r.in_flight),
             _fmt(r.queue, "{:d}"),
             _fmt(None if r.kv is None else r.kv * 100, "{:.0f}%"),
@@ -198,6 +227,76 @@ def fleet_lines(summary: Mapping[str, Any]) -> list[str]:
         ranked = sorted(figures["rejections"].items(), key=lambda e: (-e[1], e[0]))
         lines.append("rejected: " + " · ".join(f"{k} {n}" for k, n in ranked[:8]))
     return lines
+
+
+def capacity_shown(capacity: Mapping[str, Any] | None) -> bool:
+    """Capacity's column and line: when it is on, or an engine is not awake all the same (slept
+    by hand with the manager off); never from a gateway without ``/admin/capacity``."""
+    if capacity is None:
+        return False
+    return bool(capacity["enabled"]) or any(e["state"] != "awake" for e in capacity["engines"])
+
+
+def engine_states(capacity: Mapping[str, Any] | None) -> dict[str, str] | None:
+    """Each engine's state (backend -> state) for the table, None when capacity is not shown."""
+    if capacity is None or not capacity_shown(capacity):
+        return None
+    return {e["backend"]: e["state"] for e in capacity["engines"]}
+
+
+@dataclass(frozen=True, slots=True)
+class ManagerLook:
+    """The capacity manager's last turn (``look``) and who made it: ``by`` None when the
+    gateway acts alone; ``look`` None while no replica manages."""
+
+    look: Mapping[str, Any] | None
+    by: str | None
+    alone: bool
+
+
+def manager_of(capacity: Mapping[str, Any], replicas: Mapping[str, Any]) -> ManagerLook:
+    """The replica asked's own turn when it manages, else the managing replica's as its report
+    carries it (the newer lease's, should two during a hand-over)."""
+    alone = replicas.get("fleet") is None
+    if capacity.get("managing"):
+        look = capacity.get("look") or {}
+        by = None if alone else replicas["self"]
+        return ManagerLook(look if "models" in look else None, by, alone)
+    reports = [r for r in replicas.get("replicas", []) if "models" in (r.get("capacity") or {})]
+    if not reports:
+        return ManagerLook(None, None, alone)
+    r = max(reports, key=lambda r: r["capacity"].get("token") or 0)
+    return ManagerLook(r["capacity"], r["id"], alone)
+
+
+def capacity_line(capacity: Mapping[str, Any] | None, replicas: Mapping[str, Any]) -> Text | None:
+    """Below the backends: the engines in each state, who manages, and the engine-seconds asleep
+    the manager counted (the one count at hand here: a replica that managed before counts its
+    own, so in a fleet the total is ``llm_gateway_capacity_asleep_seconds_total`` summed over
+    the replicas); None when capacity is not shown."""
+    if capacity is None or not capacity_shown(capacity):
+        return None
+    line = Text("capacity: " if capacity["enabled"] else "capacity (manager OFF): ")
+    counts = capacity["states"]
+    for i, state in enumerate(STATES):
+        if i:
+            line.append(" · ")
+        line.append_text(state_text(state))
+        line.append(f" {counts.get(state, 0)}")
+    m = manager_of(capacity, replicas)
+    if m.look is None:
+        line.append(" · no replica manages yet")
+        return line
+    seconds = f"{m.look.get('asleep_seconds', 0):,.0f} engine-s asleep"
+    if m.alone:
+        line.append(f" · managed by this gateway · {seconds} since it started")
+    else:
+        mine = " (this one)" if m.by == replicas.get("self") else ""
+        line.append(
+            f" · managed by {m.by}{mine} · {seconds} counted by it while it managed "
+            "(the fleet's: llm_gateway_capacity_asleep_seconds_total summed over the replicas)"
+        )
+    return line
 
 
 # A change log's state (the replica's own word, or the fleet's: "other epoch") -> shown as, colour
@@ -298,17 +397,31 @@ class TopClient:
         resp.raise_for_status()
         return resp
 
+    async def _capacity(self) -> dict[str, Any] | None:
+        """``GET /admin/capacity``; None from a gateway of before capacity (a 404)."""
+        async with self._session.get(self._url + "/admin/capacity", headers=self._headers) as r:
+            if r.status == 404:
+                return None
+            r.raise_for_status()
+            doc: dict[str, Any] = await r.json()
+            return doc
+
     async def next_frame(self) -> RenderableType:
         async with await self._get("/admin/backends") as r:
             backends = await r.json()
         async with await self._get("/admin/metrics") as r:
             sample = parse_metrics(await r.text(), time.monotonic())
         async with await self._get("/admin/replicas") as r:
-            replicas = render_replicas(await r.json())
-        rows = frame(backends, sample, self._prev)
+            replicas_doc = await r.json()
+        capacity = await self._capacity()
+        rows = frame(backends, sample, self._prev, engine_states(capacity))
         self._prev = sample
-        table = render(rows, backends.get("policy", "?"))
-        return table if replicas is None else Group(table, replicas)
+        parts: list[RenderableType] = [render(rows, backends.get("policy", "?"))]
+        if (line := capacity_line(capacity, replicas_doc)) is not None:
+            parts.append(line)
+        if (replicas := render_replicas(replicas_doc)) is not None:
+            parts.append(replicas)
+        return parts[0] if len(parts) == 1 else Group(*parts)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,8 @@
   that made the change) calls its ``/wake_up``, and requests go to it once it says it is awake.
 - ``PUT /admin/capacity/{model}``: the model's rule (its fields, over the current rule or the
   defaults); ``DELETE``: the model no longer managed, its engines wanted awake.
-- ``GET /admin/capacity``: the rules, each engine's state, the manager's last look.
+- ``GET /admin/capacity``: the rules, each engine's state (and for how long), the manager's
+  last look.
 
 A manager's decision is logged with the manager's reason (``why``) and token; an operator's
 with its caller, as every change.
@@ -199,7 +200,13 @@ def capacity_view(app: web.Application) -> dict[str, Any]:
     """``GET /admin/capacity`` on the gateway app ``app``: this replica's view."""
     book, pool = app[CAPACITY], app[POOL]
     manager = app[MANAGER]
-    engines = [engine_doc(b) for b in pool.all() if not b.removed]
+    now = pool.now()
+    engines = [
+        # how long it has been in its state (None: not changed since this replica started)
+        {**engine_doc(b), "state_for_s": round(now - b.rest_since, 1) if b.rest_since else None}
+        for b in pool.all()
+        if not b.removed
+    ]
     counts = {r.value: sum(e["state"] == r.value for e in engines) for r in Rest}
     return {
         "enabled": book.enabled,

@@ -27,7 +27,7 @@ let token = null;
 let timer = null;
 let polling = false; // one poll at a time
 let history = []; // [{at, stats, derived, inFlight, canary}]
-let latest = { policy: null, aliases: null, backends: null, replicas: null, changes: null, keys: null, rollouts: null };
+let latest = { policy: null, aliases: null, backends: null, replicas: null, changes: null, keys: null, rollouts: null, capacity: null };
 let policyFormDoc = null; // the policy document the form was last built from
 let rolloutShape = ""; // aliases and pools the rollout section was built for
 let startShape = ""; // aliases and pools the form starting a rollout was built for
@@ -167,6 +167,9 @@ function signOut(message) {
   rolloutShape = "";
   startShape = "";
   $("rollouts").replaceChildren();
+  $("capacity-card").hidden = true;
+  $("engines").tBodies[0].replaceChildren();
+  $("capacity-models").tBodies[0].replaceChildren();
   $("console").hidden = true;
   $("sign-out").hidden = true;
   $("policy-name").hidden = true;
@@ -201,7 +204,7 @@ async function poll() {
   polling = true;
   clearTimeout(timer);
   try {
-    const [backends, stats, policy, aliases, replicas, changes, keys, rollouts] = await Promise.all([
+    const [backends, stats, policy, aliases, replicas, changes, keys, rollouts, capacity] = await Promise.all([
       api("GET", "/admin/backends"),
       api("GET", "/admin/stats"),
       api("GET", "/admin/policy"),
@@ -210,9 +213,10 @@ async function poll() {
       api("GET", `/admin/changes?limit=${CHANGES_SHOWN}`),
       api("GET", "/admin/keys"),
       api("GET", "/admin/rollouts"),
+      api("GET", "/admin/capacity"),
     ]);
     if (token === null) return;
-    latest = { policy, aliases, backends, replicas, changes, keys, rollouts };
+    latest = { policy, aliases, backends, replicas, changes, keys, rollouts, capacity };
     record(backends, stats, replicas);
     render();
     const at = `live · ${new Date(stats.at * 1000).toLocaleTimeString()}`;
@@ -336,6 +340,7 @@ function render() {
   renderTiles(last);
   renderCharts();
   renderBackends(last);
+  renderCapacity();
   refreshPolicyForm(policy);
   renderRollout(last);
   renderRollouts();
@@ -375,7 +380,7 @@ function markStale(id, doc, ...shown) {
 function renderTiles(last) {
   const d = last.derived;
   const backends = latest.backends.backends;
-  const up = backends.filter((b) => b.health === "up" && !b.draining && b.circuit !== "open").length;
+  const up = backends.filter((b) => b.health === "up" && !b.draining && b.circuit !== "open" && restOf(b.id) === "awake").length;
   const admission = last.stats.admission;
   const tiles = [
     ["Requests/s", fmtRate(d.fleet.rps)],
@@ -479,7 +484,9 @@ function renderBackends(last) {
       { type: "button", class: b.draining ? "undrain" : "drain", dataset: { sig: `${b.draining}` }, onclick: () => drainBackend(b.id, !b.draining) },
       b.draining ? "Undrain" : "Drain",
     );
-    const name = el("span", { dataset: { sig: `${b.id}|${b.url}|${b.draining}` }, title: b.url }, el("i", { class: "swatch" }), b.id, b.draining ? el("span", { class: "pill warn" }, "draining") : null);
+    const rest = restOf(b.id); // an engine not awake (capacity) says so beside its name
+    const resting = rest === "awake" ? null : el("span", { class: `pill rest ${rest}` }, REST[rest] ?? rest);
+    const name = el("span", { dataset: { sig: `${b.id}|${b.url}|${b.draining}|${rest}` }, title: b.url }, el("i", { class: "swatch" }), b.id, b.draining ? el("span", { class: "pill warn" }, "draining") : null, resting);
     name.firstChild.style.background = colorOf(b.id);
     const row = upsertRow(tbody, b.id, [
       name,
@@ -503,6 +510,147 @@ function renderBackends(last) {
     row.classList.toggle("draining", b.draining);
   }
   prune(tbody, keys);
+}
+
+// ---- capacity: engines asleep and awake --------------------------------------------------
+// Each engine's state as this replica sees it (GET /admin/capacity), and the capacity
+// manager's last turn: this replica's own when it manages, else the managing replica's, as
+// its report in GET /admin/replicas carries it.
+
+// An engine's state, as the page says it (the class of its pill is the state's own name)
+const REST = { awake: "awake", going_to_sleep: "going to sleep", asleep: "asleep", waking: "waking" };
+
+function restOf(id) {
+  return latest.capacity?.engines.find((e) => e.backend === id)?.state ?? "awake";
+}
+
+function capacityShown(cap) {
+  // On, or an engine not awake all the same (slept by hand with the manager off).
+  return cap.enabled || cap.engines.some((e) => e.state !== "awake");
+}
+
+function managerLook() {
+  // {look, by, self}: the manager's last turn, the replica that made it (null: this gateway,
+  // acting alone) and whether that is this one; look null while no replica manages. Two
+  // reports may carry a turn during a hand-over: the newer lease's.
+  const cap = latest.capacity;
+  const replicas = latest.replicas;
+  const alone = replicas.fleet === null;
+  if (cap.managing) {
+    return { look: cap.look?.models ? cap.look : null, by: alone ? null : replicas.self, self: true, alone };
+  }
+  const reports = (replicas.replicas ?? []).filter((r) => r.capacity?.models);
+  reports.sort((a, b) => (b.capacity.token ?? 0) - (a.capacity.token ?? 0));
+  const r = reports[0];
+  return r ? { look: r.capacity, by: r.id, self: r.id === replicas.self, alone } : { look: null, by: null, self: false, alone };
+}
+
+function fmtEngineSeconds(s) {
+  if (s === null || s === undefined || !Number.isFinite(s)) return "–";
+  const whole = `${Math.round(s).toLocaleString("en-US")} engine-s`;
+  return s >= 3600 ? `${whole} (${(s / 3600).toFixed(1)} engine-h)` : whole;
+}
+
+function managedBy(m) {
+  if (m.look === null) return "no replica manages yet (its lease is free or being taken)";
+  if (m.alone) return "managed by this gateway";
+  return `managed by ${m.by}${m.self ? " (this one)" : ""}`;
+}
+
+function savedNote(m) {
+  // What the figure counts, said plainly: only the manager's own count is at hand here.
+  if (m.look === null) return "Engine-seconds asleep: no manager's count yet.";
+  const metric = "llm_gateway_capacity_asleep_seconds_total";
+  if (m.alone) return `Engine-seconds asleep (saved): counted since this gateway started (${metric}).`;
+  return `Engine-seconds asleep (saved): counted by ${m.by} while it managed, since it started; ` +
+    `a replica that managed before it counts its own, so the fleet's total is ${metric} summed over the replicas.`;
+}
+
+function renderCapacity() {
+  const cap = latest.capacity;
+  const card = $("capacity-card");
+  card.hidden = !capacityShown(cap);
+  if (card.hidden) return;
+  const m = managerLook();
+  const counts = cap.states;
+  const on = cap.enabled ? "capacity manager on" : "capacity manager OFF: engines wanted asleep stay as they are";
+  $("capacity-summary").textContent = `${on} · ${managedBy(m)}${m.look ? ` (lease token ${m.look.token})` : ""}`;
+  const tiles = [
+    ["awake", counts.awake],
+    ["going_to_sleep", counts.going_to_sleep],
+    ["asleep", counts.asleep],
+    ["waking", counts.waking],
+  ].map(([state, n]) => [state, REST[state], fmtNumber(n, 0)]);
+  tiles.push(["saved", "engine-seconds asleep (saved)", fmtEngineSeconds(m.look?.asleep_seconds)]);
+  $("capacity-tiles").replaceChildren(
+    ...tiles.map(([key, label, value]) => el("div", { class: "tile card", dataset: { key } }, el("span", { class: "label" }, label), el("span", { class: "value" }, value))),
+  );
+  $("capacity-saved-note").textContent = savedNote(m);
+  renderEngines(cap);
+  renderCapacityModels(cap, m.look);
+}
+
+function renderEngines(cap) {
+  const tbody = $("engines").tBodies[0];
+  const keys = new Set();
+  for (const e of cap.engines) {
+    keys.add(e.backend);
+    const label = REST[e.state] ?? e.state;
+    const state = el("span", { class: `rest ${e.state}`, dataset: { sig: e.state } }, label);
+    const wanted = e.sleep_wanted;
+    const button = el(
+      "button",
+      { type: "button", class: wanted ? "wake" : "sleep", dataset: { sig: `${wanted}` }, onclick: () => restEngine(e.backend, !wanted) },
+      wanted ? "Wake" : "Sleep",
+    );
+    const row = upsertRow(tbody, e.backend, [e.backend, state, fmtDuration(e.state_for_s), e.models.join(", ") || "–", fmtNumber(e.in_flight, 0), button]);
+    row.dataset.state = e.state;
+    for (const s of Object.keys(REST)) row.classList.toggle(s, s === e.state);
+  }
+  prune(tbody, keys);
+}
+
+function renderCapacityModels(cap, look) {
+  const tbody = $("capacity-models").tBodies[0];
+  const models = Object.keys(cap.rules).sort();
+  for (const model of models) {
+    const rule = cap.rules[model];
+    const turn = look?.models?.[model] ?? {};
+    upsertRow(tbody, model, [
+      model,
+      fmtNumber(rule.min_awake, 0),
+      rule.max_awake === null || rule.max_awake === undefined ? "all" : fmtNumber(rule.max_awake, 0),
+      fmtNumber(turn.awake ?? null, 0),
+      fmtNumber(turn.load ?? null),
+      fmtNumber(turn.trend_per_s ?? null, 3),
+      fmtNumber(turn.need ?? null, 0),
+      fmtNumber(turn.desired ?? null, 0),
+      fmtNumber(turn.held ?? null, 0),
+      turn.idle_for_s === null || turn.idle_for_s === undefined ? "–" : fmtDuration(turn.idle_for_s),
+      turn.why ?? "–",
+    ]);
+  }
+  prune(tbody, new Set(models));
+}
+
+async function restEngine(id, asleep) {
+  const cap = latest.capacity;
+  const e = cap.engines.find((x) => x.backend === id);
+  const managed = (e?.models ?? []).some((model) => model in cap.rules);
+  let text = asleep
+    ? `No new requests go to ${id}; once the ones in flight finish, it is put to sleep (POST /sleep).`
+    : `${id} is woken (POST /wake_up) and takes requests again once it says it is awake.`;
+  if (!cap.enabled) {
+    text += asleep ? " The capacity manager is off: nothing puts it to sleep, it only stops taking requests." : "";
+  } else if (managed) {
+    text += asleep
+      ? " The capacity manager wakes it again if its models' rules or demand need it."
+      : " The capacity manager puts it to sleep again after an idle spell, by its models' rules.";
+  }
+  const title = `${asleep ? "Sleep" : "Wake"} ${id}`;
+  if (!(await confirmChange(title, text, [["sleep wanted", e?.sleep_wanted ?? !asleep, asleep]]))) return;
+  const verb = asleep ? "sleep" : "wake";
+  await act(`${id}: wanted ${asleep ? "asleep" : "awake"}.`, "POST", `/admin/backends/${encodeURIComponent(id)}/${verb}`, { why: "from the console" });
 }
 
 // ---- the confirmation dialog: what changes, before it changes -----------------------------

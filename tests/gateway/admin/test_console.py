@@ -1,7 +1,11 @@
 """The console's server side: its assets without the token (and nothing else), its security
-headers, ``/admin/stats`` and the audit log of admin actions."""
+headers, ``/admin/stats``, what the capacity panel reads, the script's look-ups and the audit log
+of admin actions."""
 
 from __future__ import annotations
+
+import re
+from importlib.resources import files
 
 from structlog.testing import capture_logs
 
@@ -157,3 +161,34 @@ def test_stats_document_groups_counters_from_the_registry() -> None:
     assert dict(b1["itl"])[None] == 1.0
     assert doc["aliases"] == {"chat": {"stable": {"200": 9.0}, "canary": {"200": 1.0}}}
     assert doc["retries"] == {"unreachable": 1.0}
+
+
+def test_every_element_the_script_looks_up_is_on_the_page() -> None:
+    """The script finds the page's parts by id (``$("...")``): a panel added to one and not the
+    other would fail only in a browser."""
+    package = files("gateway.admin.console")
+    script = package.joinpath("console.js").read_text()
+    page = package.joinpath("index.html").read_text()
+    wanted = set(re.findall(r'\$\("([A-Za-z0-9_-]+)"\)', script))
+    there = set(re.findall(r'\bid="([A-Za-z0-9_-]+)"', page))
+    assert {"capacity-card", "engines", "capacity-models", "capacity-tiles"} <= wanted
+    assert wanted - there == set()
+
+
+async def test_the_capacity_view_gives_each_engines_state_and_for_how_long() -> None:
+    """What the console's capacity panel reads: an engine slept by hand with the manager off is
+    going to sleep (nothing puts it to sleep), since when; the others awake since it started."""
+    a, b = FakeBackend(), FakeBackend()
+    async with gateway_for(a, b, names=["a", "b"], admin={"token": TOKEN}) as (gw, s):
+        assert gw.admin_url is not None
+        async with s.post(f"{gw.admin_url}/admin/backends/b/sleep", headers=AUTH) as r:
+            assert r.status == 200, await r.text()
+        async with s.get(gw.admin_url + "/admin/capacity", headers=AUTH) as r:
+            view = await r.json()
+    assert (view["enabled"], view["managing"], view["look"]) == (False, False, {})
+    engines = {e["backend"]: e for e in view["engines"]}
+    assert (engines["a"]["state"], engines["a"]["state_for_s"]) == ("awake", None)
+    assert engines["b"]["state"] == "going_to_sleep"
+    assert engines["b"]["sleep_wanted"] is True
+    assert 0 <= engines["b"]["state_for_s"] < 30
+    assert view["states"] == {"awake": 1, "going_to_sleep": 1, "asleep": 0, "waking": 0}

@@ -10,6 +10,7 @@ import shutil
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import pytest
@@ -18,6 +19,16 @@ from playwright.sync_api import Browser, Page, Request, expect
 from tests.gateway.admin.console.fleet import Fleet
 
 CHROMIUM_ENV = "LLM_GATEWAY_CHROMIUM"
+
+
+class Listener(Protocol):
+    """A gateway's admin listener and its token: a ``Fleet``, or a gateway run in the test."""
+
+    @property
+    def admin_url(self) -> str: ...
+
+    @property
+    def token(self) -> str: ...
 
 
 def chromium_path() -> str:
@@ -34,7 +45,7 @@ def chromium_path() -> str:
 
 
 @contextmanager
-def opened(browser: Browser, fleet: Fleet) -> Iterator[Page]:
+def opened(browser: Browser, fleet: Listener) -> Iterator[Page]:
     """The console of ``fleet``'s gateway in a new browser context, checked when closed."""
     context = browser.new_context()
     p = context.new_page()

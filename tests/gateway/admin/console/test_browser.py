@@ -72,6 +72,8 @@ def test_the_page_loads_with_the_backends_and_their_live_figures(page: Page, fle
         page.locator('#aliases tr[data-alias="chat"][data-pool="canary"] td').nth(1)
     ).to_have_text("5")
     expect(page.locator("#pools tbody tr")).to_have_count(2)
+    # Capacity off (the production file's default), every engine awake: no capacity panel.
+    expect(page.locator("#capacity-card")).to_be_hidden()
 
 
 def test_a_wrong_token_is_refused_and_shows_nothing(page: Page, fleet: Fleet) -> None:
@@ -150,6 +152,9 @@ def test_canary_weights_shift_from_the_page_and_roll_back(page: Page, fleet: Fle
     block.locator('input[name="weight.stable"]').fill("50")
     block.locator("button.review-weights").click()
     apply_in_dialog(page, [("chat → stable", "95", "50"), ("chat → canary", "5", "50")])
+    # The page sends the change once the dialog closes, maybe behind its poll's calls: its
+    # answer first, then the admin API read.
+    expect(page.locator("#banner")).to_have_text("chat's weights changed.")
     assert fleet.admin("GET", "/admin/aliases/chat").json()["weights"] == {
         "stable": 50.0,
         "canary": 50.0,
@@ -157,6 +162,7 @@ def test_canary_weights_shift_from_the_page_and_roll_back(page: Page, fleet: Fle
     expect(block.locator('tr[data-pool="canary"] td').nth(1)).to_have_text("50")
     block.locator("button.rollback").click()
     apply_in_dialog(page, [("chat → stable", "50", "95"), ("chat → canary", "50", "5")])
+    expect(page.locator("#banner")).to_have_text("chat rolled back.")
     assert fleet.admin("GET", "/admin/aliases/chat").json()["weights"] == {
         "stable": 95.0,
         "canary": 5.0,
@@ -215,6 +221,7 @@ def test_a_change_made_elsewhere_shows_in_the_inputs_not_being_edited(
     # The review compares with what runs now, not with what the page first showed.
     page.click("#policy-review")
     apply_in_dialog(page, [("weights.active", "2", "4")])
+    expect(page.locator("#banner")).to_have_text("Policy changed.")
     assert fleet.admin("GET", "/admin/policy").json()["weights"] == {
         "active": 4.0,
         "queue": 5.0,

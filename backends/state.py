@@ -22,6 +22,9 @@ class BackendSpec:
     source: str = "static"  # "static", or the DNS name it was discovered under
     # "prefill"/"decode": one half of disaggregated serving (gateway.request.disagg); "both": either
     role: Literal["both", "prefill", "decode"] = "both"
+    # vLLM's --scheduling-policy: "priority" engines get each request's priority
+    # (``gateway.request.priority``); under "fcfs" (vLLM's default) it would be ignored
+    scheduling: Literal["fcfs", "priority"] = "fcfs"
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection
 from importlib import metadata
@@ -69,6 +70,7 @@ from gateway.keys import (
     RELAY_FAST,
     RESPONSE_HOMES,
     RETRY,
+    RETRY_BUDGET,
     ROLLOUTS,
     ROUTER,
     ROUTES,
@@ -83,11 +85,14 @@ from gateway.keys import (
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.fairqueue import SaturationThresholds, fleet_saturated
 from gateway.limits.limiter import open_limiter
+from gateway.limits.retry_budget import LocalBudget, RetryBudgetPolicy
+from gateway.limits.retry_budget_redis import RedisBudget
 from gateway.observe import host_metrics
 from gateway.observe.capacity_metrics import CapacityCollector
 from gateway.observe.kv_metrics import KvEventsCollector
 from gateway.observe.latency_metrics import LatencyCollector
 from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.retry_budget_metrics import RetryBudgetCollector
 from gateway.observe.tracing import provider_from_settings, tracer_from
 from gateway.request import info, proxy, stored
 from gateway.request.aborts import ABORT_PATH, abort_requests
@@ -522,11 +527,46 @@ def _version() -> str:
 
 async def _limits_ctx(app: web.Application) -> AsyncIterator[None]:
     s = app[SETTINGS]
-    async with open_limiter(
-        s.limits, retry_after=s.retry_after_seconds, supervisor=app[SUPERVISOR]
-    ) as limiter:
+    async with (
+        open_limiter(
+            s.limits, retry_after=s.retry_after_seconds, supervisor=app[SUPERVISOR]
+        ) as limiter,
+        _retry_budget(app),
+    ):
         app[LIMITER] = limiter
         yield
+
+
+@contextlib.asynccontextmanager
+async def _retry_budget(app: web.Application) -> AsyncIterator[None]:
+    """The budget of extra attempts: the fleet's, on the limits' Redis when they share one
+    (its requests added in batches), else this replica's."""
+    s = app[SETTINGS]
+    policy = build(RetryBudgetPolicy, s.retry, prefix="budget_")
+    budget: LocalBudget | RedisBudget
+    if s.limits.store != "redis":
+        budget = LocalBudget(policy, time.monotonic)
+        app[RETRY_BUDGET] = budget
+        app[METRICS].registry.register(RetryBudgetCollector(lambda: budget))
+        yield
+        return
+    r = s.limits.redis
+    client = Redis.from_url(
+        r.url.get_secret_value(), socket_timeout=1.0, socket_connect_timeout=1.0, max_connections=4
+    )
+    budget = RedisBudget(
+        client, policy, key_prefix=f"{r.key_prefix}{s.fleet.name}:", clock=time.monotonic
+    )
+    app[RETRY_BUDGET] = budget
+    app[METRICS].registry.register(RetryBudgetCollector(lambda: budget))
+    task = app[SUPERVISOR].spawn("retry_budget", "retry-budget", budget.run)
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.aclose()
 
 
 SERVER_HEADER = "llm-gateway"

@@ -20,6 +20,7 @@ from gateway.config.settings import Settings
 from gateway.http import Routes
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
+from gateway.limits.retry_budget import Budget
 from gateway.observe.metrics import GatewayMetrics
 from gateway.request.generate import Generations
 from gateway.request.hedge import HedgeBudget
@@ -58,6 +59,8 @@ ROUTES: Final = web.AppKey("routes", Routes)  # the data plane's
 HEDGES: Final = web.AppKey("hedges", HedgeBudget)  # predicted_latency's hedges running now
 METRICS: Final = web.AppKey("metrics", GatewayMetrics)
 LIMITER: Final = web.AppKey("limiter", Limiter)
+# the one budget of extra attempts: this replica's, or the fleet's on Redis
+RETRY_BUDGET: Final = web.AppKey[Budget]("retry_budget")
 ADMISSION: Final = web.AppKey[AdmissionQueue | None]("admission")
 TRACER: Final = web.AppKey[Tracer | None]("tracer")
 GATEWAY: Final = web.AppKey("gateway", web.Application)

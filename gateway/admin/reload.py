@@ -290,6 +290,7 @@ def backend_specs(settings: Settings) -> list[BackendSpec]:
             url=b.url,
             api_key=b.api_key.get_secret_value() if b.api_key else None,
             role=b.role,
+            scheduling=b.scheduling,
         )
         for b in settings.backends
     ]

@@ -36,6 +36,7 @@ from gateway.config.routing import (
     RolloutSettings,
     WeightSettings,
 )
+from gateway.limits.retry_budget import RetryBudgetPolicy
 from gateway.limits.settings import LimitsSettings
 from gateway.request.retry import RetryPolicy
 from gateway.rollouts.plan import Plan, PlanError
@@ -57,6 +58,11 @@ class BackendSettings(BaseModel):
     drain: bool = Field(False, description="start draining: no new requests")
     role: Literal["both", "prefill", "decode"] = Field(
         "both", description="prefill/decode: a pool of disaggregated serving (see [disagg])"
+    )
+    scheduling: Literal["fcfs", "priority"] = Field(
+        "fcfs",
+        description="the engine's --scheduling-policy: priority engines are sent each "
+        "request's priority (X-Vllm-Priority); fcfs ones (vLLM's default) would ignore it",
     )
 
     @field_validator("url")
@@ -126,9 +132,10 @@ class HealthSettings(Section):
 
 
 class RetrySettings(Section):
-    """Failover to another backend, only before the first byte has reached the client."""
+    """Failover to another backend, only before the first byte has reached the client; and the
+    one budget that retries, hedges and stream continuations draw on (``budget_*``)."""
 
-    builds = ((RetryPolicy, ""),)
+    builds = ((RetryPolicy, ""), (RetryBudgetPolicy, "budget_"))
 
     max_attempts: int = declared(RetryPolicy, "max_attempts")
     deadline: float = declared(RetryPolicy, "deadline")
@@ -136,6 +143,9 @@ class RetrySettings(Section):
     backoff_max: float = declared(RetryPolicy, "backoff_max")
     backoff_factor: float = declared(RetryPolicy, "backoff_factor")
     jitter: float = declared(RetryPolicy, "jitter")
+    budget_ratio: float = declared(RetryBudgetPolicy, "ratio")
+    budget_min_per_second: float = declared(RetryBudgetPolicy, "min_per_second")
+    budget_window: float = declared(RetryBudgetPolicy, "window")
 
 
 class ContinuationSettings(BaseModel):

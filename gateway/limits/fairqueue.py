@@ -77,14 +77,17 @@ class FairQueue(Generic[T]):
         return out
 
 
-def parse_priority(value: str | None, max_priority: int, *, floor: int = -100) -> int:
-    """The priority header's value, clamped to what the caller's tier allows (default 0)."""
+def parse_priority(
+    value: str | None, max_priority: int, *, floor: int = -100, default: int = 0
+) -> int:
+    """The priority header's value, clamped to what the caller's tier allows (``default``,
+    the tier's own, when there is none or it is no integer)."""
     if value is None:
-        return 0
+        return default
     try:
         p = int(value.strip())
     except ValueError:
-        return 0
+        return default
     return max(floor, min(p, max_priority))
 
 

@@ -45,6 +45,8 @@ class Principal:
     authenticated: bool
     objective: str | None = None  # what predicted_latency minimises for it (its tier's)
     budget: Budget | None = None
+    priority: int = 0  # its requests' priority when they do not ask (its tier's)
+    own_engine_priority: bool = False  # it may set vLLM's priority itself
 
 
 def _limits(t: TierSettings) -> Limits:
@@ -175,6 +177,8 @@ class Authenticator:
             authenticated=False,
             objective=anon.objective,
             budget=_tier_budget(anon),
+            priority=min(anon.priority, anon.max_priority),
+            own_engine_priority=anon.own_engine_priority,
         )
 
     def _put(self, record: KeyRecord) -> None:
@@ -187,6 +191,8 @@ class Authenticator:
             authenticated=True,
             objective=tier.objective,
             budget=record.budget if record.budget is not None else _tier_budget(tier),
+            priority=min(tier.priority, tier.max_priority),
+            own_engine_priority=tier.own_engine_priority,
         )
         self._drop(record.name)
         self._keys[record.name] = record

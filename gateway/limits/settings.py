@@ -36,6 +36,18 @@ class TierSettings(BaseModel):
     max_priority: int = Field(
         0, description="highest admission priority this tier may ask for with the header"
     )
+    priority: int = Field(
+        0,
+        ge=-100,
+        description="this tier's requests' priority when they do not ask for one (below 0: "
+        "batch-class); higher goes first, in the admission queue and on engines that schedule "
+        "by priority",
+    )
+    own_engine_priority: bool = Field(
+        False,
+        description="the tier's clients may set vLLM's priority themselves (a body `priority`, "
+        "an X-Vllm-Priority header); otherwise the gateway's is what the engines get",
+    )
     objective: Literal["ttft", "e2e"] | None = Field(
         None,
         description="what predicted_latency minimises for this tier's requests: ttft "

@@ -407,11 +407,17 @@ class GatewayMetrics:
             "more: the gateway itself is behind), no_other_backend (none could take it), "
             "others_queued (every other engine had requests waiting: the fleet is behind), "
             "hedge_budget (rescue_mode hedge: as many hedges running as [latency] hedge_budget "
-            "allows).",
+            "allows), retry_budget (the extra attempts' budget is spent: [retry] budget_*).",
             ["reason"],
             registry=r,
         )
-        for reason in ("gateway_lag", "no_other_backend", "others_queued", "hedge_budget"):
+        for reason in (
+            "gateway_lag",
+            "no_other_backend",
+            "others_queued",
+            "hedge_budget",
+            "retry_budget",
+        ):
             self.rescues_declined.labels(reason)
         self.hedges = Counter(
             "llm_gateway_hedges",

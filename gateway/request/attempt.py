@@ -114,6 +114,10 @@ async def attempts(
         wait = retry.next_wait(n, time.monotonic() - since, _rng)
         if not may_retry or wait is None:
             raise last
+        if not await svc.retry_budget.take("retry"):  # failed as it would have without it
+            record.budget_refused = "retry"
+            log.warning("upstream_retry_refused", backend=backend, why="retry_budget")
+            raise last
         if isinstance(last, FirstTokenLate):
             wait = 0.0  # the backend is slow, not failing: nothing to back off from
         metrics.retries.labels(backend, reason).inc()
@@ -191,6 +195,11 @@ async def _hedged(t: Try, attempt: Attempt[T], after: float, tried: list[str]) -
         give_back = budget.take(share, sum(pool.in_flight(b) for b in pool.all()))
         if give_back is None:
             metrics.rescues_declined.labels("hedge_budget").inc()
+            return await first
+        if not await svc.retry_budget.take("hedge"):  # extra attempts are over their budget
+            give_back()
+            metrics.rescues_declined.labels("retry_budget").inc()
+            record.budget_refused = "hedge"
             return await first
         try:
             lease, _, decision = router.pick(step, exclude=tried)

@@ -74,6 +74,8 @@ class Call:
     response_id: str | None = None
     # Its answer streams tokens: the first one is awaited apart (a policy may set a deadline)
     streamed: bool = False
+    # vLLM's priority for the engines that schedule by it (``gateway.request.priority``)
+    engine_priority: int | None = None
 
     @property
     def chat(self) -> bool:

@@ -35,6 +35,7 @@ _NOT_UPSTREAM: Final = _HOP_BY_HOP | {
     "x-api-key",
     "expect",
 }
+_NOT_UPSTREAM_NOR_PRIORITY: Final = _NOT_UPSTREAM | {"x-vllm-priority"}
 _NOT_DOWNSTREAM: Final = _HOP_BY_HOP | {"server", "date", "set-cookie"}
 
 REQUEST_ID: Final = "X-Request-Id"
@@ -68,9 +69,15 @@ def _filtered(
     return out
 
 
-def upstream_headers(client: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:
-    """The client's headers as the backend gets them: no hop-by-hop, no credentials."""
-    return _filtered(client, _NOT_UPSTREAM, request_id)
+def upstream_headers(
+    client: CIMultiDictProxy[str], request_id: str, *, own_priority: bool = True
+) -> CIMultiDict[str]:
+    """The client's headers as the backend gets them: no hop-by-hop, no credentials; and no
+    ``X-Vllm-Priority`` of the client's unless ``own_priority`` (its tier lets it set it, and
+    the gateway does not set its own: ``gateway.request.priority``)."""
+    return _filtered(
+        client, _NOT_UPSTREAM if own_priority else _NOT_UPSTREAM_NOR_PRIORITY, request_id
+    )
 
 
 def downstream_headers(upstream: CIMultiDictProxy[str], request_id: str) -> CIMultiDict[str]:

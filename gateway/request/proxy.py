@@ -79,6 +79,7 @@ from gateway.request.headers import (
 )
 from gateway.request.messages import chat_view
 from gateway.request.messages_resume import messages_refusal
+from gateway.request.priority import PRIORITY_HEADER_ENDPOINTS, engine_priority
 from gateway.request.record import RequestRecord, finish
 from gateway.request.responses import with_response_id
 from gateway.request.resume import resume
@@ -133,12 +134,9 @@ async def forward(request: Request, endpoint: Endpoint, svc: Services) -> Stream
         )
         routed = await route()
         record.pool = routed.choice.pool.name if routed.choice is not None else None
-        slo_header = settings.latency.slo_header
-        slo = parse_slo(request.headers.get(slo_header)) if slo_header else None
         grant = await limiter.admit(principal, routed.view, generates=endpoint.generates)
-        if slo is not None:
-            await meet_slo(svc, routed.route.serve, slo, _priority(svc, request, principal))
-        ticket = await _wait_for_capacity(svc, principal.id, principal.max_priority, request)
+        priority = record.priority = await _prioritised(svc, request, principal, routed.route)
+        ticket = await _wait_for_capacity(svc, principal.id, priority)
         try:
             choice = routed.choice
             if choice is not None and not pool.any_routable(
@@ -149,7 +147,14 @@ async def forward(request: Request, endpoint: Endpoint, svc: Services) -> Stream
                 routed = await route()
                 record.pool = routed.choice.pool.name if routed.choice is not None else None
             call = _call(
-                request, svc, endpoint, routed, record=record, grant=grant, response_id=response_id
+                request,
+                svc,
+                endpoint,
+                routed,
+                record=record,
+                grant=grant,
+                response_id=response_id,
+                engine_priority=engine_priority(routed.doc, request.headers, principal, priority),
             )
             return await _findable(call, routed, principal.id)
         finally:
@@ -274,6 +279,7 @@ def _call(
     record: RequestRecord,
     grant: Grant,
     response_id: str | None,
+    engine_priority: int | None,
 ) -> Call:
     """What each attempt sends: the body (asking for usage where a JSON stream can carry it)
     and whether the stream may be continued on another backend (chat and completions)."""
@@ -289,7 +295,11 @@ def _call(
         svc,
         request.path,
         body,
-        upstream_headers(request.headers, _upstream_id(request, endpoint, doc, record)),
+        upstream_headers(
+            request.headers,
+            _upstream_id(request, endpoint, doc, record),
+            own_priority=engine_priority is None,
+        ),
         record,
         strip_usage=plan.strip,
         extra_headers=grant.headers,
@@ -298,6 +308,7 @@ def _call(
         endpoint=endpoint,
         response_id=response_id,
         streamed=endpoint in _TOKEN_STREAMS and doc.get("stream") is True,
+        engine_priority=engine_priority if endpoint in PRIORITY_HEADER_ENDPOINTS else None,
     )
 
 
@@ -337,14 +348,26 @@ def _classify(svc: Services, record: RequestRecord, exc: BaseException) -> None:
         record.status, record.ending = 500, "internal_error"
 
 
+async def _prioritised(svc: Services, request: Request, principal: Principal, route: Route) -> int:
+    """The request's priority, once it may be served within its objective, if it gave one
+    (``gateway.request.slo``)."""
+    priority = _priority(svc, request, principal)
+    slo_header = svc.settings.latency.slo_header
+    slo = parse_slo(request.headers.get(slo_header)) if slo_header else None
+    if slo is not None:
+        await meet_slo(svc, route.serve, slo, priority)
+    return priority
+
+
 def _priority(svc: Services, request: Request, principal: Principal) -> int:
+    """The request's priority: the header's, clamped to its tier's bounds, else its tier's."""
     header = svc.settings.limits.admission.priority_header
-    return parse_priority(request.headers.get(header), principal.max_priority)
+    return parse_priority(
+        request.headers.get(header), principal.max_priority, default=principal.priority
+    )
 
 
-async def _wait_for_capacity(
-    svc: Services, key: str, max_priority: int, request: Request
-) -> AdmissionTicket | None:
+async def _wait_for_capacity(svc: Services, key: str, priority: int) -> AdmissionTicket | None:
     """Hold the request in the admission queue while every backend is saturated.
 
     A request let through takes its lease (``Router.pick``) before it next awaits.
@@ -352,8 +375,6 @@ async def _wait_for_capacity(
     admission = svc.admission
     if admission is None:
         return None
-    settings = svc.settings.limits.admission
-    priority = parse_priority(request.headers.get(settings.priority_header), max_priority)
     started = time.monotonic()
     ticket = await admission.acquire(key, priority)
     if ticket.queued:
@@ -385,6 +406,7 @@ async def _serve(
     call: Call, route: Route, doc: dict[str, Any], span: Span | None
 ) -> StreamResponse:
     """Run the route's steps: the prefill (if any), then the step that answers the client."""
+    call.svc.retry_budget.deposit()  # one request: its share of the extra attempts' budget
     if route.prefill is None:
         return await _answered(call, route.serve, span)
     svc, record = call.svc, call.record

@@ -45,7 +45,10 @@ class RequestRecord:
     abort_reason: str | None = None
     continuations: int = 0  # times the stream went on from another backend
     hedged: bool = False  # a copy raced on a second backend (``gateway.request.hedge``)
+    priority: int = 0  # the gateway's (higher goes first): its tier's, or the header's
     held: bool = False  # held while an engine of its model woke (``gateway.capacity.hold``)
+    # the extra attempt the retry budget refused it (``gateway.limits.retry_budget``), if any
+    budget_refused: str | None = None
 
     @property
     def backend(self) -> str:
@@ -96,8 +99,12 @@ class RequestRecord:
             fields["continuations"] = self.continuations
         if self.hedged:
             fields["hedged"] = True
+        if self.priority:
+            fields["priority"] = self.priority
         if self.held:
             fields["held_for_wake"] = True
+        if self.budget_refused is not None:
+            fields["retry_budget_refused"] = self.budget_refused
         if len(self.backends) > 1:
             fields["tried"] = self.backends
         if self.candidates:

@@ -84,6 +84,9 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
         )
         if why is None and record.continuations >= settings.max_continuations:
             why = "limit"
+        if why is None and not await svc.retry_budget.take("continuation"):
+            why = "retry_budget"  # extra attempts are over their budget: ends as it broke
+            record.budget_refused = "continuation"
         if why is not None:
             metrics.continuations.labels(reason, why).inc()
             log.warning(

@@ -30,6 +30,7 @@ from gateway.keys import (
     RELAY_FAST,
     RESPONSE_HOMES,
     RETRY,
+    RETRY_BUDGET,
     ROUTER,
     SETTINGS,
     TOKENIZERS,
@@ -39,6 +40,7 @@ from gateway.keys import (
 )
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
+from gateway.limits.retry_budget import Budget
 from gateway.observe.metrics import GatewayMetrics
 from gateway.request.generate import Generations
 from gateway.request.hedge import HedgeBudget
@@ -73,6 +75,7 @@ class Services:
     generations: Generations
     changes: ChangeSignal
     holds: Holds | None  # requests held while an engine wakes (None: capacity off)
+    retry_budget: Budget  # what retries, hedges and continuations draw on
 
     @classmethod
     def of(cls, app: web.Application) -> Services:
@@ -95,6 +98,7 @@ class Services:
             generations=app[GENERATIONS],
             changes=app[CHANGES],
             holds=app[HOLDS],
+            retry_budget=app[RETRY_BUDGET],
         )
 
     def cancel_reason(self) -> str:

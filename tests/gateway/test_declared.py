@@ -20,6 +20,7 @@ import backends
 import policies
 from gateway.config.declared import Section, build
 from gateway.config.settings import Settings
+from gateway.limits import retry_budget
 from gateway.request import retry
 from policies import AffinityConfig
 from policies.setting import Spec, settings_of
@@ -35,10 +36,10 @@ def _modules(package: ModuleType) -> list[ModuleType]:
 
 
 def _declaring_classes() -> set[type]:
-    """Every class of the pure code (and the request path's retry policy) that declares a
-    setting."""
+    """Every class of the pure code (and the request path's retry policy and budget) that
+    declares a setting."""
     found: set[type] = set()
-    for module in [*_modules(policies), *_modules(backends), retry]:
+    for module in [*_modules(policies), *_modules(backends), retry, retry_budget]:
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == module.__name__ and _is_dataclass(cls) and settings_of(cls):
                 found.add(cls)

@@ -2,8 +2,9 @@
 one host's gateway without Redis, its change log in files: ``redis_url`` None).
 
 Three fake backends (``a`` and ``b`` in pool ``stable``, ``c`` in pool ``canary``, the alias
-``chat`` on stable) behind ``n`` replicas of ``llm-gateway serve``, each on its own ports, with
-one admin token, the fleet's log on the test's Redis under the test's key prefix. Each replica
+``chat`` on stable; or three engines of the test's, e.g. simulators, serving ``m`` at the
+URLs given) behind ``n`` replicas of ``llm-gateway serve``, each on its own ports, with one
+admin token, the fleet's log on the test's Redis under the test's key prefix. Each replica
 is started in its own process group (not its own session) and logs JSON on stderr, read here.
 """
 
@@ -13,6 +14,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import time
@@ -43,10 +45,16 @@ def chat(model: str = "m") -> dict[str, Any]:
 def toml_value(value: object) -> str:
     """``value`` as a TOML value (inline tables and arrays)."""
     if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {toml_value(v)}" for k, v in value.items()) + " }"
+        return "{ " + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + " }"
     if isinstance(value, list | tuple):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return json.dumps(value)  # strings, numbers and booleans are written alike
+
+
+def toml_key(key: object) -> str:
+    """``key`` bare where TOML allows it, else quoted (a model name such as ``org/model``)."""
+    text = str(key)
+    return text if re.fullmatch(r"[A-Za-z0-9_-]+", text) else json.dumps(text)
 
 
 def config(
@@ -57,10 +65,12 @@ def config(
     auth: bool = False,
     files: Path | None = None,
     rollout: dict[str, object] | None = None,
+    capacity: dict[str, object] | None = None,
     **fleet: object,
 ) -> str:
     """With ``redis_url`` None, no Redis: the fleet's log in files under ``files``;
-    ``rollout``: the ``[rollout]`` section's settings (progressive rollouts)."""
+    ``rollout``: the ``[rollout]`` section's settings (progressive rollouts); ``capacity``:
+    the ``[capacity]`` section's (the capacity manager)."""
     store = (
         f'store = "redis", redis = {{ url = "{redis_url}", key_prefix = "{prefix}", '
         + "timeout = 1.0 }"
@@ -101,6 +111,8 @@ def config(
     ]
     if rollout:
         lines.append(f"rollout = {toml_value(rollout)}")
+    if capacity:
+        lines.append(f"capacity = {toml_value(capacity)}")
     for name, url in backends.items():
         lines += ["[[backends]]", f'url = "{url}"', f'name = "{name}"']
     lines += [
@@ -288,23 +300,28 @@ async def running_fleet(
     workers: tuple[int, ...] = (),
     auth: bool = False,
     rollout: dict[str, object] | None = None,
+    capacity: dict[str, object] | None = None,
+    engines: dict[str, str] | None = None,
     **fleet: object,
 ) -> AsyncIterator[Fleet]:
     """``n`` replicas; ``workers``: each one's ``serve --workers`` (1 where not given);
-    ``redis_url`` None: no Redis, the log in files under ``tmp_path`` (one host)."""
+    ``redis_url`` None: no Redis, the log in files under ``tmp_path`` (one host);
+    ``engines``: the backends ``a``, ``b`` and ``c`` by URL, the test's own (serving ``m``),
+    instead of fakes (``Fleet.fakes`` then empty); ``capacity``: the ``[capacity]`` section."""
     async with AsyncExitStack() as stack:
-        fakes = {name: FakeBackend() for name in "abc"}
+        fakes = {} if engines is not None else {name: FakeBackend() for name in "abc"}
         for fake in fakes.values():
             await stack.enter_async_context(running_fake(fake))
         path = tmp_path / "gateway.toml"
         path.write_text(
             config(
-                {k: f.url for k, f in fakes.items()},
+                engines if engines is not None else {k: f.url for k, f in fakes.items()},
                 redis_url,
                 prefix,
                 auth=auth,
                 files=tmp_path / "fleet",
                 rollout=rollout,
+                capacity=capacity,
                 **fleet,
             )
         )

@@ -182,6 +182,9 @@ class Manager:
         if self.token != token:
             log.info("capacity_manager_took", token=token)
             self.token = token
+            # A new term: an idle spell counts from what this replica sees now, not from its
+            # last term (another managed meanwhile, demand unseen here)
+            self._low = {}
         now = self._pool.now()
         engines = [b for b in self._pool.all() if not b.removed]
         self._groups = _groups(engines, self._inputs.pools())

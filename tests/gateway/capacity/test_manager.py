@@ -210,6 +210,35 @@ async def test_a_stale_managers_decision_is_refused() -> None:
     assert pool.get("e1").rest is Rest.AWAKE  # type: ignore[union-attr]
 
 
+async def test_a_replica_managing_again_waits_an_idle_spell_of_its_own_before_a_sleep() -> None:
+    """Demand went unseen here while another replica managed: the idle spell of this one's
+    last term is not carried over into the next."""
+    clock = Clock()
+    pool = fleet(3, clock)
+
+    class Lapsing:  # the lease held, lost to another replica, then taken again
+        token: int | None = 1
+
+        async def acquire(self, at_least: int = 0) -> int | None:
+            return self.token
+
+        async def release(self) -> bool:
+            return True
+
+    claim = Lapsing()
+    m, _, _ = manager(pool, Rule(idle_before_sleep=60, min_awake=1), claim=claim)
+    await m.turn()  # idle from now on, as far as it sees
+    claim.token = None
+    clock.t += 300
+    assert await m.turn() is None  # another manages (and sees demand) for 300 s
+    claim.token = 2
+    await m.turn()
+    assert [b.rest for b in pool.all()] == [Rest.AWAKE] * 3
+    clock.t += 60
+    await m.turn()  # a whole spell seen idle in this term: now one sleeps
+    assert [b.rest for b in pool.all()].count(Rest.GOING_TO_SLEEP) == 1
+
+
 async def test_a_request_for_a_model_asleep_is_held_until_an_engine_wakes() -> None:
     clock = Clock()
     pool = fleet(2, clock)

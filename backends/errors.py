@@ -233,6 +233,19 @@ class QueueTimeout(AdmissionRejected):
     default_code = "queue_timeout"
 
 
+class Shed(GatewayError):
+    """429: the fleet is overloaded and this request's priority is among the lowest waiting
+    (``gateway.limits.admission``); ``Retry-After`` says when the queue ahead of it will have
+    drained."""
+
+    status = 429
+    type = "requests"
+    default_code = "shed_by_priority"
+
+    def __init__(self, message: str, *, retry_after: int) -> None:
+        super().__init__(message, headers={"Retry-After": str(retry_after)})
+
+
 class ShuttingDown(GatewayError):
     status = 503
     type = "service_unavailable"

@@ -8,16 +8,27 @@ capacity may have freed (a request ended, a scrape arrived).
 
 A waiter that is cancelled (client disconnect) or times out leaves the queue at once; a grant it
 received in the same instant is passed on, so nothing is ever held by a request that is gone.
+
+**Shed by priority** when the fleet cannot keep up: the queue knows how fast it drains (grants
+over the last ``drain_window`` s), so a new request's wait is predicted from what waits ahead of
+it (its priority band and those above). Past its limit (the tier's ``max_wait``, or the
+queue's), it is refused at once with 429 ``shed_by_priority`` and a ``Retry-After`` of that
+predicted wait, rather than queued to time out: the lowest priorities wait longest, so they are
+refused first (batch-class, below 0, before all). At a full queue, a request of a higher
+priority than the lowest waiting one takes its place (that one is refused, 429), instead of
+being refused itself.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from backends.errors import QueueFull, QueueTimeout
+from backends.errors import QueueFull, QueueTimeout, Shed
 from gateway.limits.fairqueue import FairQueue
 
 
@@ -53,6 +64,7 @@ class AdmissionStats:
     rejected_full: int = 0
     timed_out: int = 0
     cancelled: int = 0
+    shed: int = 0  # refused by priority: on arrival (predicted wait) or from a full queue
 
 
 class AdmissionQueue:
@@ -63,11 +75,16 @@ class AdmissionQueue:
         max_size: int,
         max_wait: float,
         retry_after: int = 1,
+        drain_window: float = 10.0,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self._saturated = saturated
         self._max_size = max_size
         self._max_wait = max_wait
         self._retry_after = retry_after
+        self._drain_window = drain_window
+        self._clock = clock
+        self._grants: deque[float] = deque(maxlen=4096)  # when requests left the queue
         self._queue: FairQueue[_Waiter] = FairQueue()
         self._in_transit = 0  # granted, not yet resumed
         self.holding = 0  # tickets not yet released
@@ -84,33 +101,67 @@ class AdmissionQueue:
     def waiting_by_key(self) -> dict[str, int]:
         return self._queue.waiting_by_key()
 
-    async def acquire(self, key: str, priority: int = 0) -> AdmissionTicket:
+    def _now(self) -> float:
+        return self._clock() if self._clock is not None else asyncio.get_running_loop().time()
+
+    def drain_rate(self) -> float | None:
+        """Requests leaving the queue per second, over the last ``drain_window`` s (None: too
+        few to tell)."""
+        now = self._now()
+        grants = self._grants
+        while grants and now - grants[0] > self._drain_window:
+            grants.popleft()
+        if len(grants) < 2:
+            return None
+        return len(grants) / max(now - grants[0], 1e-3)
+
+    def predicted_wait(self, priority: int) -> float | None:
+        """How long a request of ``priority`` arriving now would wait (None: unknown)."""
+        rate = self.drain_rate()
+        if rate is None:
+            return None
+        return (self._queue.ahead_of(priority) + 1) / rate
+
+    async def acquire(
+        self, key: str, priority: int = 0, max_wait: float | None = None
+    ) -> AdmissionTicket:
         """Admit now if the fleet has room and nobody waits; else wait in line.
 
-        Raises ``QueueFull`` (503) when the queue is at its bound and ``QueueTimeout`` (503)
-        after ``max_wait``. Cancellation leaves the queue and holds nothing.
+        Raises ``Shed`` (429) when its predicted wait is past ``max_wait`` (its tier's; at most
+        the queue's), or it is the lowest priority at a full queue; ``QueueFull`` (503) at a
+        full queue of requests of its priority or above; ``QueueTimeout`` (503) after its
+        wait. Cancellation leaves the queue and holds nothing.
         """
         if not self._queue and not self._in_transit and not self._saturated():
             self.stats.admitted_at_once += 1
             return self._ticket(queued=False)
-        if len(self._queue) >= self._max_size:
-            self.stats.rejected_full += 1
-            raise QueueFull(
-                "The gateway's queue is full; please retry shortly.", retry_after=self._retry_after
+        limit = self._max_wait if max_wait is None else min(max_wait, self._max_wait)
+        wait = self.predicted_wait(priority)
+        if wait is not None and wait > limit:
+            self.stats.shed += 1
+            raise Shed(
+                f"The fleet is overloaded: a request of priority {priority} would wait about "
+                f"{wait:.0f} s, over its {limit:g} s; please retry later.",
+                retry_after=max(1, math.ceil(wait)),
             )
+        if len(self._queue) >= self._max_size:
+            self._make_room(priority)
         waiter = _Waiter(asyncio.get_running_loop().create_future())
         self._queue.push(waiter, key, priority)
         self.notify()
         try:
-            async with asyncio.timeout(self._max_wait):
+            async with asyncio.timeout(limit):
                 await waiter.future
         except TimeoutError:
             self._abandon(waiter)
             self.stats.timed_out += 1
             raise QueueTimeout(
-                f"The request waited {self._max_wait:g}s for capacity; please retry shortly.",
+                f"The request waited {limit:g}s for capacity; please retry shortly.",
                 retry_after=self._retry_after,
             ) from None
+        except Shed:  # a request of a higher priority took its place (``_make_room``)
+            self.stats.shed += 1
+            raise
         except BaseException:
             self._abandon(waiter)
             self.stats.cancelled += 1
@@ -122,12 +173,35 @@ class AdmissionQueue:
         return self._ticket(queued=True)
 
     @asynccontextmanager
-    async def slot(self, key: str, priority: int = 0) -> AsyncIterator[AdmissionTicket]:
-        ticket = await self.acquire(key, priority)
+    async def slot(
+        self, key: str, priority: int = 0, max_wait: float | None = None
+    ) -> AsyncIterator[AdmissionTicket]:
+        ticket = await self.acquire(key, priority, max_wait)
         try:
             yield ticket
         finally:
             ticket.release()
+
+    def _make_room(self, priority: int) -> None:
+        """At a full queue: shed the lowest-priority waiter if it is lower than ``priority``,
+        else refuse the newcomer (503, as a full queue always was)."""
+        lowest = self._queue.lowest_priority()
+        if lowest is None or lowest >= priority:
+            self.stats.rejected_full += 1
+            raise QueueFull(
+                "The gateway's queue is full; please retry shortly.", retry_after=self._retry_after
+            )
+        shed = self._queue.lowest()
+        assert shed is not None
+        victim, its = shed
+        wait = self.predicted_wait(its)
+        victim.future.set_exception(
+            Shed(
+                f"The fleet is overloaded: a request of a higher priority than {its} took this "
+                "one's place in the queue; please retry later.",
+                retry_after=max(1, math.ceil(wait if wait is not None else self._retry_after)),
+            )
+        )
 
     def notify(self) -> None:
         """Capacity may have freed: wake the next waiter if the fleet has room."""
@@ -139,6 +213,7 @@ class AdmissionQueue:
             waiter.granted = True
             waiter.future.set_result(None)
             self._in_transit += 1
+            self._grants.append(self._now())
 
     def _abandon(self, waiter: _Waiter) -> None:
         if waiter.granted:  # the grant came as we left: hand it to the next in line

@@ -70,6 +70,29 @@ class FairQueue(Generic[T]):
                 del self._bands[priority]
         return True
 
+    def ahead_of(self, priority: int) -> int:
+        """Items a new one of ``priority`` would wait behind (those of its band or above)."""
+        return sum(
+            sum(len(items) for items in band.values())
+            for p, band in self._bands.items()
+            if p >= priority
+        )
+
+    def lowest_priority(self) -> int | None:
+        return min(self._bands) if self._bands else None
+
+    def lowest(self) -> tuple[T, int] | None:
+        """The item to shed first, and its priority: the lowest band's newest (of the key
+        with the most waiting there), taken out; None when empty."""
+        if not self._bands:
+            return None
+        priority = min(self._bands)
+        band = self._bands[priority]
+        key = max(band, key=lambda k: len(band[k]))
+        item = band[key][-1]
+        self.remove(item)
+        return item, priority
+
     def waiting_by_key(self) -> dict[str, int]:
         out: dict[str, int] = {}
         for _, key in self._where.values():

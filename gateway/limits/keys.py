@@ -47,6 +47,7 @@ class Principal:
     budget: Budget | None = None
     priority: int = 0  # its requests' priority when they do not ask (its tier's)
     own_engine_priority: bool = False  # it may set vLLM's priority itself
+    max_wait: float | None = None  # the longest it may wait in the admission queue (its tier's)
 
 
 def _limits(t: TierSettings) -> Limits:
@@ -179,6 +180,7 @@ class Authenticator:
             budget=_tier_budget(anon),
             priority=min(anon.priority, anon.max_priority),
             own_engine_priority=anon.own_engine_priority,
+            max_wait=anon.max_wait,
         )
 
     def _put(self, record: KeyRecord) -> None:
@@ -193,6 +195,7 @@ class Authenticator:
             budget=record.budget if record.budget is not None else _tier_budget(tier),
             priority=min(tier.priority, tier.max_priority),
             own_engine_priority=tier.own_engine_priority,
+            max_wait=tier.max_wait,
         )
         self._drop(record.name)
         self._keys[record.name] = record

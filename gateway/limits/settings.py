@@ -43,6 +43,13 @@ class TierSettings(BaseModel):
         "batch-class); higher goes first, in the admission queue and on engines that schedule "
         "by priority",
     )
+    max_wait: float | None = Field(
+        None,
+        gt=0,
+        description="seconds this tier's requests may wait in the admission queue (at most "
+        "the queue's max_wait); one whose predicted wait is longer is refused at once (429 "
+        "shed_by_priority, with Retry-After)",
+    )
     own_engine_priority: bool = Field(
         False,
         description="the tier's clients may set vLLM's priority themselves (a body `priority`, "

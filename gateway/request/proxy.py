@@ -136,7 +136,7 @@ async def forward(request: Request, endpoint: Endpoint, svc: Services) -> Stream
         record.pool = routed.choice.pool.name if routed.choice is not None else None
         grant = await limiter.admit(principal, routed.view, generates=endpoint.generates)
         priority = record.priority = await _prioritised(svc, request, principal, routed.route)
-        ticket = await _wait_for_capacity(svc, principal.id, priority)
+        ticket = await _wait_for_capacity(svc, principal, priority)
         try:
             choice = routed.choice
             if choice is not None and not pool.any_routable(
@@ -367,7 +367,9 @@ def _priority(svc: Services, request: Request, principal: Principal) -> int:
     )
 
 
-async def _wait_for_capacity(svc: Services, key: str, priority: int) -> AdmissionTicket | None:
+async def _wait_for_capacity(
+    svc: Services, principal: Principal, priority: int
+) -> AdmissionTicket | None:
     """Hold the request in the admission queue while every backend is saturated.
 
     A request let through takes its lease (``Router.pick``) before it next awaits.
@@ -376,7 +378,7 @@ async def _wait_for_capacity(svc: Services, key: str, priority: int) -> Admissio
     if admission is None:
         return None
     started = time.monotonic()
-    ticket = await admission.acquire(key, priority)
+    ticket = await admission.acquire(principal.id, priority, principal.max_wait)
     if ticket.queued:
         svc.metrics.queue_wait.observe(time.monotonic() - started)
     return ticket

@@ -53,6 +53,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
 
 STARTED = pytest.StashKey[str]()
 SCALE_OUT: Final = "vllm1"  # the one server with the token-in and render routes
+# The one server that schedules by priority (tests/e2e/test_priority.py); requests of equal
+# priority (every other test's) run in arrival order there, as under fcfs
+PRIORITY: Final = "vllm0"
 
 
 # Tool calls (Anthropic's tool_use through /v1/messages): vLLM needs a parser for them, even
@@ -71,7 +74,11 @@ def engine_args(name: str) -> Sequence[str]:
     """Tool calls on both servers; vLLM's scale-out routes (``/inference/v1/generate``, the
     render routes) on one only: the other answers them 403, and the gateway must pass it
     over for them."""
-    return [*TOOLS, *(["--enable-scale-out"] if name == SCALE_OUT else [])]
+    return [
+        *TOOLS,
+        *(["--enable-scale-out"] if name == SCALE_OUT else []),
+        *(["--scheduling-policy", "priority"] if name == PRIORITY else []),
+    ]
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

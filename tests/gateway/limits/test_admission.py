@@ -279,3 +279,87 @@ async def test_no_slot_leak_after_a_thousand_mixed_requests() -> None:
     assert fleet.peak <= fleet.cap
     async with q.slot("after") as ticket:
         assert not ticket.queued
+
+
+# -- shed by priority --------------------------------------------------------------------------
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+async def draining_at(rate: float, clock: Clock, room: list[bool], **kw: float) -> AdmissionQueue:
+    """A saturated queue that has let ``rate`` requests a second through for 10 s."""
+    q = AdmissionQueue(lambda: not room[0], clock=clock, **kw)  # type: ignore[arg-type]
+    tickets = []
+    for _ in range(int(rate * 10)):
+        waiter = asyncio.create_task(q.acquire("warm", 0))
+        await wait_for(lambda: q.waiting == 1, what="queued")
+        room[0] = True
+        q.notify()  # let through: one grant, at the clock's time
+        room[0] = False
+        tickets.append(await waiter)
+        clock.t += 1 / rate
+    for t in tickets:
+        t.release()
+    return q
+
+
+def test_the_lowest_band_is_shed_first_newest_first() -> None:
+    q: FairQueue[str] = FairQueue()
+    for item, key, p in [("hi", "a", 5), ("lo0", "b", -1), ("lo1", "b", -1), ("mid", "c", 0)]:
+        q.push(item, key, p)
+    assert q.ahead_of(0) == 2
+    assert q.ahead_of(-1) == 4
+    assert q.lowest() == ("lo1", -1)
+    assert q.lowest() == ("lo0", -1)
+    assert q.lowest_priority() == 0
+
+
+async def test_a_request_whose_predicted_wait_is_past_its_limit_is_shed_with_retry_after() -> None:
+    from backends.errors import Shed
+
+    clock, room = Clock(), [False]
+    q = await draining_at(2.0, clock, room, max_size=100, max_wait=30.0)  # 2 a second
+    high = [asyncio.create_task(q.acquire(f"h{i}", 5)) for i in range(10)]
+    await asyncio.sleep(0)
+    assert q.waiting == 10
+    # a low-priority one waits behind all ten (about 5.5 s): over its tier's 3 s
+    with pytest.raises(Shed) as shed:
+        await q.acquire("batch", -1, max_wait=3.0)
+    assert shed.value.status == 429
+    assert shed.value.headers["Retry-After"] == "6"
+    # the same wait is within a patient tier's limit: queued
+    patient = asyncio.create_task(q.acquire("patient", -1, max_wait=20.0))
+    await asyncio.sleep(0)
+    assert q.waiting == 11
+    assert q.stats.shed == 1
+    for task in [*high, patient]:
+        task.cancel()
+    await asyncio.gather(*high, patient, return_exceptions=True)
+    assert q.waiting == 0
+
+
+async def test_at_a_full_queue_a_higher_priority_takes_the_lowest_ones_place() -> None:
+    from backends.errors import Shed
+
+    q = AdmissionQueue(lambda: True, max_size=2, max_wait=30.0)
+    low = asyncio.create_task(q.acquire("low", -5))
+    mid = asyncio.create_task(q.acquire("mid", 0))
+    await asyncio.sleep(0)
+    with pytest.raises(QueueFull):  # as low as the lowest waiting: refused itself
+        await q.acquire("another-low", -5)
+    high = asyncio.create_task(q.acquire("high", 3))
+    with pytest.raises(Shed):
+        await low
+    assert q.waiting == 2
+    assert (q.stats.shed, q.stats.rejected_full) == (1, 1)
+    for task in (mid, high):
+        task.cancel()
+    await asyncio.gather(mid, high, return_exceptions=True)
+    assert q.waiting == 0
+    assert q.holding == 0

@@ -293,6 +293,8 @@ class Manager:
         try:
             try:
                 if step.action == "put_to_sleep":
+                    if not await self._still_managing(b, step):
+                        return
                     await self._engines.sleep(b.spec, step.level, step.mode)
                 else:
                     await self._engines.wake_up(b.spec)
@@ -314,6 +316,25 @@ class Manager:
         finally:
             if self._calls.get(b.id) is asyncio.current_task():
                 del self._calls[b.id]
+
+    async def _still_managing(self, b: BackendState, step: Step) -> bool:
+        """Right before a ``/sleep``: this replica still holds the lease under its token, and
+        the engine is still wanted asleep (a manager that stalled past its lease, and came
+        back, puts nothing to sleep that its successor took back)."""
+        try:
+            token = await self._claim.acquire(self._book.token)
+        except Exception as exc:  # Redis out of reach: not known, so not done
+            log.warning("capacity_call_skipped", backend=b.id, why=str(exc) or type(exc).__name__)
+            return False
+        if token is None or token != self.token or b.rest is not Rest.GOING_TO_SLEEP:
+            self.decisions[step.action, "refused"] += 1
+            log.warning(
+                "capacity_call_skipped",
+                backend=b.id,
+                why="lease lost" if token != self.token else f"engine {b.rest.value}",
+            )
+            return False
+        return True
 
     def _look(
         self, turn: Turn, demands: Mapping[str, Demand], engines: list[BackendState], now: float

@@ -3,7 +3,8 @@
 The gateway's priority (higher goes first: the admission queue's order) reaches the engines
 that schedule by it (vLLM's ``--scheduling-policy priority``, where lower runs first: the
 gateway's negated), as vLLM's ``X-Vllm-Priority`` header, which overrides the body's
-``priority`` on chat, completions, responses and Messages. Only to those engines (told per
+``priority`` on chat, completions, responses and Messages; elsewhere (pooling, token-in
+generation) in the body's field. Only to those engines (told per
 backend: ``scheduling = "priority"``); under vLLM's default ``fcfs`` it would be ignored, and
 is not sent. A client's own priority (the body field, or the header) stands only if its tier
 lets it set it (``own_engine_priority``); otherwise the gateway's replaces it. Pure.
@@ -11,15 +12,37 @@ lets it set it (``own_engine_priority``); otherwise the gateway's replaces it. P
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any, Final
 
 from gateway.limits.keys import Principal
-from gateway.request.endpoints import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from gateway.request.endpoints import (
+    CHAT,
+    CLASSIFY,
+    COMPLETIONS,
+    EMBEDDINGS,
+    GENERATE,
+    MESSAGES,
+    POOLING,
+    RERANK,
+    RESPONSES,
+    SCORE,
+)
 
 VLLM_PRIORITY: Final = "X-Vllm-Priority"
-# where vLLM reads the header (elsewhere, pooling and token-in generation, only the body field)
+# where vLLM reads the header, and where only the body's field (set there, the body rewritten
+# for the engines that schedule by priority alone)
 PRIORITY_HEADER_ENDPOINTS: Final = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES})
+PRIORITY_BODY_ENDPOINTS: Final = frozenset({GENERATE, EMBEDDINGS, POOLING, CLASSIFY, SCORE, RERANK})
+PRIORITY_ENDPOINTS: Final = PRIORITY_HEADER_ENDPOINTS | PRIORITY_BODY_ENDPOINTS
+
+
+def with_priority(body: bytes, value: int) -> bytes:
+    """A JSON body with vLLM's ``priority`` set to ``value`` (the client's replaced)."""
+    doc = json.loads(body)
+    doc["priority"] = value
+    return json.dumps(doc, separators=(",", ":")).encode()
 
 
 def engine_priority(

@@ -79,7 +79,7 @@ from gateway.request.headers import (
 )
 from gateway.request.messages import chat_view
 from gateway.request.messages_resume import messages_refusal
-from gateway.request.priority import PRIORITY_HEADER_ENDPOINTS, engine_priority
+from gateway.request.priority import PRIORITY_ENDPOINTS, engine_priority
 from gateway.request.record import RequestRecord, finish
 from gateway.request.responses import with_response_id
 from gateway.request.resume import resume
@@ -308,7 +308,7 @@ def _call(
         endpoint=endpoint,
         response_id=response_id,
         streamed=endpoint in _TOKEN_STREAMS and doc.get("stream") is True,
-        engine_priority=engine_priority if endpoint in PRIORITY_HEADER_ENDPOINTS else None,
+        engine_priority=engine_priority if endpoint in PRIORITY_ENDPOINTS else None,
     )
 
 

@@ -311,3 +311,26 @@ async def test_a_rule_may_name_a_model_pool_whose_engines_alone_it_manages() -> 
     await settle_calls(m)
     assert [b.rest for b in pool.all()] == [Rest.AWAKE, Rest.AWAKE, Rest.ASLEEP]
     assert m.look["models"]["canary"]["need"] == 0
+
+
+async def test_a_manager_that_lost_its_lease_puts_nothing_to_sleep() -> None:
+    clock = Clock()
+    pool = fleet(2, clock)
+
+    class Lapsing:  # held for the turn's decision, lost by the time of the engine call
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def acquire(self, at_least: int = 0) -> int | None:
+            self.calls += 1
+            return 1 if self.calls == 1 else None
+
+        async def release(self) -> bool:
+            return True
+
+    m, engines, _ = manager(pool, Rule(idle_before_sleep=0), claim=Lapsing())
+    pool.set_sleep_wanted("e1", True)  # going to sleep, idle: put to sleep this turn
+    await m.turn()
+    await settle_calls(m)
+    assert engines.calls == []
+    assert m.decisions["put_to_sleep", "refused"] == 1

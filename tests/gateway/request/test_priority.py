@@ -93,3 +93,27 @@ async def test_the_tiers_own_priority_when_the_request_asks_none() -> None:
 async def test_a_clients_own_engine_priority_stands_only_if_its_tier_allows() -> None:
     assert await sent_priorities({VLLM_PRIORITY: "-50"}) == {"a": "-2", "b": None}
     assert await sent_priorities({VLLM_PRIORITY: "-50"}, own=True) == {"a": "-50", "b": "-50"}
+
+
+async def test_where_vllm_reads_only_the_body_the_gateway_sets_the_field() -> None:
+    async def embeds(_request: MockRequest) -> MockResponse:
+        return MockResponse.json({"object": "list", "data": [], "model": "m"})
+
+    backends = [
+        {"url": "http://a.invalid:8000", "name": "a", "scheduling": "priority"},
+        {"url": "http://b.invalid:8000", "name": "b"},
+    ]
+    tiers = {"default": {"max_priority": 10}}
+    transport = MockTransport(Fleet({"a": embeds, "b": embeds}))
+    body = {"model": "m", "input": "hi", "priority": -40}  # its own, not allowed
+    async with running_gateway(backends, transport=transport, limits={"tiers": tiers}) as gw:
+        policy = Named()
+        gw.app[ROUTER].policy = policy
+        async with aiohttp.ClientSession() as s:
+            for first in ("a", "b"):
+                policy.first = first
+                headers = {"x-priority": "4"}
+                async with s.post(gw.url + "/v1/embeddings", json=body, headers=headers) as r:
+                    assert r.status == 200
+    sent = {q.backend.id: q.json().get("priority") for q in transport.requests}
+    assert sent == {"a": -4, "b": -40}  # b schedules first come first served: left as sent

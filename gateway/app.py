@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -25,14 +24,10 @@ from backends.shared_inflight import SharedInFlight
 from backends.supervise import Supervisor
 from backends.upstream.client import Transport, UpstreamClient
 from gateway.admin.actions import ActionApplier
-from gateway.admin.capacity import submit_sleep
 from gateway.admin.reload import CONFIG, ConfigSource, SettingsLoader, backend_specs
 from gateway.admin.rollouts import start_configured, submit_decision
 from gateway.capacity.book import CapacityBook
-from gateway.capacity.hold import Holds
-from gateway.capacity.manager import HttpEngines, Inputs, Manager
-from gateway.capacity.settings import rule_of
-from gateway.capacity.ttft import RecentTtft
+from gateway.capacity.wiring import capacity_ctx, capacity_parts
 from gateway.config.declared import build
 from gateway.config.policies import build_policy, latency_config, weights_of
 from gateway.config.settings import Settings
@@ -88,7 +83,6 @@ from gateway.limits.limiter import open_limiter
 from gateway.limits.retry_budget import LocalBudget, RetryBudgetPolicy
 from gateway.limits.retry_budget_redis import RedisBudget
 from gateway.observe import host_metrics
-from gateway.observe.capacity_metrics import CapacityCollector
 from gateway.observe.kv_metrics import KvEventsCollector
 from gateway.observe.latency_metrics import LatencyCollector
 from gateway.observe.metrics import GatewayMetrics
@@ -435,89 +429,6 @@ async def _rollouts_ctx(app: web.Application) -> AsyncIterator[None]:
         await task
 
 
-async def _capacity_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The capacity manager (``gateway.capacity.manager``): on every replica, turning on the one
-    that holds its lease; off unless ``capacity.enabled``."""
-    s = app[SETTINGS]
-    if not s.capacity.enabled:
-        yield
-        return
-    holds, member = app[HOLDS], app[FLEET]
-    assert holds is not None
-
-    async def held() -> dict[str, int]:
-        total = Counter(holds.held)
-        if member is not None:
-            for report in await member.registry.replicas():
-                if report.id != member.id:
-                    total.update(report.held)
-        return dict(total)
-
-    c = s.capacity
-    manager = Manager(
-        app[POOL],
-        app[CAPACITY],
-        app[CAPACITY_CLAIM],
-        submit=lambda backend, asleep, why, token: submit_sleep(app, backend, asleep, why, token),
-        engines=HttpEngines(app[UPSTREAM], c.call_timeout),
-        inputs=Inputs(
-            held=held,
-            ttft=RecentTtft(app[METRICS].ttft.collect).look,
-            pools=lambda: {name: p.backends for name, p in app[ROLLOUT].pools.items()},
-        ),
-        every=c.every,
-        # an engine going to sleep gets no /sleep before every replica has had the time to
-        # apply the change that stopped their requests to it
-        settle=0.0 if member is None else 2 * s.fleet.wait,
-        trend_window=c.trend_window,
-    )
-    app[MANAGER] = manager
-    task = app[SUPERVISOR].spawn("capacity_manager", "capacity-manager", manager.run)
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-def _capacity(
-    app: web.Application, settings: Settings, pool: BackendPool, metrics: GatewayMetrics
-) -> None:
-    """Capacity's parts the request path and the metrics read (the manager: ``_capacity_ctx``)."""
-    app[HOLDS] = _holds(app, settings, pool)
-    app[MANAGER] = None
-    metrics.registry.register(
-        CapacityCollector(
-            pool, lambda: app[HOLDS], lambda: app[MANAGER], lambda: list(app[CAPACITY].rules)
-        )
-    )
-
-
-def _holds(app: web.Application, settings: Settings, pool: BackendPool) -> Holds | None:
-    """Requests held while an engine wakes (capacity on), each for its model's wake timeout."""
-    c = settings.capacity
-    if not c.enabled:
-        return None
-    default = rule_of(c.defaults)
-
-    def timeout_of(group: str) -> float:
-        return app[CAPACITY].rules.get(group, default).wake_timeout
-
-    def wake(model: str, only: Collection[str] | None) -> None:
-        manager = app[MANAGER]
-        if manager is not None:
-            manager.wake_for(model, only)
-
-    def group(model: str, only: Collection[str] | None) -> str:
-        """A request routed to a model pool is held for the pool (its rule, if it has one)."""
-        if only is not None:
-            for name, p in app[ROLLOUT].pools.items():
-                if p.backends == only and name in app[CAPACITY].rules:
-                    return name
-        return model
-
-    return Holds(pool, timeout_of, wake, retry_after=settings.retry_after_seconds, group=group)
-
-
 def _version() -> str:
     try:
         return metadata.version("llm-gateway")
@@ -708,10 +619,10 @@ def create_app(
         app.on_cleanup.append(lambda _: _shutdown_tracing(provider))
     app.cleanup_ctx.append(_backends_ctx(resolver, transport))
     _admin_state(app)
-    _capacity(app, settings, pool, metrics)
+    capacity_parts(app, settings, pool, metrics)
     # Last: the fleet applies changes to all of the above; rollouts are driven through it, and
     # capacity managed.
-    app.cleanup_ctx.extend((_fleet_ctx, _rollouts_ctx, _capacity_ctx))
+    app.cleanup_ctx.extend((_fleet_ctx, _rollouts_ctx, capacity_ctx))
     _add_routes(app)
     app.on_startup.append(hand_in)  # after every cleanup context: the services they made
     return app

@@ -6,7 +6,8 @@
 - ``manager``: the one replica at a time (a lease) that decides, through the log, and calls
   the engines' ``/sleep`` and ``/wake_up``;
 - ``hold``: requests for a model with no awake engine held while one wakes;
-- ``settings``: ``[capacity]``.
+- ``settings``: ``[capacity]``;
+- ``wiring``: its place in the gateway app (the holds and metrics, the manager's context).
 
 The engines' states themselves (awake, going to sleep, asleep, waking) are the pool's
 (``backends.sleep``): the request path routes only to awake ones.

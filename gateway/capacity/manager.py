@@ -10,7 +10,9 @@ other replicas) and its trend; decide (``gateway.capacity.plan.decide``); carry 
   engine going to sleep; a woken one taken back once awake);
 - ``put_to_sleep``: ``POST /sleep`` to an engine going to sleep that has finished its work (or
   ran out of time), once every replica has had time to stop sending it any (``settle``);
-- ``wake_up``: ``POST /wake_up`` to an engine wanted awake and still asleep.
+- ``wake_up``: ``POST /wake_up`` to an engine wanted awake and still asleep (called in the
+  turn that decided the wake, or in a later one if that call failed or the engine was still
+  being put to sleep).
 
 Engine calls run as tasks of their own, one at a time per engine, so a slow wake holds no
 turn up. Every decision is logged with its reason and counted. The manager knows the engines'
@@ -284,6 +286,11 @@ class Manager:
                 why=step.why,
                 token=token,
             )
+            if not asleep and b.asleep and b.id not in self._calls:
+                # woken now, not at the next turn: the forecast looked one wake time ahead
+                self._calls[b.id] = asyncio.create_task(
+                    self._call(b, Step("wake_up", b.id, step.why))
+                )
             return
         if b.id in self._calls:  # a call under way: its answer first
             return

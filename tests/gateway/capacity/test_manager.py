@@ -149,6 +149,23 @@ async def test_rising_demand_wakes_engines_before_it_arrives() -> None:
         lease.release()
 
 
+async def test_a_wake_calls_the_engine_in_the_turn_that_decides_it() -> None:
+    """Not a turn later: the engine is awake one wake time after the decision, as forecast."""
+    clock = Clock()
+    pool = fleet(2, clock)
+    pool.set_sleep_wanted("e1", True)
+    pool.record_asleep("e1", True)
+    m, engines, _ = manager(pool, Rule(min_awake=2))
+    await m.turn()
+    await settle_calls(m)
+    assert engines.calls == [("wake_up", "e1")]
+    assert pool.get("e1").rest is Rest.AWAKE  # type: ignore[union-attr]
+    await m.turn()
+    await settle_calls(m)
+    assert engines.calls == [("wake_up", "e1")]  # once
+    assert m.decisions["wake", "made"] == m.decisions["wake_up", "made"] == 1
+
+
 async def test_a_failed_sleep_call_leaves_the_engine_going_to_sleep_and_is_tried_again() -> None:
     clock = Clock()
     pool = fleet(2, clock)

@@ -4,7 +4,9 @@
 Requests are counted here and added to Redis in batches (every ``flush_every`` s: nothing per
 request reaches Redis), extra attempts are drawn one atomic call each (they are rare but for a
 failing backend, when they are what the budget is for). Both land in one-second buckets keyed
-by Redis's own clock (``TIME``), so replicas whose clocks differ count the same seconds.
+by Redis's own clock (``TIME``), so replicas whose clocks differ count the same seconds. A batch
+whose answer did not come may have landed all the same (Redis paused, or slow): it is sent again
+as it was, under its id, and Redis adds a batch once whatever the number of times it is sent.
 
 Redis out of reach (or slower than ``timeout``): this replica's own budget decides (its
 requests, its extra attempts), said once per outage; the fleet's is used again once Redis
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from typing import Final
@@ -45,8 +48,9 @@ redis.call('EXPIRE', key, ARGV[6])
 return 1
 """
 
-# ARGV: prefix, requests to add, ttl (s).
+# ARGV: prefix, requests to add, ttl (s), the batch's id: added once, however often sent.
 _ADD: Final = """
+if not redis.call('SET', ARGV[1] .. 'b:' .. ARGV[4], 1, 'NX', 'EX', ARGV[3]) then return 0 end
 local key = ARGV[1] .. 'r:' .. redis.call('TIME')[1]
 redis.call('INCRBY', key, ARGV[2])
 redis.call('EXPIRE', key, ARGV[3])
@@ -72,6 +76,8 @@ class RedisBudget:
         self._flush_every = flush_every
         self.local = LocalBudget(policy, clock)  # this replica's own: the fallback
         self._pending = 0  # requests counted here, not yet added to Redis
+        # a batch sent, its answer not come (it may have landed): sent again as it was
+        self._unanswered: tuple[str, int] | None = None
         self._span = max(1, math.ceil(policy.window))
         self._ttl = self._span + 5
         self._degraded = False
@@ -120,16 +126,18 @@ class RedisBudget:
                 await self.flush()
 
     async def flush(self) -> None:
-        n, self._pending = self._pending, 0
-        if not n:
-            return
+        if self._unanswered is None:
+            if not self._pending:
+                return
+            self._unanswered, self._pending = (uuid.uuid4().hex, self._pending), 0
+        batch, n = self._unanswered
         try:
             async with asyncio.timeout(self._timeout * 5):
-                await self._client.eval(_ADD, 0, self._prefix, n, self._ttl)
+                await self._client.eval(_ADD, 0, self._prefix, n, self._ttl, batch)
         except (RedisError, OSError, TimeoutError) as exc:
             self._down(exc)
-            self._pending += n  # added at the next flush (their second may be a later one)
-            return
+            return  # sent again at the next flush (their second may be a later one)
+        self._unanswered = None
         self._up()
 
     def _down(self, exc: BaseException) -> None:

@@ -4,6 +4,7 @@ does when it is spent, and one budget for replicas that share a Redis."""
 from __future__ import annotations
 
 import asyncio
+from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
@@ -15,6 +16,7 @@ from gateway.limits.retry_budget import LocalBudget, RetryBudgetPolicy, Window, 
 from gateway.limits.retry_budget_redis import RedisBudget
 from tests.helpers import running_gateway, sample
 from tests.mock_fleet import Fleet, InOrder, chunk
+from tests.redis_proxy import holding_proxy
 
 
 class Clock:
@@ -124,6 +126,47 @@ async def test_three_replicas_sharing_a_redis_share_one_budget(
         assert not any(b.degraded for b in replicas)
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
+
+
+async def test_requests_whose_answer_redis_held_are_counted_once_when_sent_again(
+    redis_url: str, redis_prefix: str
+) -> None:
+    """A flush times out while its write lands (Redis paused or slow, its answer late): sent
+    again once Redis answers, it is not added twice (that would fund extra attempts that no
+    request paid for)."""
+    policy = RetryBudgetPolicy(ratio=0.1, min_per_second=0, window=30)
+    port = urlsplit(redis_url).port
+    assert port is not None
+    direct = Redis.from_url(redis_url)
+
+    async def requests_counted() -> int:
+        keys = [k async for k in direct.scan_iter(redis_prefix + "retry-budget:r:*")]
+        return sum(int(v) for v in await direct.mget(keys)) if keys else 0
+
+    async with holding_proxy(port) as proxy:
+        client = Redis.from_url(proxy.url)
+        budget = RedisBudget(client, policy, key_prefix=redis_prefix, clock=Clock(), timeout=0.02)
+        try:
+            for _ in range(10):
+                budget.deposit()
+            await client.ping()  # connected: the batch itself is what goes unanswered
+            proxy.hold()
+            await budget.flush()  # no answer: it may have landed, or not
+            assert budget.degraded
+            deadline = asyncio.get_running_loop().time() + 5
+            while await requests_counted() != 10:  # it did land
+                assert asyncio.get_running_loop().time() < deadline, "the write never landed"
+                await asyncio.sleep(0.01)  # sleep-ok: polling interval of a deadline-bounded wait
+            proxy.release()
+            budget.deposit()
+            await budget.flush()  # the held batch again: the new request waits for the next
+            assert not budget.degraded
+            await budget.flush()
+            assert await requests_counted() == 11
+            assert [await budget.take("retry") for _ in range(2)] == [True, False]
+        finally:
+            await client.aclose()
+            await direct.aclose()
 
 
 async def test_without_redis_each_replica_decides_on_its_own_and_says_so() -> None:

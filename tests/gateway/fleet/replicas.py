@@ -66,11 +66,14 @@ def config(
     files: Path | None = None,
     rollout: dict[str, object] | None = None,
     capacity: dict[str, object] | None = None,
+    retry: dict[str, object] | None = None,
+    health: dict[str, object] | None = None,
     **fleet: object,
 ) -> str:
     """With ``redis_url`` None, no Redis: the fleet's log in files under ``files``;
     ``rollout``: the ``[rollout]`` section's settings (progressive rollouts); ``capacity``:
-    the ``[capacity]`` section's (the capacity manager)."""
+    the ``[capacity]`` section's (the capacity manager); ``retry``: the ``[retry]`` section's
+    (failover and its budget); ``health``: added to the fast probes' ``[health]``."""
     store = (
         f'store = "redis", redis = {{ url = "{redis_url}", key_prefix = "{prefix}", '
         + "timeout = 1.0 }"
@@ -85,7 +88,7 @@ def config(
         "shutdown_grace = 5",
         f'admin = {{ token = "{TOKEN}" }}',
         "scrape = { interval = 0.1 }",
-        "health = { interval = 0.1 }",
+        f"health = {toml_value({'interval': 0.1, **(health or {})})}",
         "limits = { "
         + (
             f'auth = true, keys = [{{ name = "ops", hash = "{hash_key(OPS_KEY)}" }}], '
@@ -113,6 +116,8 @@ def config(
         lines.append(f"rollout = {toml_value(rollout)}")
     if capacity:
         lines.append(f"capacity = {toml_value(capacity)}")
+    if retry:
+        lines.append(f"retry = {toml_value(retry)}")
     for name, url in backends.items():
         lines += ["[[backends]]", f'url = "{url}"', f'name = "{name}"']
     lines += [
@@ -302,12 +307,15 @@ async def running_fleet(
     rollout: dict[str, object] | None = None,
     capacity: dict[str, object] | None = None,
     engines: dict[str, str] | None = None,
+    retry: dict[str, object] | None = None,
+    health: dict[str, object] | None = None,
     **fleet: object,
 ) -> AsyncIterator[Fleet]:
     """``n`` replicas; ``workers``: each one's ``serve --workers`` (1 where not given);
     ``redis_url`` None: no Redis, the log in files under ``tmp_path`` (one host);
     ``engines``: the backends ``a``, ``b`` and ``c`` by URL, the test's own (serving ``m``),
-    instead of fakes (``Fleet.fakes`` then empty); ``capacity``: the ``[capacity]`` section."""
+    instead of fakes (``Fleet.fakes`` then empty); ``capacity``, ``retry``: those sections;
+    ``health``: added to ``[health]``."""
     async with AsyncExitStack() as stack:
         fakes = {} if engines is not None else {name: FakeBackend() for name in "abc"}
         for fake in fakes.values():
@@ -322,6 +330,8 @@ async def running_fleet(
                 files=tmp_path / "fleet",
                 rollout=rollout,
                 capacity=capacity,
+                retry=retry,
+                health=health,
                 **fleet,
             )
         )

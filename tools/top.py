@@ -5,9 +5,11 @@ per backend: health, circuit, in-flight, queue, KV usage, score, requests per se
 to first token (p50, p99) over the last interval, and the TTFT and inter-token latency the
 gateway predicts for it as loaded now (its learned speed); with capacity on
 (``/admin/capacity``), each engine's state (awake, going to sleep, asleep, waking), and below
-the table how many are in each, who manages and the engine-seconds asleep it counted; in a
-fleet, below them, every replica (``/admin/replicas``) with the last change it applied, the
-requests it served and its view of the fleet's change log (ok; lost, being healed;
+the table how many are in each, who manages and the engine-seconds asleep it counted; below
+that, the retry budget (the extra attempts it took and refused per kind, this replica's use of
+it, whether it decides alone while Redis is out of reach) and the requests the admission queue
+shed; in a fleet, below them, every replica (``/admin/replicas``) with the last change it
+applied, the requests it served and its view of the fleet's change log (ok; lost, being healed;
 unreachable; on another epoch), and the fleet's figures summed over the replicas. While Redis
 does not answer, the gateway answers the replicas from the last state known: ``top`` marks them
 stale, with their age. The arithmetic is pure (``Frame``); only ``run`` does I/O.
@@ -37,8 +39,9 @@ DESCRIPTION: Final = (
     "Live view of a running gateway: per backend health, circuit, in-flight requests, queue "
     "depth, KV-cache usage, routing score, requests/s, time to first token (p50/p99) and the "
     "predicted TTFT and inter-token latency (learned), with capacity on each engine's state "
-    "(awake, going to sleep, asleep, waking) and the engine-seconds asleep, refreshed every "
-    "second. Needs the admin API (its URL and bearer token)."
+    "(awake, going to sleep, asleep, waking) and the engine-seconds asleep; the retry budget "
+    "(extra attempts taken and refused) and the requests the admission queue shed; refreshed "
+    "every second. Needs the admin API (its URL and bearer token)."
 )
 TOKEN_ENV: Final = "GATEWAY_ADMIN__TOKEN"  # the one the gateway reads (``admin.token``)
 # What ``top --help`` once named instead: still read, with a warning, so a shell set up from
@@ -51,28 +54,57 @@ Buckets = dict[str, list[tuple[float, float]]]
 
 
 @dataclass(frozen=True, slots=True)
+class BudgetSample:
+    """The retry budget as ``/admin/metrics`` says it (``gateway.limits.retry_budget``)."""
+
+    attempts: dict[tuple[str, str], float] = field(default_factory=dict)  # (kind, outcome)
+    use: float | None = None  # this replica's extra attempts / what its own requests allow
+    degraded: bool | None = None  # None: this gateway's own budget (its limits keep no Redis)
+
+
+@dataclass(frozen=True, slots=True)
 class MetricsSample:
     at: float
     requests: Counts = field(default_factory=dict)
     ttft: Buckets = field(default_factory=dict)
+    budget: BudgetSample | None = None  # None: a gateway of before the budget
+    shed: float | None = None  # requests the admission queue shed; None: no queue
 
 
 def parse_metrics(text: str, at: float) -> MetricsSample:
-    """Requests and TTFT buckets per backend, summed over models and statuses."""
+    """Requests and TTFT buckets per backend, summed over models and statuses; the retry
+    budget; the admission queue's sheddings."""
     requests: Counts = {}
     ttft: dict[str, dict[float, float]] = {}
+    attempts: dict[tuple[str, str], float] | None = None
+    gauges: dict[str, float] = {}
+    shed = None
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             backend = s.labels.get("backend")
-            if backend is None:
-                continue
-            if s.name == "llm_gateway_requests_total":
+            if s.name == "llm_gateway_requests_total" and backend is not None:
                 requests[backend] = requests.get(backend, 0.0) + s.value
-            elif s.name == "llm_gateway_time_to_first_token_seconds_bucket":
+            elif s.name == "llm_gateway_time_to_first_token_seconds_bucket" and backend is not None:
                 le = float(s.labels["le"])
                 per = ttft.setdefault(backend, {})
                 per[le] = per.get(le, 0.0) + s.value
-    return MetricsSample(at, requests, {b: sorted(per.items()) for b, per in ttft.items()})
+            elif s.name == "llm_gateway_retry_budget_attempts_total":
+                attempts = {} if attempts is None else attempts
+                attempts[s.labels["kind"], s.labels["outcome"]] = s.value
+            elif s.name in ("llm_gateway_retry_budget_use", "llm_gateway_retry_budget_degraded"):
+                gauges[s.name] = s.value
+            elif s.name == "llm_gateway_admission_outcomes_total":
+                shed = (shed or 0.0) + (s.value if s.labels["outcome"] == "shed" else 0.0)
+    budget = None
+    if attempts is not None:
+        degraded = gauges.get("llm_gateway_retry_budget_degraded")
+        budget = BudgetSample(
+            attempts,
+            gauges.get("llm_gateway_retry_budget_use"),
+            None if degraded is None else degraded > 0,
+        )
+    ttft_buckets = {b: sorted(per.items()) for b, per in ttft.items()}
+    return MetricsSample(at, requests, ttft_buckets, budget, shed)
 
 
 def bucket_quantile(buckets: Iterable[tuple[float, float]], q: float) -> float | None:
@@ -299,6 +331,40 @@ def capacity_line(capacity: Mapping[str, Any] | None, replicas: Mapping[str, Any
     return line
 
 
+BUDGET_KINDS: Final = ("retry", "hedge", "continuation")
+
+
+def limits_line(sample: MetricsSample) -> Text | None:
+    """Below the backends: the retry budget (whose it is, this replica's use of it, per kind
+    the extra attempts taken and refused) and the requests the admission queue shed; None from
+    a gateway that says neither."""
+    budget, shed = sample.budget, sample.shed
+    if budget is None and shed is None:
+        return None
+    line = Text()
+    if budget is not None:
+        use = "-" if budget.use is None else f"{budget.use:.0%}"
+        if budget.degraded is None:
+            line.append(f"retry budget (this gateway's own): {use} used")
+        elif budget.degraded:
+            line.append("retry budget: DEGRADED, Redis out of reach: ", style="bold yellow")
+            line.append(f"this replica decides alone, {use} of its own used")
+        else:
+            line.append(f"retry budget (the fleet's, on Redis): {use} of this replica's used")
+        kinds = [*BUDGET_KINDS, *sorted({k for k, _ in budget.attempts} - set(BUDGET_KINDS))]
+        for kind in kinds:
+            taken = budget.attempts.get((kind, "taken"), 0.0)
+            refused = budget.attempts.get((kind, "refused"), 0.0)
+            line.append(f" · {kind} {taken:.0f} taken, ")
+            line.append(f"{refused:.0f} refused", style="yellow" if refused else "")
+    if shed is not None:
+        if budget is not None:
+            line.append(" · ")
+        line.append("admission queue: ")
+        line.append(f"{shed:.0f} shed", style="yellow" if shed else "")
+    return line
+
+
 # A change log's state (the replica's own word, or the fleet's: "other epoch") -> shown as, colour
 LOG_STATES: Final = {
     "ok": ("ok", "green"),
@@ -419,6 +485,8 @@ class TopClient:
         parts: list[RenderableType] = [render(rows, backends.get("policy", "?"))]
         if (line := capacity_line(capacity, replicas_doc)) is not None:
             parts.append(line)
+        if (limits := limits_line(sample)) is not None:
+            parts.append(limits)
         if (replicas := render_replicas(replicas_doc)) is not None:
             parts.append(replicas)
         return parts[0] if len(parts) == 1 else Group(*parts)

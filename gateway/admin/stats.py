@@ -3,8 +3,10 @@
 The same figures Prometheus scrapes from ``/admin/metrics``, read from the same registry and
 regrouped for a page that diffs two polls: per backend the requests by status and the TTFT and
 ITL histograms (cumulative buckets, summed over models), rate-limit rejections by key, the
-admission queue, the policies' decisions, the canary split per alias. Pure: metric families
-in, a document out; the handler in ``gateway.admin.api`` reads the registry.
+admission queue (its outcomes, shedding by priority among them), the policies' decisions, the
+canary split per alias, and the retry budget (extra attempts taken and refused per kind, this
+replica's use of it, and whether it decides alone while Redis is out of reach). Pure: metric
+families in, a document out; the handler in ``gateway.admin.api`` reads the registry.
 
 Nothing here is per request: it runs when a console polls (once a second per open page).
 """
@@ -43,7 +45,15 @@ _HISTOGRAMS: Final = {
     "llm_gateway_time_to_first_token_seconds_bucket": "ttft",
     "llm_gateway_inter_token_latency_seconds_bucket": "itl",
 }
-_GAUGES: Final = (QUEUE_DEPTH_METRIC, ADMISSION_QUEUE_METRIC, "llm_gateway_admission_holding")
+BUDGET_USE: Final = "llm_gateway_retry_budget_use"
+BUDGET_DEGRADED: Final = "llm_gateway_retry_budget_degraded"  # only where the budget is on Redis
+_GAUGES: Final = (
+    QUEUE_DEPTH_METRIC,
+    ADMISSION_QUEUE_METRIC,
+    "llm_gateway_admission_holding",
+    BUDGET_USE,
+    BUDGET_DEGRADED,
+)
 
 
 def stats_document(families: Iterable[Metric], at: float) -> dict[str, Any]:
@@ -54,6 +64,7 @@ def stats_document(families: Iterable[Metric], at: float) -> dict[str, Any]:
     aliases: dict[str, dict[str, dict[str, float]]] = {}
     counters: dict[str, dict[str, float]] = {field: {} for field, _ in _COUNTERS.values()}
     gauges: dict[str, float] = {}
+    attempts: dict[str, dict[str, float]] | None = None  # kind -> outcome -> count
 
     def backend(bid: str) -> dict[str, Any]:
         return backends.setdefault(bid, {"requests": {}})
@@ -78,6 +89,9 @@ def stats_document(families: Iterable[Metric], at: float) -> dict[str, Any]:
                 _add(pools.setdefault(labels["pool"], {}), labels["status"], value)
             elif name in _GAUGES:
                 gauges[name] = value
+            elif name == "llm_gateway_retry_budget_attempts_total":
+                attempts = {} if attempts is None else attempts
+                _add(attempts.setdefault(labels["kind"], {}), labels["outcome"], value)
     for kind, per_backend in histograms.items():
         for bid, buckets in per_backend.items():
             backend(bid)[kind] = _bucket_list(buckets)
@@ -92,7 +106,23 @@ def stats_document(families: Iterable[Metric], at: float) -> dict[str, Any]:
             "holding": gauges.get("llm_gateway_admission_holding", 0.0),
             "outcomes": counters.pop("admission_outcomes"),
         },
+        "retry_budget": None if attempts is None else _retry_budget(attempts, gauges),
         "queue_depth": gauges.get(QUEUE_DEPTH_METRIC, 0.0),
         "aliases": aliases,
         **counters,
+    }
+
+
+def _retry_budget(
+    attempts: dict[str, dict[str, float]], gauges: dict[str, float]
+) -> dict[str, Any]:
+    """The budget of extra attempts: per kind taken and refused; ``use``, this replica's extra
+    attempts over the window as a share of what its own requests allow; ``shared``, whether it
+    is the fleet's on Redis; ``degraded``, whether this replica decides alone meanwhile."""
+    shared = BUDGET_DEGRADED in gauges
+    return {
+        "attempts": attempts,
+        "use": gauges.get(BUDGET_USE),
+        "shared": shared,
+        "degraded": shared and gauges[BUDGET_DEGRADED] > 0,
     }

@@ -346,6 +346,7 @@ function render() {
   renderRollouts();
   renderRejections(last);
   renderDecisions(last);
+  renderRetryBudget(last);
   renderFleet();
   renderKeys();
   markStale("replicas-stale", latest.replicas, $("replicas"), $("fleet-figures"));
@@ -382,15 +383,17 @@ function renderTiles(last) {
   const backends = latest.backends.backends;
   const up = backends.filter((b) => b.health === "up" && !b.draining && b.circuit !== "open" && restOf(b.id) === "awake").length;
   const admission = last.stats.admission;
+  const budget = last.stats.retry_budget;
   const tiles = [
     ["Requests/s", fmtRate(d.fleet.rps)],
     ["Errors/s (5xx)", fmtRate(d.fleet.errors)],
     ["TTFT p99", fmtSeconds(d.fleet.ttft99)],
     ["Routable backends", `${up} / ${backends.length}`],
     ["Queue depth (fleet)", fmtNumber(last.stats.queue_depth, 0)],
-    ["Admission queue", `${fmtNumber(admission.waiting, 0)} waiting · ${fmtNumber(admission.holding, 0)} admitted`],
+    ["Admission queue", `${fmtNumber(admission.waiting, 0)} waiting · ${fmtNumber(admission.holding, 0)} admitted · ${fmtNumber(admission.outcomes.shed ?? 0, 0)} shed`],
     ["Rate-limited/s", fmtRate(d.fleet.rejections)],
   ];
+  if (budget) tiles.push(["Retry budget used", `${fmtPct(budget.use)}${budget.degraded ? " · alone (Redis out)" : ""}`]);
   $("tiles").replaceChildren(
     ...tiles.map(([label, value]) => el("div", { class: "tile card" }, el("span", { class: "label" }, label), el("span", { class: "value" }, value))),
   );
@@ -1271,6 +1274,42 @@ function renderRejections(last) {
     upsertRow(admission, outcome, [outcome, fmtNumber(n, 0), fmtRate(last.derived.rate(n, thenOutcomes[outcome]))]);
   }
   prune(admission, okeys);
+}
+
+// The one budget of extra attempts (retries, hedges, stream continuations): per kind those it
+// granted and refused, this replica's use of it, and who decides (the fleet's on Redis, or this
+// replica alone while Redis does not answer, or always when the limits keep no Redis).
+const BUDGET_KINDS = ["retry", "hedge", "continuation"];
+
+function budgetState(budget) {
+  const use = `${fmtPct(budget.use)} of what this replica's own requests allow`;
+  if (budget.degraded) return [`Redis does not answer: this replica's own budget decides until it does (${use}).`, "warn"];
+  if (budget.shared) return [`Shared by the fleet on Redis. Used here: ${use}.`, ""];
+  return [`This gateway's own (its limits keep no Redis). Used: ${use}.`, ""];
+}
+
+function renderRetryBudget(last) {
+  const budget = last.stats.retry_budget;
+  $("retry-budget-block").hidden = !budget;
+  if (!budget) return;
+  const [text, cls] = budgetState(budget);
+  const state = $("retry-budget-state");
+  if (state.textContent !== text) state.textContent = text;
+  state.className = cls;
+  const then = windowBase(last.at)?.stats.retry_budget?.attempts ?? {};
+  const tbody = $("retry-budget").tBodies[0];
+  const kinds = [...BUDGET_KINDS, ...Object.keys(budget.attempts).filter((k) => !BUDGET_KINDS.includes(k))];
+  for (const kind of kinds) {
+    const n = budget.attempts[kind] ?? {};
+    const refused = n.refused ?? 0;
+    upsertRow(tbody, kind, [
+      kind,
+      fmtNumber(n.taken ?? 0, 0),
+      { text: fmtNumber(refused, 0), cls: refused > 0 ? "warn" : "" },
+      fmtRate(last.derived.rate(refused, then[kind]?.refused)),
+    ]);
+  }
+  prune(tbody, new Set(kinds));
 }
 
 function renderDecisions(last) {

@@ -1,19 +1,24 @@
 """The console's server side: its assets without the token (and nothing else), its security
-headers, ``/admin/stats``, what the capacity panel reads, the script's look-ups and the audit log
-of admin actions."""
+headers, ``/admin/stats`` (the retry budget and the admission queue's sheddings among it), what
+the capacity panel reads, the script's look-ups and the audit log of admin actions."""
 
 from __future__ import annotations
 
 import re
 from importlib.resources import files
 
+from redis.asyncio import Redis
 from structlog.testing import capture_logs
 
 from gateway.admin.console import ASSETS, PUBLIC_PATHS
 from gateway.admin.stats import stats_document
+from gateway.limits.retry_budget import LocalBudget, RetryBudgetPolicy
+from gateway.limits.retry_budget_redis import RedisBudget
 from gateway.observe.metrics import GatewayMetrics
+from gateway.observe.retry_budget_metrics import RetryBudgetCollector
 from policies import POLICY_NAMES
-from tests.helpers import FakeBackend, gateway_for, stream_chat
+from tests import budget_and_shed
+from tests.helpers import FakeBackend, gateway_for, sample, stream_chat
 
 TOKEN = "console-t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -163,6 +168,62 @@ def test_stats_document_groups_counters_from_the_registry() -> None:
     assert doc["retries"] == {"unreachable": 1.0}
 
 
+async def test_stats_carry_the_retry_budget_and_the_requests_the_admission_queue_shed() -> None:
+    """Retries taken and refused by the budget, and a request shed by priority, for real: the
+    document says each as the registry counts it."""
+    a, b = budget_and_shed.backends()
+    settings = {**budget_and_shed.SETTINGS, "admin": {"token": TOKEN}}
+    async with gateway_for(a, b, names=budget_and_shed.NAMES, **settings) as (gw, s):
+        assert gw.admin_url is not None
+        statuses = await budget_and_shed.retried(s, gw.url)
+        await budget_and_shed.shed_one(s, gw.url, gw.app, a, b)
+        async with s.get(gw.admin_url + "/admin/stats", headers=AUTH) as r:
+            doc = await r.json()
+
+        def counted(kind: str, outcome: str) -> float:
+            name = "llm_gateway_retry_budget_attempts_total"
+            return sample(gw, name, kind=kind, outcome=outcome)
+
+        budget = doc["retry_budget"]
+        assert budget["attempts"] == {
+            kind: {"taken": counted(kind, "taken"), "refused": counted(kind, "refused")}
+            for kind in ("retry", "hedge", "continuation")
+        }
+        retry = budget["attempts"]["retry"]
+        assert retry["taken"] >= 1
+        assert retry["refused"] == statuses[503] >= 1  # each refusal: a's 503 passed on
+        assert budget["use"] == sample(gw, "llm_gateway_retry_budget_use") > 0
+        assert (budget["shared"], budget["degraded"]) == (False, False)  # its own: no Redis
+        assert doc["admission"]["outcomes"]["shed"] == 1.0
+
+
+async def test_stats_say_a_budget_shared_on_redis_and_one_deciding_alone() -> None:
+    policy = RetryBudgetPolicy(ratio=0.5, min_per_second=0, window=10)
+    client = Redis.from_url("redis://127.0.0.1:1/0", socket_connect_timeout=0.05)
+    shared = RedisBudget(client, policy, key_prefix="none:", clock=lambda: 0.0)
+    try:
+        m = GatewayMetrics()
+        m.registry.register(RetryBudgetCollector(lambda: shared))
+        budget = stats_document(m.registry.collect(), at=1.0)["retry_budget"]
+        assert (budget["shared"], budget["degraded"], budget["use"]) == (True, False, 0.0)
+        shared.deposit()
+        shared.deposit()
+        await shared.flush()  # Redis out of reach: decides alone from now on
+        assert await shared.take("hedge") is True
+        budget = stats_document(m.registry.collect(), at=2.0)["retry_budget"]
+        assert (budget["shared"], budget["degraded"], budget["use"]) == (True, True, 1.0)
+        assert budget["attempts"]["hedge"] == {"taken": 1.0, "refused": 0.0}
+    finally:
+        await client.aclose()
+    # A registry without the budget's collector (a gateway of before it): none said.
+    assert stats_document(GatewayMetrics().registry.collect(), at=3.0)["retry_budget"] is None
+    own = GatewayMetrics()
+    local = LocalBudget(policy, clock=lambda: 0.0)
+    own.registry.register(RetryBudgetCollector(lambda: local))
+    budget = stats_document(own.registry.collect(), at=4.0)["retry_budget"]
+    assert (budget["shared"], budget["degraded"]) == (False, False)
+
+
 def test_every_element_the_script_looks_up_is_on_the_page() -> None:
     """The script finds the page's parts by id (``$("...")``): a panel added to one and not the
     other would fail only in a browser."""
@@ -172,6 +233,7 @@ def test_every_element_the_script_looks_up_is_on_the_page() -> None:
     wanted = set(re.findall(r'\$\("([A-Za-z0-9_-]+)"\)', script))
     there = set(re.findall(r'\bid="([A-Za-z0-9_-]+)"', page))
     assert {"capacity-card", "engines", "capacity-models", "capacity-tiles"} <= wanted
+    assert {"retry-budget-block", "retry-budget-state", "retry-budget"} <= wanted
     assert wanted - there == set()
 
 

@@ -67,6 +67,17 @@ class TierSettings(BaseModel):
         None, gt=0, description="each key of the tier: tokens a UTC month"
     )
 
+    @model_validator(mode="after")
+    def _priority_within_its_max(self) -> TierSettings:
+        # A priority above max_priority would be clamped to it: priority = 10 alone would
+        # run at 0, silently. Say so instead.
+        if self.priority > self.max_priority:
+            raise ValueError(
+                f"priority {self.priority} is above max_priority {self.max_priority} (which "
+                f"bounds it too): set max_priority = {self.priority} or more"
+            )
+        return self
+
 
 class KeySettings(BaseModel):
     """One API key, by its hash (``llm-gateway keys hash`` prints it); never the key itself."""

@@ -151,11 +151,23 @@ def test_defaults_are_auth_off_and_unlimited() -> None:
             "listed twice",
         ),
         ({"anonymous_tier": "nope", "auth": False}, "anonymous_tier"),
+        # max_priority (default 0) bounds the tier's own priority: 10 would run at 0, silently
+        ({"tiers": {"default": {"priority": 10}}}, "set max_priority = 10"),
     ],
 )
 def test_bad_limits_configuration_is_refused(over: dict[str, Any], message: str) -> None:
     with pytest.raises(ValidationError, match=message):
         limits_settings(**over)
+
+
+def test_a_tiers_priority_up_to_its_max_is_its_keys() -> None:
+    settings = limits_settings(
+        tiers={"urgent": {"priority": 10, "max_priority": 10}},
+        keys=[{"name": "alice", "hash": hash_key(ALICE), "tier": "urgent"}],
+    )
+    alice = Authenticator(settings).authenticate(headers(Authorization=f"Bearer {ALICE}"))
+    assert (alice.priority, alice.max_priority) == (10, 10)
+    assert LimitsSettings.model_validate({"tiers": {"default": {"priority": -10}}})
 
 
 def test_limits_settings_mount_under_gateway_settings_from_the_environment(

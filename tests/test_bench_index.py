@@ -8,13 +8,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
+CITED = r"bench/((?:peers|latency|kv-events|pa-|rollout-|capacity-)[\w.-]*)"
 
 
 def cited_runs() -> set[str]:
     """The docs/bench entries (a file's stem or a folder) cited by the pages of docs/."""
     cited = set()
     for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
-        for path in re.findall(r"bench/((?:peers|latency|kv-events|pa-)[\w.-]*)", doc.read_text()):
+        for path in re.findall(CITED, doc.read_text()):
             cited.add(path.removesuffix(".md").removesuffix(".json"))
     return cited
 

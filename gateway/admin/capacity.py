@@ -84,7 +84,7 @@ def _sleep(wanted: bool) -> Action:
             was=was.value,
             state=b.rest.value,
             why=_why(body),
-            token=_token(body),
+            term=_token(body),  # the manager's fencing token (a "token" is redacted)
             by=params.get(CALLER) or None,
         )
         return engine_doc(b)

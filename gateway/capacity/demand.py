@@ -6,6 +6,11 @@ Little's law it is the arrival rate times how long a request takes, so a rising 
 shows as a rising level; the trend is the least-squares slope of the samples of the last
 ``window`` seconds, which the plan (``gateway.capacity.plan.need``) projects one wake time
 ahead.
+
+The level is smoothed over ``smooth`` seconds, which the manager sets to two wake times
+(``smoothing``): a burst over before a woken engine could take any of it is not demand for one
+(a Poisson trough of 2 requests a second has seconds at 8), while a rise that lasts is
+followed, the smoothing's lag made up along the trend.
 """
 
 from __future__ import annotations
@@ -14,6 +19,12 @@ from collections import deque
 from typing import Final
 
 MAX_SAMPLES: Final = 512  # whatever the turn period, a bounded memory per model
+MIN_SMOOTH: Final = 3.0  # seconds: one request more or less between two turns is no change
+
+
+def smoothing(wake_time: float, window: float) -> float:
+    """The seconds a level is smoothed over for engines that take ``wake_time`` to wake."""
+    return min(window, max(MIN_SMOOTH, 2 * wake_time))
 
 
 class Trend:
@@ -34,13 +45,15 @@ class Trend:
 
     @property
     def level(self) -> float:
-        """The mean of the samples of the last ``smooth`` seconds (one request more or less on
-        an engine between two turns is not a change of demand)."""
+        """The mean of the samples of the last ``smooth`` seconds, carried to now along a rising
+        trend (the mean of a rise lags it by the age of the samples' mean time)."""
         if not self._samples:
             return 0.0
         last = self._samples[-1][0]
-        recent = [y for t, y in self._samples if last - t <= self.smooth]
-        return sum(recent) / len(recent)
+        recent = [(t, y) for t, y in self._samples if last - t <= self.smooth]
+        mean = sum(y for _, y in recent) / len(recent)
+        lag = last - sum(t for t, _ in recent) / len(recent)
+        return mean + max(self.slope, 0.0) * lag
 
     @property
     def slope(self) -> float:

@@ -38,7 +38,7 @@ from backends.sleep import Rest
 from backends.state import BackendSpec, BackendState
 from backends.upstream.client import Transport
 from gateway.capacity.book import CapacityBook
-from gateway.capacity.demand import Trend
+from gateway.capacity.demand import Trend, smoothing
 from gateway.capacity.plan import Demand, Engine, Need, Rule, Step, Turn, decide
 from gateway.capacity.settings import rule_doc
 from gateway.rollouts.driver import Claim
@@ -143,7 +143,7 @@ class Manager:
                 log.warning("capacity_wake_refused", backend=b.id, why=why, error=exc.message)
                 return
             self.decisions["wake", "made"] += 1
-            log.info("capacity_waking", backend=b.id, why=why, token=None)
+            log.info("capacity_waking", backend=b.id, why=why, term=None)
             if b.asleep:  # the same task: no other call to it meanwhile
                 await self._call(b, Step("wake_up", b.id, why))
         finally:
@@ -178,11 +178,11 @@ class Manager:
         token = await self._claim.acquire(book.token)
         if token is None:
             if self.token is not None:
-                log.info("capacity_manager_lost", token=self.token)
+                log.info("capacity_manager_lost", term=self.token)
             self.token, self.look, self.needs, self._last_turn = None, {}, {}, None
             return None
         if self.token != token:
-            log.info("capacity_manager_took", token=token)
+            log.info("capacity_manager_took", term=token)
             self.token = token
             # A new term: an idle spell counts from what this replica sees now, not from its
             # last term (another managed meanwhile, demand unseen here)
@@ -194,7 +194,8 @@ class Manager:
         held = await self._inputs.held()
         ttft = self._inputs.ttft()
         demands = {
-            m: self._demand(m, engines, held.get(m, 0), now, ttft.get(m)) for m in book.rules
+            m: self._demand(m, rule, engines, held.get(m, 0), now, ttft.get(m))
+            for m, rule in book.rules.items()
         }
         views = [self._engine(b) for b in engines]
         turn = decide(
@@ -226,14 +227,21 @@ class Manager:
             can_sleep=b.asleep is not None,
         )
 
-    def _demand(
-        self, model: str, engines: list[BackendState], held: int, now: float, ttft: float | None
+    def _demand(  # noqa: PLR0917
+        self,
+        model: str,
+        rule: Rule,
+        engines: list[BackendState],
+        held: int,
+        now: float,
+        ttft: float | None,
     ) -> Demand:
         serving = [b for b in engines if model in self._groups[b.id] and b.up]
         load = sum(self._load(b, now) for b in serving) + held
         trend = self._trends.get(model)
         if trend is None:
             trend = self._trends[model] = Trend(self._trend_window)
+        trend.smooth = smoothing(rule.wake_time, self._trend_window)  # the rule may change
         trend.add(now, load)
         kvs = [
             s.kv_cache_usage
@@ -284,7 +292,7 @@ class Manager:
                 "capacity_going_to_sleep" if asleep else "capacity_waking",
                 backend=b.id,
                 why=step.why,
-                token=token,
+                term=token,
             )
             if not asleep and b.asleep and b.id not in self._calls:
                 # woken now, not at the next turn: the forecast looked one wake time ahead

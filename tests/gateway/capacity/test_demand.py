@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.capacity.demand import MAX_SAMPLES, Trend
+from gateway.capacity.demand import MAX_SAMPLES, MIN_SMOOTH, Trend, smoothing
 
 
 def test_a_steady_rise_shows_as_its_slope() -> None:
@@ -44,3 +44,38 @@ def test_one_sample_or_a_clock_gone_back_has_no_trend() -> None:
     trend.add(5.0, 8.0)
     assert trend.slope == 0.0
     assert trend.level == 8.0
+
+
+def test_the_smoothing_is_two_wake_times_within_the_window() -> None:
+    assert smoothing(wake_time=5.0, window=30.0) == 10.0
+    assert smoothing(wake_time=0.5, window=30.0) == MIN_SMOOTH
+    assert smoothing(wake_time=60.0, window=30.0) == 30.0
+
+
+def test_a_burst_shorter_than_the_smoothing_is_not_a_level() -> None:
+    """A trough of 3 requests with a 2-s burst to 12: over 10 s the level stays under what one
+    engine serves with headroom (10 / 1.5), where a 3-s mean goes over it."""
+    trend = Trend(window=30, smooth=10)
+    for t in range(30):
+        trend.add(float(t), 12.0 if t >= 28 else 3.0)
+    assert trend.level < 10 / 1.5
+    short = Trend(window=30, smooth=3)
+    for t in range(30):
+        short.add(float(t), 12.0 if t >= 28 else 3.0)
+    assert short.level > 10 / 1.5
+
+
+def test_a_steady_rise_is_not_lagged_by_the_smoothing() -> None:
+    """On a rise of 2 a second the mean of the last 10 s lags 5 s behind (10 requests): the
+    level is carried to now along the trend."""
+    trend = Trend(window=30, smooth=10)
+    for t in range(21):
+        trend.add(float(t), 2.0 * t)
+    assert trend.level == pytest.approx(40.0)
+
+
+def test_a_fall_is_not_carried_ahead() -> None:
+    trend = Trend(window=30, smooth=10)
+    for t in range(21):
+        trend.add(float(t), 100.0 - 2.0 * t)
+    assert trend.level == pytest.approx(70.0)  # the mean of the last 11 samples (80 .. 60)

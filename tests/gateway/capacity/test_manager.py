@@ -114,7 +114,7 @@ async def test_an_idle_fleet_shrinks_to_its_minimum_one_engine_per_idle_spell() 
     clock.t += 30
     await m.turn()
     await settle_calls(m)
-    assert pool.get("e1").rest is Rest.AWAKE  # type: ignore[union-attr] - not yet another spell
+    assert pool.get("e1").rest is Rest.AWAKE  # type: ignore[union-attr]  # not yet another spell
     clock.t += 30
     for _ in range(2):
         await m.turn()
@@ -122,7 +122,7 @@ async def test_an_idle_fleet_shrinks_to_its_minimum_one_engine_per_idle_spell() 
     assert [b.rest for b in pool.all()] == [Rest.AWAKE, Rest.ASLEEP, Rest.ASLEEP]
     clock.t += 600
     await m.turn()
-    assert pool.get("e0").rest is Rest.AWAKE  # type: ignore[union-attr] - min_awake 1
+    assert pool.get("e0").rest is Rest.AWAKE  # type: ignore[union-attr]  # min_awake 1
     assert m.asleep_seconds["e2"] > m.asleep_seconds["e1"] > 0
 
 
@@ -142,7 +142,7 @@ async def test_rising_demand_wakes_engines_before_it_arrives() -> None:
         leases.append(pool.acquire("e0"))
         await m.turn()
     await settle_calls(m)
-    assert pool.in_flight(pool.get("e0")) == 4  # type: ignore[arg-type] - one engine's worth
+    assert pool.in_flight(pool.get("e0")) == 4  # type: ignore[arg-type]  # one engine's worth
     assert ("wake_up", "e1") in engines.calls  # woken ahead of the demand
     assert pool.get("e1").rest is Rest.AWAKE  # type: ignore[union-attr]
     for lease in leases:
@@ -269,7 +269,7 @@ async def test_a_request_for_a_model_asleep_is_held_until_an_engine_wakes() -> N
     await wait_for(lambda: bool(engines.calls), within=5, what="the engine told to wake")
     assert holds.held[M] == 1
     assert not held.done()
-    assert pool.get("e0").rest is Rest.WAKING  # type: ignore[union-attr] - wanted awake
+    assert pool.get("e0").rest is Rest.WAKING  # type: ignore[union-attr]  # wanted awake
     engines.gate.set()  # awake: the pool hears it, the held request goes
     assert await held is True
     assert engines.calls == [("wake_up", "e0")]

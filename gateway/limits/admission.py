@@ -10,13 +10,17 @@ A waiter that is cancelled (client disconnect) or times out leaves the queue at 
 received in the same instant is passed on, so nothing is ever held by a request that is gone.
 
 **Shed by priority** when the fleet cannot keep up: the queue knows how fast it drains (grants
-over the last ``drain_window`` s), so a new request's wait is predicted from what waits ahead of
-it (its priority band and those above). Past its limit (the tier's ``max_wait``, or the
-queue's), it is refused at once with 429 ``shed_by_priority`` and a ``Retry-After`` of that
-predicted wait, rather than queued to time out: the lowest priorities wait longest, so they are
-refused first (batch-class, below 0, before all). At a full queue, a request of a higher
-priority than the lowest waiting one takes its place (that one is refused, 429), instead of
-being refused itself.
+over the last ``drain_window`` s) and how fast requests of each priority join it, so a new
+request's wait is predicted from what waits ahead of it (its priority band and those above),
+drained at what the fleet serves less what the higher priorities that keep arriving take (they
+overtake it while it waits): ``(ahead + 1) / (drained - arriving above)``, without bound when
+those above take all of it. Past its limit (the tier's ``max_wait``, or the queue's), it is
+refused at once with 429 ``shed_by_priority`` and a ``Retry-After`` of that predicted wait (of
+the window, when unbounded), rather than queued to time out: the lowest priorities wait
+longest, so they are refused first (batch-class, below 0, before all). A request that times
+out in the queue gets the same prediction as its ``Retry-After``. At a full queue, a request
+of a higher priority than the lowest waiting one takes its place (that one is refused, 429),
+instead of being refused itself.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class AdmissionQueue:
         self._drain_window = drain_window
         self._clock = clock
         self._grants: deque[float] = deque(maxlen=4096)  # when requests left the queue
+        self._joined: dict[int, deque[float]] = {}  # per priority: when requests joined it
         self._queue: FairQueue[_Waiter] = FairQueue()
         self._in_transit = 0  # granted, not yet resumed
         self.holding = 0  # tickets not yet released
@@ -115,12 +120,38 @@ class AdmissionQueue:
             return None
         return len(grants) / max(now - grants[0], 1e-3)
 
+    def joining_above(self, priority: int) -> float:
+        """Requests of a priority above ``priority`` joining the queue per second, over the
+        last ``drain_window`` s."""
+        now, window = self._now(), self._drain_window
+        joined = 0
+        for p in list(self._joined):
+            times = self._joined[p]
+            while times and now - times[0] > window:
+                times.popleft()
+            if not times:
+                del self._joined[p]  # one entry per priority seen in the window, no more
+            elif p > priority:
+                joined += len(times)
+        return joined / window
+
     def predicted_wait(self, priority: int) -> float | None:
-        """How long a request of ``priority`` arriving now would wait (None: unknown)."""
+        """How long a request of ``priority`` arriving now would wait (None: unknown;
+        ``math.inf``: higher priorities keep arriving as fast as the queue drains)."""
         rate = self.drain_rate()
         if rate is None:
             return None
-        return (self._queue.ahead_of(priority) + 1) / rate
+        left = rate - self.joining_above(priority)
+        if left <= 0:
+            return math.inf
+        return (self._queue.ahead_of(priority) + 1) / left
+
+    def _retry_after_for(self, wait: float | None) -> int:
+        if wait is None:
+            return self._retry_after
+        if math.isinf(wait):  # the rates are measured anew over a window
+            return max(1, math.ceil(self._drain_window))
+        return max(1, math.ceil(wait))
 
     async def acquire(
         self, key: str, priority: int = 0, max_wait: float | None = None
@@ -140,14 +171,20 @@ class AdmissionQueue:
         if wait is not None and wait > limit:
             self.stats.shed += 1
             raise Shed(
-                f"The fleet is overloaded: a request of priority {priority} would wait about "
-                f"{wait:.0f} s, over its {limit:g} s; please retry later.",
-                retry_after=max(1, math.ceil(wait)),
+                f"The fleet is overloaded: a request of priority {priority} would wait "
+                + (
+                    "as long as higher priorities keep arriving"
+                    if math.isinf(wait)
+                    else f"about {wait:.0f} s"
+                )
+                + f", over its {limit:g} s; please retry later.",
+                retry_after=self._retry_after_for(wait),
             )
         if len(self._queue) >= self._max_size:
             self._make_room(priority)
         waiter = _Waiter(asyncio.get_running_loop().create_future())
         self._queue.push(waiter, key, priority)
+        self._joined.setdefault(priority, deque(maxlen=4096)).append(self._now())
         self.notify()
         try:
             async with asyncio.timeout(limit):
@@ -156,8 +193,8 @@ class AdmissionQueue:
             self._abandon(waiter)
             self.stats.timed_out += 1
             raise QueueTimeout(
-                f"The request waited {limit:g}s for capacity; please retry shortly.",
-                retry_after=self._retry_after,
+                f"The request waited {limit:g}s for capacity; please retry later.",
+                retry_after=self._retry_after_for(self.predicted_wait(priority)),
             ) from None
         except Shed:  # a request of a higher priority took its place (``_make_room``)
             self.stats.shed += 1
@@ -194,12 +231,11 @@ class AdmissionQueue:
         shed = self._queue.lowest()
         assert shed is not None
         victim, its = shed
-        wait = self.predicted_wait(its)
         victim.future.set_exception(
             Shed(
                 f"The fleet is overloaded: a request of a higher priority than {its} took this "
                 "one's place in the queue; please retry later.",
-                retry_after=max(1, math.ceil(wait if wait is not None else self._retry_after)),
+                retry_after=self._retry_after_for(self.predicted_wait(its)),
             )
         )
 

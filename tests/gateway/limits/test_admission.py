@@ -292,12 +292,15 @@ class Clock:
         return self.t
 
 
-async def draining_at(rate: float, clock: Clock, room: list[bool], **kw: float) -> AdmissionQueue:
-    """A saturated queue that has let ``rate`` requests a second through for 10 s."""
+async def draining_at(
+    rate: float, clock: Clock, room: list[bool], warm: int = -10, **kw: float
+) -> AdmissionQueue:
+    """A saturated queue that has let ``rate`` requests a second (of priority ``warm``)
+    through for 10 s."""
     q = AdmissionQueue(lambda: not room[0], clock=clock, **kw)  # type: ignore[arg-type]
     tickets = []
     for _ in range(int(rate * 10)):
-        waiter = asyncio.create_task(q.acquire("warm", 0))
+        waiter = asyncio.create_task(q.acquire("warm", warm))
         await wait_for(lambda: q.waiting == 1, what="queued")
         room[0] = True
         q.notify()  # let through: one grant, at the clock's time
@@ -328,11 +331,12 @@ async def test_a_request_whose_predicted_wait_is_past_its_limit_is_shed_with_ret
     high = [asyncio.create_task(q.acquire(f"h{i}", 5)) for i in range(10)]
     await asyncio.sleep(0)
     assert q.waiting == 10
-    # a low-priority one waits behind all ten (about 5.5 s): over its tier's 3 s
+    # a low-priority one waits behind all ten, drained at 2 a second less the 1 a second of
+    # priority 5 that joined over the window and will overtake it: 11 s, over its tier's 3 s
     with pytest.raises(Shed) as shed:
         await q.acquire("batch", -1, max_wait=3.0)
     assert shed.value.status == 429
-    assert shed.value.headers["Retry-After"] == "6"
+    assert shed.value.headers["Retry-After"] == "11"
     # the same wait is within a patient tier's limit: queued
     patient = asyncio.create_task(q.acquire("patient", -1, max_wait=20.0))
     await asyncio.sleep(0)
@@ -342,6 +346,46 @@ async def test_a_request_whose_predicted_wait_is_past_its_limit_is_shed_with_ret
         task.cancel()
     await asyncio.gather(*high, patient, return_exceptions=True)
     assert q.waiting == 0
+
+
+async def test_while_higher_priorities_arrive_as_fast_as_it_drains_a_lower_one_is_shed() -> None:
+    """The fleet serves 2 a second and requests of priority 0 have joined at 2 a second: one of
+    priority -1 would never be served, however short the queue; priority 0 itself still
+    waits its turn."""
+    from backends.errors import Shed
+
+    clock, room = Clock(), [False]
+    q = await draining_at(2.0, clock, room, warm=0, max_size=100, max_wait=30.0)
+    assert q.joining_above(-1) == pytest.approx(2.0, abs=0.1)
+    with pytest.raises(Shed) as shed:
+        await q.acquire("batch", -1, max_wait=20.0)
+    assert shed.value.headers["Retry-After"] == "10"  # the rates are measured over 10 s
+    assert "as long as higher priorities keep arriving" in shed.value.message
+    same = asyncio.create_task(q.acquire("standard", 0, max_wait=20.0))
+    await asyncio.sleep(0)
+    assert q.waiting == 1
+    clock.t += 11.0  # a window later, nobody joined: the rates forget them
+    assert q.joining_above(-1) == 0.0
+    same.cancel()
+    await asyncio.gather(same, return_exceptions=True)
+    assert q.waiting == 0
+
+
+async def test_a_request_timed_out_in_the_queue_is_told_the_predicted_wait() -> None:
+    clock, room = Clock(), [False]
+    q = await draining_at(20.0, clock, room, max_size=100, max_wait=30.0, retry_after=1)
+    queued = [asyncio.create_task(q.acquire(f"k{i}", 0)) for i in range(7)]
+    await asyncio.sleep(0)
+    late = asyncio.create_task(q.acquire("late", 0, max_wait=0.5))  # predicted: 0.4 s
+    await wait_for(lambda: q.waiting == 8, what="queued")
+    clock.t += 8.5  # nothing let through for 8.5 s: 30 in the last 10 s
+    with pytest.raises(QueueTimeout) as info:
+        await late
+    # seven ahead of a new one: 8 / 3 a second = 2.7 s, nobody of a higher priority joining
+    assert info.value.headers["Retry-After"] == "3"
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
 
 
 async def test_at_a_full_queue_a_higher_priority_takes_the_lowest_ones_place() -> None:

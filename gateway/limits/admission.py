@@ -15,12 +15,12 @@ request's wait is predicted from what waits ahead of it (its priority band and t
 drained at what the fleet serves less what the higher priorities that keep arriving take (they
 overtake it while it waits): ``(ahead + 1) / (drained - arriving above)``, without bound when
 those above take all of it. Past its limit (the tier's ``max_wait``, or the queue's), it is
-refused at once with 429 ``shed_by_priority`` and a ``Retry-After`` of that predicted wait (of
-the window, when unbounded), rather than queued to time out: the lowest priorities wait
-longest, so they are refused first (batch-class, below 0, before all). A request that times
-out in the queue gets the same prediction as its ``Retry-After``. At a full queue, a request
-of a higher priority than the lowest waiting one takes its place (that one is refused, 429),
-instead of being refused itself.
+refused at once with 429 ``shed_by_priority`` and a ``Retry-After`` of that predicted wait
+(of the window, when unbounded; at most a minute), rather than queued to time out: the lowest
+priorities wait longest, so they are refused first (batch-class, below 0, before all). A
+request that times out in the queue gets the same prediction as its ``Retry-After``. At a full
+queue, a request of a higher priority than the lowest waiting one takes its place (that one is
+refused, 429), instead of being refused itself.
 """
 
 from __future__ import annotations
@@ -31,9 +31,14 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Final
 
 from backends.errors import QueueFull, QueueTimeout, Shed
 from gateway.limits.fairqueue import FairQueue
+
+# The longest Retry-After a prediction gives: past a minute it is the last 10 s's rates drawn
+# out (4955 s once, with the fleet draining barely faster than the priorities above arrived).
+MAX_RETRY_AFTER: Final = 60
 
 
 class _Waiter:
@@ -151,7 +156,7 @@ class AdmissionQueue:
             return self._retry_after
         if math.isinf(wait):  # the rates are measured anew over a window
             return max(1, math.ceil(self._drain_window))
-        return max(1, math.ceil(wait))
+        return min(MAX_RETRY_AFTER, max(1, math.ceil(wait)))
 
     async def acquire(
         self, key: str, priority: int = 0, max_wait: float | None = None

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import pytest
 
 from backends.errors import QueueFull, QueueTimeout
-from gateway.limits.admission import AdmissionQueue, AdmissionTicket
+from gateway.limits.admission import MAX_RETRY_AFTER, AdmissionQueue, AdmissionTicket
 from gateway.limits.fairqueue import (
     FairQueue,
     SaturationThresholds,
@@ -346,6 +346,22 @@ async def test_a_request_whose_predicted_wait_is_past_its_limit_is_shed_with_ret
         task.cancel()
     await asyncio.gather(*high, patient, return_exceptions=True)
     assert q.waiting == 0
+
+
+async def test_a_retry_after_is_at_most_a_minute() -> None:
+    from backends.errors import Shed
+
+    clock, room = Clock(), [False]
+    q = await draining_at(2.0, clock, room, max_size=1000, max_wait=1000.0)
+    queued = [asyncio.create_task(q.acquire(f"k{i}", 0)) for i in range(150)]
+    await asyncio.sleep(0)
+    assert q.waiting == 150
+    with pytest.raises(Shed) as shed:  # 151 ahead at 2 a second: 75.5 s, over its 20 s
+        await q.acquire("late", 0, max_wait=20.0)
+    assert shed.value.headers["Retry-After"] == str(MAX_RETRY_AFTER)
+    for task in queued:
+        task.cancel()
+    await asyncio.gather(*queued, return_exceptions=True)
 
 
 async def test_while_higher_priorities_arrive_as_fast_as_it_drains_a_lower_one_is_shed() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "docs" / "bench"
-CITED = r"bench/((?:peers|latency|kv-events|pa-|rollout-|capacity-)[\w.-]*)"
+CITED = r"bench/((?:peers|latency|kv-events|pa-|rollout-|capacity-|overload-)[\w.-]*)"
 
 
 def cited_runs() -> set[str]:

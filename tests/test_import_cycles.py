@@ -33,7 +33,6 @@ KNOWN: Final = (
             "policies.types",
         }
     ),
-    frozenset({"gateway.http.protocol", "gateway.http.server", "gateway.http.shared"}),
     frozenset(
         {
             "gateway.keys",

@@ -4,19 +4,22 @@
     response.py   Response, StreamResponse, json_response: what handlers answer
     routes.py     Router (Routes): method and path to handler; 404 and 405
     protocol.py   Connection: one client connection (keep-alive, pipelining, refusals)
-    server.py     Server, ServerConfig: listeners, graceful stop, the app's life
+    server.py     Server: listeners, graceful stop, the app's life
+    config.py     ServerConfig: the server's limits and timeouts
+    shared.py     Shared: what every connection of one server shares
     head.py, refusal.py, sampling.py: pure pieces (response heads, refusals, log sampling)
 
 aiohttp stays for the admin API; its ``web.Application`` is the services' container here.
 """
 
+from gateway.http.config import ServerConfig
 from gateway.http.message import Body, Request
 from gateway.http.protocol import Connection
 from gateway.http.refusal import Refused, default_error_body, refusal_code
 from gateway.http.response import Response, StreamResponse, json_response
 from gateway.http.routes import Handler, MethodNotAllowed, RouteNotFound, Router, Routes
 from gateway.http.sampling import LogSampler
-from gateway.http.server import Server, ServerConfig
+from gateway.http.server import Server
 
 __all__ = [
     "Body",

@@ -91,7 +91,7 @@ class Connection(asyncio.Protocol):
         "writing_paused",
     )
 
-    def __init__(self, shared: Shared) -> None:
+    def __init__(self, shared: Shared[Connection]) -> None:
         self._shared = shared
         self.config = shared.config
         self._loop = asyncio.get_running_loop()

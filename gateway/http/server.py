@@ -12,41 +12,15 @@ import asyncio
 import contextlib
 import socket
 import ssl as ssl_
-from collections.abc import Callable
-from dataclasses import dataclass
 
 from aiohttp import web
 
+from gateway.http.config import ServerConfig
 from gateway.http.head import HttpDate
 from gateway.http.protocol import Connection
-from gateway.http.refusal import default_error_body
 from gateway.http.routes import Handler
 from gateway.http.sampling import LogSampler
 from gateway.http.shared import Shared
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ServerConfig:
-    """The server's limits and timeouts (seconds)."""
-
-    max_header_bytes: int = 16 * 1024  # request line or header field; the whole head: 4x
-    max_headers: int = 100
-    max_body_bytes: int  # what Request.read() accepts (413 beyond)
-    header_timeout: float = 60.0  # from a request's first byte to its whole head: 408
-    keepalive_timeout: float = 75.0  # an idle connection (or a silent new one) is closed
-    send_timeout: float = 60.0  # a client that reads nothing for this long is cut off
-    max_pipelined: int = 16  # requests parsed ahead of the one answered, then reading stops
-    # status, message, path (if known) -> the JSON body of a refusal
-    error_body: Callable[[int, str, str | None], bytes] = default_error_body
-    server_name: str | None = None  # the Server header's value; None: no Server header
-
-    def __post_init__(self) -> None:
-        if self.max_header_bytes < 1 or self.max_headers < 1 or self.max_pipelined < 1:
-            raise ValueError("max_header_bytes, max_headers and max_pipelined must be positive")
-        if min(self.header_timeout, self.keepalive_timeout, self.send_timeout) <= 0:
-            raise ValueError("the timeouts must be positive")
-        if self.server_name is not None and ("\r" in self.server_name or "\n" in self.server_name):
-            raise ValueError("a line break in server_name")
 
 
 class Server:
@@ -63,7 +37,9 @@ class Server:
     ) -> None:
         self.app = app
         self.config = config
-        self._shared = Shared(config, app, handler, sampler or LogSampler(), HttpDate())
+        self._shared: Shared[Connection] = Shared(
+            config, app, handler, sampler or LogSampler(), HttpDate()
+        )
         self._listeners: list[asyncio.Server] = []
         self._set_up = False
         self._stopping: asyncio.Task[None] | None = None

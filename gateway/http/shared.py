@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import Hashable
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import structlog
 
@@ -14,14 +15,17 @@ from gateway.http.sampling import LogSampler
 if TYPE_CHECKING:
     from aiohttp import web
 
-    from gateway.http.protocol import Connection
+    from gateway.http.config import ServerConfig
     from gateway.http.routes import Handler
-    from gateway.http.server import ServerConfig
 
 log = structlog.get_logger("gateway.http")
 
+# A connection (``gateway.http.protocol.Connection``), named by a type parameter so this module
+# need not import the one that imports it.
+C = TypeVar("C", bound=Hashable)
 
-class Shared:
+
+class Shared(Generic[C]):
     """What every connection of a server shares: its settings, app, handler, the log sampler,
     and the set of open connections (for the server's graceful stop)."""
 
@@ -41,7 +45,7 @@ class Shared:
         self.sampler = sampler
         self.date = date
         self.server = b"Server: %s\r\n" % config.server_name.encode() if config.server_name else b""
-        self.connections: set[Connection] = set()
+        self.connections: set[C] = set()
         self._emptied: asyncio.Event | None = None
 
     def log_refusal(self, refused: Refused, peer: str | None) -> None:
@@ -79,7 +83,7 @@ class Shared:
             )
         )
 
-    def lost(self, conn: Connection) -> None:
+    def lost(self, conn: C) -> None:
         self.connections.discard(conn)
         if not self.connections and self._emptied is not None:
             self._emptied.set()

@@ -42,7 +42,6 @@ KNOWN: Final = (
             "gateway.request.slo",
         }
     ),
-    frozenset({"tools.sim.kvevents", "tools.sim.kvpublisher"}),
 )
 
 

@@ -40,7 +40,7 @@ from tools.sim.kvcache import CacheEvent
 from tools.sim.kvwire import EventBatch, to_wire
 
 if TYPE_CHECKING:
-    from tools.sim.kvevents import KvEventsConfig
+    from tools.sim.kvconfig import KvEventsConfig
 
 log = structlog.get_logger(__name__)
 

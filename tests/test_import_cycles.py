@@ -33,15 +33,6 @@ KNOWN: Final = (
             "policies.types",
         }
     ),
-    frozenset(
-        {
-            "gateway.keys",
-            "gateway.request.generate",
-            "gateway.request.record",
-            "gateway.request.services",
-            "gateway.request.slo",
-        }
-    ),
 )
 
 

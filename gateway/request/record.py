@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final
+from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
@@ -13,7 +13,8 @@ from gateway.limits.tokens import Usage
 from policies import BackendSnapshot, Weights, score
 
 if TYPE_CHECKING:
-    from gateway.request.services import Services
+    from gateway.observe.metrics import GatewayMetrics
+    from gateway.request.router import Router
 
 log = structlog.get_logger("gateway.request")
 
@@ -115,7 +116,17 @@ class RequestRecord:
         return fields
 
 
-def finish(svc: Services, record: RequestRecord) -> None:
+class Finishing(Protocol):
+    """What ``finish`` reads of the request path's services (``Services`` is one)."""
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def router(self) -> Router: ...
+
+
+def finish(svc: Finishing, record: RequestRecord) -> None:
     """Record a finished request: metrics always, the log event when info is enabled.
 
     The model label is the model's name only if the fleet serves it (or it is an alias):

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Protocol
 
 from aiohttp import web
 
@@ -29,7 +29,11 @@ from gateway.request.router import Step
 from policies.latency import prompt_size
 
 if TYPE_CHECKING:
-    from gateway.request.services import Services
+    from gateway.config.settings import Settings
+    from gateway.limits.admission import AdmissionQueue
+    from gateway.observe.metrics import GatewayMetrics
+    from gateway.request.router import Router
+    from policies.latency import LatencyTracker
 
 OUTCOMES: Final = ("met", "unmet", "waited", "late", "shed")
 _MAX_SLO_MS: Final = 3_600_000.0
@@ -81,7 +85,29 @@ def parse_slo(value: str | None) -> float | None:
     return ms / 1000.0
 
 
-def best_predicted(svc: Services, step: Step) -> float | None:
+class SloServices(Protocol):
+    """What the SLO check reads of the request path's services (``Services`` is one)."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def router(self) -> Router: ...
+
+    @property
+    def latency(self) -> LatencyTracker: ...
+
+    @property
+    def metrics(self) -> GatewayMetrics: ...
+
+    @property
+    def admission(self) -> AdmissionQueue | None: ...
+
+    @property
+    def changes(self) -> ChangeSignal: ...
+
+
+def best_predicted(svc: SloServices, step: Step) -> float | None:
     """The lowest TTFT the tracker predicts for ``step``'s request among its candidates now
     (None when no backend can take it: the attempt loop says so)."""
     router, tracker = svc.router, svc.latency
@@ -93,7 +119,7 @@ def best_predicted(svc: Services, step: Step) -> float | None:
     return min(tracker.predict(c.id, tracker.load(c, size)).ttft for c in candidates)
 
 
-async def meet_slo(svc: Services, step: Step, slo: float, priority: int) -> str:
+async def meet_slo(svc: SloServices, step: Step, slo: float, priority: int) -> str:
     """Return once the request may go on (and how it was decided); raises ``SloUnmeetable``."""
     outcome = await _decide(svc, step, slo, priority)
     svc.metrics.slo_requests.labels(outcome).inc()
@@ -107,7 +133,7 @@ async def meet_slo(svc: Services, step: Step, slo: float, priority: int) -> str:
     return outcome
 
 
-async def _decide(svc: Services, step: Step, slo: float, priority: int) -> str:
+async def _decide(svc: SloServices, step: Step, slo: float, priority: int) -> str:
     best = best_predicted(svc, step)
     if best is None or best <= slo:
         return "met"

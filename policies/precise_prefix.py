@@ -37,7 +37,7 @@ import random
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final
+from typing import Final
 
 from policies.kv_index import KvIndex, cacheable_blocks, chain_keys
 from policies.least_load import LeastLoad
@@ -120,18 +120,18 @@ class PrecisePrefix:
 
     @property
     def approximate(self) -> PrefixAffinity:
-        """Its fallback (``policies.types.ApproximatePrefix``)."""
+        """Its fallback (``policies.capabilities.ApproximatePrefix``)."""
         assert self.fallback is not None
         return self.fallback
 
     @property
     def affinity(self) -> AffinityConfig:
-        """How it is tuned (``policies.types.AffinityTuned``)."""
+        """How it is tuned (``policies.capabilities.AffinityTuned``)."""
         return self.config
 
     @property
     def kv_index(self) -> KvIndex:
-        """The engines' KV events it routes on (``policies.types.ExactPrefix``)."""
+        """The engines' KV events it routes on (``policies.capabilities.ExactPrefix``)."""
         return self.index
 
     def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
@@ -288,11 +288,3 @@ class PrecisePrefix:
                 break
             n += 1
         return n
-
-
-if TYPE_CHECKING:
-    from policies.types import AffinityTuned, ApproximatePrefix, ExactPrefix, Policy
-
-    def _offers(p: PrecisePrefix) -> tuple[Policy, AffinityTuned, ApproximatePrefix, ExactPrefix]:
-        """What it offers beyond the contract (``policies.types``), held to it by mypy."""
-        return p, p, p, p

@@ -44,7 +44,7 @@ import random
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
 from policies.latency import LatencyTracker, prompt_size
 from policies.precise_prefix import PrecisePrefix
@@ -176,7 +176,7 @@ class PredictedLatency:
 
     @property
     def affinity(self) -> AffinityConfig:
-        """How it hashes prompts (``policies.types.AffinityTuned``)."""
+        """How it hashes prompts (``policies.capabilities.AffinityTuned``)."""
         return self.config
 
     def choose(self, facts: RouteFacts, candidates: list[BackendSnapshot]) -> Decision | None:
@@ -247,19 +247,3 @@ class PredictedLatency:
         if self.prefix is not None:
             return self.prefix.remember(facts, backend)
         return None
-
-
-if TYPE_CHECKING:
-    from policies.types import (
-        AffinityTuned,
-        FirstTokenDeadline,
-        Hedging,
-        LatencyPredicting,
-        Policy,
-    )
-
-    def _offers(
-        p: PredictedLatency,
-    ) -> tuple[Policy, FirstTokenDeadline, Hedging, AffinityTuned, LatencyPredicting]:
-        """What it offers beyond the contract (``policies.types``), held to it by mypy."""
-        return p, p, p, p, p

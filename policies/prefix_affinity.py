@@ -42,7 +42,7 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Final, Literal
+from typing import Final, Literal
 
 from policies.facts import CHARS_PER_TOKEN
 from policies.least_load import LeastLoad
@@ -205,12 +205,12 @@ class PrefixAffinity:
 
     @property
     def affinity(self) -> AffinityConfig:
-        """How it is tuned (``policies.types.AffinityTuned``)."""
+        """How it is tuned (``policies.capabilities.AffinityTuned``)."""
         return self.config
 
     @property
     def approximate(self) -> PrefixAffinity:
-        """The index it routes on is its own (``policies.types.ApproximatePrefix``)."""
+        """The index it routes on is its own (``policies.capabilities.ApproximatePrefix``)."""
         return self
 
     @property
@@ -315,11 +315,3 @@ class PrefixAffinity:
         choice = self._load.choose(facts, pool)
         assert choice is not None  # pool is never empty: the least loaded is always eligible
         return choice.backend
-
-
-if TYPE_CHECKING:
-    from policies.types import AffinityTuned, ApproximatePrefix, Policy
-
-    def _offers(p: PrefixAffinity) -> tuple[Policy, AffinityTuned, ApproximatePrefix]:
-        """What it offers beyond the contract (``policies.types``), held to it by mypy."""
-        return p, p, p

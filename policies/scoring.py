@@ -2,22 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from policies.types import BackendSnapshot, Weights
 
-from policies.setting import check_settings, setting
-from policies.types import BackendSnapshot
-
-
-@dataclass(frozen=True, slots=True)
-class Weights:
-    """Weights of each load signal in the score; ops tune them live."""
-
-    active: float = setting(2.0, "score weight of each request in flight", ge=0)
-    queue: float = setting(3.0, "score weight of each request queued in the engine", ge=0)
-    kv: float = setting(0.0, "score weight of the engine's KV-cache usage (0..1)", ge=0)
-
-    def __post_init__(self) -> None:
-        check_settings(self)
+__all__ = ["Weights", "effective_queue", "score"]  # Weights: its home is the contract
 
 
 def effective_queue(snap: BackendSnapshot) -> int:

@@ -38,7 +38,7 @@ from gateway.keys import (
 )
 from gateway.request.rollout import ROLLOUT
 from policies import AffinityConfig, PolicyName, PredictionConfig, Weights
-from policies.types import Capabilities
+from policies.capabilities import Capabilities
 
 log = structlog.get_logger("gateway.admin.reload")
 

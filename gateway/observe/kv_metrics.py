@@ -10,8 +10,8 @@ from prometheus_client.registry import Collector
 
 from backends.kv.sources import STATES, FeedStatus
 from policies import KvIndex, Policy
+from policies.capabilities import Capabilities
 from policies.precise_prefix import REASONS
-from policies.types import Capabilities
 
 # What one index entry costs (an engine hash in an OrderedDict, our key in two dicts), as
 # measured by `python -m loadtest.bench.kv_events` (RSS growth over 240,000 entries).

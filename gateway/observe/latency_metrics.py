@@ -15,8 +15,8 @@ from prometheus_client.registry import Collector
 
 from backends.pool import BackendPool
 from policies import LatencyTracker, Policy
+from policies.capabilities import Capabilities
 from policies.latency import IDLE_PROMPT, BackendLatency, load_of
-from policies.types import Capabilities
 
 
 def latency_views(tracker: LatencyTracker, pool: BackendPool) -> list[BackendLatency]:

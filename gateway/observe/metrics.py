@@ -22,8 +22,8 @@ from backends.supervise import Supervisor
 from gateway.limits.admission import AdmissionQueue
 from gateway.limits.limiter import Limiter
 from policies import Policy, Weights, score
+from policies.capabilities import Capabilities
 from policies.prefix_affinity import REASONS
-from policies.types import Capabilities
 
 # From a few milliseconds (a cached prefix on an idle server) to minutes (long generations).
 LATENCY_BUCKETS: Final = (
@@ -121,7 +121,7 @@ class BackendCollector(Collector):
 
 class AffinityCollector(Collector):
     """The ``prefix_affinity`` index's memory and decisions, under a policy that routes on it
-    (``policies.types.ApproximatePrefix``; nothing under the others)."""
+    (``policies.capabilities.ApproximatePrefix``; nothing under the others)."""
 
     def __init__(self, policy: Callable[[], Policy]) -> None:
         self._policy = policy

@@ -19,8 +19,8 @@ from backends.errors import GatewayError, NoBackendAvailable
 from backends.pool import BackendPool, Lease
 from gateway.request.rollout import Choice
 from policies import BackendSnapshot, Decision, Policy, RouteFacts
+from policies.capabilities import Capabilities
 from policies.facts import route_facts
-from policies.types import Capabilities
 
 StepName = Literal["serve", "prefill", "decode"]
 # Endpoints whose generation is split into prefill and decode (None: a caller that names none);

@@ -10,7 +10,7 @@ import pytest
 from backends.errors import FirstTokenLate
 from gateway.request.attempt import _rescue_plan
 from gateway.request.hedge import HedgeBudget, Race
-from policies.types import Capabilities
+from policies.capabilities import Capabilities
 
 
 def test_the_first_to_claim_takes_the_client_and_the_others_are_ended() -> None:

@@ -1,6 +1,6 @@
 """The policy contract is whole: each policy offers exactly the capabilities it claims
-(``policies.types``), the router finds them once, and no code outside ``policies/`` asks a policy
-anything by probing it or by its class."""
+(``policies.capabilities``), the router finds them once, and no code outside ``policies/``
+asks a policy anything by probing it or by its class."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from policies import (
     PredictionConfig,
     make_policy,
 )
-from policies.types import NO_CAPABILITIES, Capabilities
+from policies.capabilities import NO_CAPABILITIES, Capabilities
 
 ROOT = Path(__file__).resolve().parents[2]
 # Where a policy may only be asked through the contract.
@@ -217,7 +217,7 @@ def test_the_check_catches_each_kind_of_probe() -> None:
     source = """
 from policies import PrefixAffinity as PA, Weights
 from policies.kv_index import Stored
-import policies.types
+import policies.capabilities
 from gateway.request.router import Step
 
 def f(step, policy, app, x, snap, event):
@@ -225,7 +225,7 @@ def f(step, policy, app, x, snap, event):
     hasattr(policy, "kv_index")
     getattr(app[ROUTER].prefill_policy, "x")
     isinstance(x, PA | int)
-    isinstance(x, (int, policies.types.Hedging))
+    isinstance(x, (int, policies.capabilities.Hedging))
     match x:
         case PA():
             pass
@@ -241,7 +241,7 @@ def f(step, policy, app, x, snap, event):
         "hasattr on policy",
         "getattr on app[ROUTER].prefill_policy",
         "isinstance against PA | int",
-        "isinstance against (int, policies.types.Hedging)",
+        "isinstance against (int, policies.capabilities.Hedging)",
         "case PA()",
     ]
 
@@ -250,4 +250,4 @@ def test_no_code_outside_policies_probes_a_policy_or_tests_its_class() -> None:
     files = [p for package in OUTSIDE for p in sorted((ROOT / package).rglob("*.py"))]
     assert len(files) > 100  # the walk found the packages
     found = [v for p in files for v in violations(p.read_text(), p.relative_to(ROOT).as_posix())]
-    assert found == [], "ask a policy through policies.types' capabilities:\n" + "\n".join(found)
+    assert found == [], "ask a policy through policies.capabilities:\n" + "\n".join(found)

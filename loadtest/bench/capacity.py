@@ -69,7 +69,6 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import procs
 from loadtest.arrivals import ClosedLoop, LoadShape, OpenLoop
@@ -82,6 +81,8 @@ from loadtest.bench.capacity_report import (
     rows,
     summary,
 )
+from loadtest.bench.page import Families, families
+from loadtest.bench.page import total as _total
 from loadtest.client import error_kind, run_load
 from loadtest.day import compressed_day
 from loadtest.stats import percentile, timings_from_timer
@@ -216,23 +217,8 @@ WANTED: Final = (
 )
 
 
-def _families(text: str | None) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """The samples of the families the run reads (the rest of the page not parsed: the
-    client's loop measures TTFTs meanwhile)."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    if text is None:
-        return out
-    kept = "\n".join(line for line in text.splitlines() if line.startswith(WANTED))
-    for family in text_string_to_metric_families(kept):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
-    return out
-
-
-def _total(fam: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
-    return sum(
-        v for ls, v in fam.get(name, []) if all(ls.get(k) == want for k, want in labels.items())
-    )
+def _families(text: str | None) -> Families:
+    return families(text, WANTED)
 
 
 async def _sleeping(s: aiohttp.ClientSession, url: str) -> bool | None:

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Any, Final
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import procs
+from loadtest.bench.page import Families, families
+from loadtest.bench.page import total as _total
 
 WANTED: Final = (
     "llm_gateway_admission_",
@@ -30,24 +31,8 @@ WANTED: Final = (
 )
 
 
-Families = dict[str, list[tuple[dict[str, str], float]]]
-
-
 def _families(text: str | None) -> Families:
-    """The wanted families' samples (the rest of the page not parsed: the client's loop
-    measures TTFTs meanwhile)."""
-    out: Families = {}
-    if text is None:
-        return out
-    kept = "\n".join(line for line in text.splitlines() if line.startswith(WANTED))
-    for family in text_string_to_metric_families(kept):
-        for sample in family.samples:
-            out.setdefault(sample.name, []).append((dict(sample.labels), float(sample.value)))
-    return out
-
-
-def _total(fam: Families, name: str, **labels: str) -> float:
-    return sum(v for ls, v in fam.get(name, []) if all(ls.get(k) == x for k, x in labels.items()))
+    return families(text, WANTED)
 
 
 def _by(fam: Families, name: str, *labels: str) -> dict[str, float]:

@@ -7,7 +7,7 @@ an edge to ``package.name`` when that is a module, else to the package.
 
 A cycle is a strongly connected set of two or more modules: there is none. (A package's
 ``__init__`` that re-exports its modules is not an edge from a module importing a sibling
-through the package: ``from gateway.limits import bucket`` is an edge to ``bucket`` only.)
+through the package: ``from package import module`` is an edge to ``module`` only.)
 """
 
 from __future__ import annotations

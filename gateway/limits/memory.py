@@ -9,7 +9,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Final
 
-from gateway.limits import bucket
+from gateway.limits.bucket import Buckets, refill, seconds_to_full
+from gateway.limits.bucket import admit as admit_buckets
+from gateway.limits.bucket import settle as settle_buckets
 from gateway.limits.budget import Counted
 from gateway.limits.store import Decision, Limits, Ticket, Used
 
@@ -24,7 +26,7 @@ class MemoryLimitStore:
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._buckets: dict[str, tuple[bucket.Buckets, Limits]] = {}
+        self._buckets: dict[str, tuple[Buckets, Limits]] = {}
         self._slots: dict[str, set[str]] = {}
         # budgets: owner -> count name -> tokens; owner -> day -> model -> tokens
         self._spent: dict[str, OrderedDict[str, int]] = {}
@@ -38,7 +40,7 @@ class MemoryLimitStore:
         self._forget_full(now)
         held = self._buckets.get(key)
         slots = self._slots.get(key)
-        decision, after = bucket.admit(
+        decision, after = admit_buckets(
             held[0] if held else None, limits, cost_tokens, now, len(slots) if slots else 0
         )
         if not decision.allowed:
@@ -59,7 +61,7 @@ class MemoryLimitStore:
         held = self._buckets.get(ticket.key)
         state = held[0] if held is not None else None  # forgotten: it was full
         limits = ticket.limits
-        self._buckets[ticket.key] = (bucket.settle(state, limits, delta, self._clock()), limits)
+        self._buckets[ticket.key] = (settle_buckets(state, limits, delta, self._clock()), limits)
 
     def release_now(self, ticket: Ticket) -> None:
         if not ticket.claim_release():
@@ -147,5 +149,5 @@ class MemoryLimitStore:
             return
         key = next(iter(self._buckets))
         state, limits = self._buckets.pop(key)
-        if bucket.seconds_to_full(bucket.refill(state, limits, now), limits) > 0:
+        if seconds_to_full(refill(state, limits, now), limits) > 0:
             self._buckets[key] = (state, limits)  # still needed: back of the line

@@ -9,19 +9,17 @@ continued elsewhere (``gateway.request.resume``), else ends with an error event.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from typing import Final, NoReturn
 
-from backends.errors import BackendLacksEndpoint, BackendRefused, UpstreamTimeout, as_anthropic
+from backends.errors import BackendLacksEndpoint, BackendRefused, UpstreamTimeout
 from backends.upstream.client import Upstream
 from gateway.http import StreamResponse
 from gateway.limits.tokens import UsageFilter, usage_from_body
 from gateway.request.call import StreamBroken, Try
-from gateway.request.continuation import Keep, Progress
-from gateway.request.endpoints import MESSAGES, is_route_missing
+from gateway.request.continuation import Keep
+from gateway.request.endpoints import is_route_missing
 from gateway.request.headers import downstream_headers
-from gateway.request.messages_resume import MessagesProgress
 from gateway.request.relay import (
     EVENT_STREAM,
     Ending,
@@ -56,11 +54,12 @@ async def answer(t: Try) -> StreamResponse:
             complete = True
             retry_after = upstream.headers.get("Retry-After")
             raise BackendRefused(t.lease.backend.id, status, body, retry_after=retry_after)
-        if status >= 400 and call.endpoint.dialect == "anthropic":  # its clients parse that
+        dialect = call.endpoint.dialect
+        if status >= 400 and dialect.reshapes_errors:  # its clients parse that
             if read is None:
                 read = await client.read_body(upstream)
                 complete = True
-            read = json.dumps(as_anthropic(status, read), separators=(",", ":")).encode()
+            read = dialect.reshaped(status, read)
         call.record.status = status
         if call.response_id is not None and status == 200:  # follow-ups must come back here
             await svc.response_homes.remember(call.response_id, t.lease.backend.id)
@@ -109,11 +108,8 @@ async def _relay(
         dialect=call.endpoint.dialect,
     )
     keep = None
-    if call.resumable is not None:
-        progress: Progress | MessagesProgress = (
-            MessagesProgress() if call.endpoint is MESSAGES else Progress(chat=call.chat)
-        )
-        keep = Keep(progress, svc.settings.continuation.compact_bytes)
+    if call.continuing is not None:
+        keep = Keep(call.continuing.progress(), svc.settings.continuation.compact_bytes)
     try:
         resp = await relay_stream(
             call.request,

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Final
 
 from backends.errors import BodyTimeout, BodyTooLarge, InvalidRequest
 from gateway.http import Request
-from gateway.request.endpoints import Endpoint
 from gateway.request.form import Upload, form_doc, read_form
 
 if TYPE_CHECKING:  # gateway.config.settings imports the limits, which use this module
@@ -22,18 +21,19 @@ if TYPE_CHECKING:  # gateway.config.settings imports the limits, which use this 
 
 
 async def read_body(
-    request: Request, endpoint: Endpoint, settings: Settings
+    request: Request, settings: Settings, *, endpoint: str, form: bool
 ) -> tuple[bytes | Upload, dict[str, Any]]:
     """The body as it is forwarded (bytes, or a spooled upload, ``gateway.request.form``) and as the
-    gateway reads it (a JSON endpoint's object; an audio form's fields)."""
+    gateway reads it (a JSON endpoint's object; an audio form's fields). ``endpoint``: its name;
+    ``form``: it takes a multipart form."""
     within = settings.client.body_timeout
-    if not endpoint.form:
+    if not form:
         return await read_json_body(request, settings.max_body_bytes, within)
     upload = await read_form(request, settings.max_upload_bytes, within)
     if "file" not in upload.files:  # vLLM would refuse it too, after the upload
         upload.close()
         raise InvalidRequest(
-            f"The {endpoint.name} endpoint needs the audio as a file part named `file`.",
+            f"The {endpoint} endpoint needs the audio as a file part named `file`.",
             param="file",
         )
     return upload, form_doc(upload.fields)

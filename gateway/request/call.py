@@ -17,7 +17,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from multidict import CIMultiDict
 from opentelemetry.trace import Span
@@ -33,6 +33,8 @@ from backends.errors import (
 from backends.pool import Lease
 from backends.upstream.client import Interrupt, RequestBody
 from gateway.http import Request, StreamResponse
+from gateway.request.api import Continuing
+from gateway.request.continuation import StreamProgress
 from gateway.request.endpoints import CHAT, Endpoint
 from gateway.request.hedge import Race
 from gateway.request.record import RequestRecord
@@ -42,10 +44,6 @@ from gateway.request.services import Services
 from policies import Decision, LatencyTracker, Outcome
 from policies.latency import Load, Pending, Prediction, prompt_size
 from policies.predicted_latency import rescue_declined
-
-if TYPE_CHECKING:
-    from gateway.request.continuation import Progress
-    from gateway.request.messages_resume import MessagesProgress
 
 T = TypeVar("T")
 
@@ -65,9 +63,9 @@ class Call:
     strip_usage: bool = False
     extra_headers: dict[str, str] | None = None  # added to the client's response
     choice: Choice | None = None  # the model pool chosen for an alias
-    # The request as parsed, when its stream may be continued on another backend if its own
-    # fails mid-way (``gateway.request.continuation``); None when it may not.
-    resumable: dict[str, Any] | None = None
+    # How its stream goes on on another backend if its own fails mid-way (its API's
+    # ``continuing``); None when it may not.
+    continuing: Continuing[Any] | None = None
     endpoint: Endpoint = CHAT
     # A Responses API request's id, when its response is stored: remembered with the backend
     # that answers it (``gateway.request.responses``)
@@ -76,10 +74,6 @@ class Call:
     streamed: bool = False
     # vLLM's priority for the engines that schedule by it (``gateway.request.priority``)
     engine_priority: int | None = None
-
-    @property
-    def chat(self) -> bool:
-        return self.endpoint is CHAT
 
 
 @dataclass(slots=True)
@@ -250,7 +244,7 @@ class StreamBroken(Exception):
         response: StreamResponse,
         error: UpstreamError,
         backend: str,
-        progress: Progress | MessagesProgress,
+        progress: StreamProgress,  # its call's ``continuing.progress()``
     ) -> None:
         super().__init__(error.message)
         self.response = response

@@ -191,8 +191,34 @@ class Progress:
 
 
 class StreamProgress(Protocol):
-    """What a stream's client has received, fed whole events (``Progress``; a Messages
-    stream's, ``gateway.request.messages_resume.MessagesProgress``)."""
+    """What a stream's client has received, fed whole events by the relay (``Keep``) and read
+    when the stream breaks (``Progress``; a Messages stream's,
+    ``gateway.request.messages_resume.MessagesProgress``)."""
+
+    @property
+    def events(self) -> int:
+        """Events that carried generated output (a lower bound on the tokens)."""
+        ...
+
+    @property
+    def finished(self) -> str | None:
+        """Why the generation finished, once the stream said it."""
+        ...
+
+    @property
+    def done(self) -> bool:
+        """The stream's last event was seen."""
+        ...
+
+    @property
+    def generated(self) -> str:
+        """The text sent so far."""
+        ...
+
+    @property
+    def exact_ids(self) -> list[int] | None:
+        """The generated token ids, if the stream carried every one."""
+        ...
 
     def feed(self, data: bytes) -> None: ...
 

@@ -9,7 +9,9 @@ therefore be served by both kinds of server; the gateway learns which backend la
 endpoint from FastAPI's own answer to an unregistered route (``{"detail": "Not Found"}``) and
 stops sending it there (``backends.pool``).
 
-Pure: a table and the arithmetic of what a body asks for; ``gateway.request.proxy`` does the I/O.
+What each API does differently is its ``Api`` (``gateway.request.apis``) and whose shapes its
+clients parse its ``Dialect`` (``gateway.request.dialects``): adding an API is a module there and
+a row here. Pure: a table; ``gateway.request.proxy`` does the I/O.
 """
 
 from __future__ import annotations
@@ -18,11 +20,17 @@ import json
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from gateway.request.api import PLAIN, Api
+from gateway.request.apis.chat import CHAT_API, COMPLETIONS_API
+from gateway.request.apis.generate import GENERATE_API
+from gateway.request.apis.messages import MESSAGES_API, MESSAGES_SIDE_API
+from gateway.request.apis.responses import RESPONSES_API
+from gateway.request.dialects import ANTHROPIC, MESSAGES_PATH, OPENAI, Dialect
+
 Stream = Literal["none", "data", "events"]  # no SSE; chat-style ``data:`` lines; named events
-# Whose API the endpoint speaks, so whose error shape its clients parse: OpenAI's
-# ``{"error": {...}}`` or Anthropic's ``{"type": "error", "error": {...}}`` (``/v1/messages``).
-Dialect = Literal["openai", "anthropic"]
-MESSAGES_PATH: Final = "/v1/messages"
+# Where vLLM reads the gateway's priority for the engines (``gateway.request.priority``): its
+# ``X-Vllm-Priority`` header, or only the body's ``priority`` field.
+PriorityIn = Literal["header", "body"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,21 +40,63 @@ class Endpoint:
     stream: Stream = "none"
     generates: bool = False  # reserves a completion budget (``max_tokens`` or a default)
     form: bool = False  # a multipart/form-data body (``gateway.request.form``), not JSON
-    dialect: Dialect = "openai"
+    dialect: Dialect = OPENAI
+    api: Api = PLAIN
+    streams_tokens: bool = False  # ``"stream": true`` streams tokens (the first awaited apart)
+    priority: PriorityIn | None = None  # None: vLLM takes no priority there
 
 
 # generation servers (--runner generate):
-CHAT: Final = Endpoint("chat", ("/v1/chat/completions",), "data", generates=True)
-COMPLETIONS: Final = Endpoint("completions", ("/v1/completions",), "data", generates=True)
-RESPONSES: Final = Endpoint("responses", ("/v1/responses",), "events", generates=True)
+CHAT: Final = Endpoint(
+    "chat",
+    ("/v1/chat/completions",),
+    "data",
+    api=CHAT_API,
+    priority="header",
+    generates=True,
+    streams_tokens=True,
+)
+COMPLETIONS: Final = Endpoint(
+    "completions",
+    ("/v1/completions",),
+    "data",
+    api=COMPLETIONS_API,
+    priority="header",
+    generates=True,
+    streams_tokens=True,
+)
+RESPONSES: Final = Endpoint(
+    "responses",
+    ("/v1/responses",),
+    "events",
+    api=RESPONSES_API,
+    priority="header",
+    generates=True,
+    streams_tokens=True,
+)
 # vLLM's token-in, token-out route (``--enable-scale-out``; 403 without it).
-GENERATE: Final = Endpoint("generate", ("/inference/v1/generate",), "data", generates=True)
+GENERATE: Final = Endpoint(
+    "generate",
+    ("/inference/v1/generate",),
+    "data",
+    api=GENERATE_API,
+    priority="body",
+    generates=True,
+    streams_tokens=True,
+)
 # Anthropic's Messages API: vLLM renders it as a chat; named events, usage in message_delta.
 MESSAGES: Final = Endpoint(
-    "messages", (MESSAGES_PATH,), "events", generates=True, dialect="anthropic"
+    "messages",
+    (MESSAGES_PATH,),
+    "events",
+    dialect=ANTHROPIC,
+    api=MESSAGES_API,
+    priority="header",
+    generates=True,
+    streams_tokens=True,
 )
 COUNT_TOKENS: Final = Endpoint(
-    "count_tokens", (MESSAGES_PATH + "/count_tokens",), dialect="anthropic"
+    "count_tokens", (MESSAGES_PATH + "/count_tokens",), dialect=ANTHROPIC, api=MESSAGES_SIDE_API
 )
 # Several conversations in one body, answered together (not streamed).
 CHAT_BATCH: Final = Endpoint("chat_batch", ("/v1/chat/completions/batch",), generates=True)
@@ -69,7 +119,9 @@ RENDER: Final = Endpoint(
         "/v1/completions/derender",
     ),
 )
-MESSAGES_RENDER: Final = Endpoint("render", (MESSAGES_PATH + "/render",), dialect="anthropic")
+MESSAGES_RENDER: Final = Endpoint(
+    "render", (MESSAGES_PATH + "/render",), dialect=ANTHROPIC, api=MESSAGES_SIDE_API
+)
 # generation servers of a speech-to-text model (Whisper's kind): multipart bodies
 TRANSCRIPTIONS: Final = Endpoint(
     "transcriptions", ("/v1/audio/transcriptions",), "data", generates=True, form=True
@@ -78,11 +130,11 @@ TRANSLATIONS: Final = Endpoint(
     "translations", ("/v1/audio/translations",), "data", generates=True, form=True
 )
 # pooling servers (--runner pooling):
-EMBEDDINGS: Final = Endpoint("embeddings", ("/v1/embeddings",))
-POOLING: Final = Endpoint("pooling", ("/pooling",))
-CLASSIFY: Final = Endpoint("classify", ("/classify",))
-SCORE: Final = Endpoint("score", ("/score", "/v1/score"))
-RERANK: Final = Endpoint("rerank", ("/rerank", "/v1/rerank", "/v2/rerank"))
+EMBEDDINGS: Final = Endpoint("embeddings", ("/v1/embeddings",), priority="body")
+POOLING: Final = Endpoint("pooling", ("/pooling",), priority="body")
+CLASSIFY: Final = Endpoint("classify", ("/classify",), priority="body")
+SCORE: Final = Endpoint("score", ("/score", "/v1/score"), priority="body")
+RERANK: Final = Endpoint("rerank", ("/rerank", "/v1/rerank", "/v2/rerank"), priority="body")
 # every server:
 TOKENIZE: Final = Endpoint("tokenize", ("/tokenize",))
 DETOKENIZE: Final = Endpoint("detokenize", ("/detokenize",))
@@ -114,13 +166,6 @@ FORM_ENDPOINTS: Final = (TRANSCRIPTIONS, TRANSLATIONS)
 
 # What a server started without ``--enable-scale-out`` answers on those routes (with a 403).
 _SCALE_OUT_DISABLED: Final = b"Scale-out endpoints are disabled"
-
-
-def dialect_of(path: str) -> Dialect:
-    """Whose error shape a request to ``path`` is answered in (any path, routed or not)."""
-    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
-        return "anthropic"
-    return "openai"
 
 
 def is_route_missing(status: int, body: bytes) -> bool:

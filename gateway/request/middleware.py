@@ -3,39 +3,27 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 
 import structlog
 
-from backends.errors import GatewayError, ShuttingDown, anthropic_envelope, error_envelope
-from gateway.http import (
-    Handler,
-    Request,
-    Response,
-    Routes,
-    StreamResponse,
-    json_response,
-    refusal_code,
-)
+from backends.errors import GatewayError, ShuttingDown
+from gateway.http import Handler, Request, Response, Routes, StreamResponse, json_response
 from gateway.keys import LIFECYCLE, REQUEST_ID_KEY
-from gateway.request.endpoints import Dialect, dialect_of
+from gateway.request.dialects import OPENAI, Dialect, dialect_of
 from gateway.request.headers import REQUEST_ID, valid_request_id
 
 log = structlog.get_logger("backends.errors")
 
 
-def error_response(err: GatewayError, dialect: Dialect = "openai") -> Response:
-    return json_response(err.shaped(dialect), status=err.status, headers=err.headers)
+def error_response(err: GatewayError, dialect: Dialect = OPENAI) -> Response:
+    return json_response(err.shaped(dialect.name), status=err.status, headers=err.headers)
 
 
 def refusal_body(status: int, message: str, path: str | None) -> bytes:
     """The body of a request the server refuses before any handler (bad HTTP, a head too
     large or too slow), in the error shape of the endpoint it was for."""
-    if path is not None and dialect_of(path) == "anthropic":
-        return json.dumps(anthropic_envelope(status, message)).encode()
-    envelope = error_envelope(message, "invalid_request_error", code=refusal_code(status))
-    return json.dumps(envelope).encode()
+    return (OPENAI if path is None else dialect_of(path)).refusal(status, message)
 
 
 def entry(routes: Routes) -> Handler:

@@ -17,25 +17,11 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from gateway.limits.keys import Principal
-from gateway.request.endpoints import (
-    CHAT,
-    CLASSIFY,
-    COMPLETIONS,
-    EMBEDDINGS,
-    GENERATE,
-    MESSAGES,
-    POOLING,
-    RERANK,
-    RESPONSES,
-    SCORE,
-)
 
 VLLM_PRIORITY: Final = "X-Vllm-Priority"
-# where vLLM reads the header, and where only the body's field (set there, the body rewritten
-# for the engines that schedule by priority alone)
-PRIORITY_HEADER_ENDPOINTS: Final = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES})
-PRIORITY_BODY_ENDPOINTS: Final = frozenset({GENERATE, EMBEDDINGS, POOLING, CLASSIFY, SCORE, RERANK})
-PRIORITY_ENDPOINTS: Final = PRIORITY_HEADER_ENDPOINTS | PRIORITY_BODY_ENDPOINTS
+# Where vLLM reads it (the header, or only the body's field: set there, the body rewritten for
+# the engines that schedule by priority alone) is the endpoint's ``priority``
+# (``gateway.request.endpoints``).
 
 
 def with_priority(body: bytes, value: int) -> bytes:

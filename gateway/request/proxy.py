@@ -60,43 +60,19 @@ from gateway.request.answer import answer
 from gateway.request.attempt import attempts
 from gateway.request.body import read_body, request_model
 from gateway.request.call import Call, StreamBroken
-from gateway.request.continuation import refusal
 from gateway.request.disagg import decode_body, prefill_attempt, prefill_body
-from gateway.request.endpoints import (
-    CHAT,
-    COMPLETIONS,
-    GENERATE,
-    MESSAGES,
-    RESPONSES,
-    Endpoint,
-)
+from gateway.request.endpoints import Endpoint
 from gateway.request.form import Upload
-from gateway.request.generate import abort_ids, generate_refusal, generate_view, token_ids
-from gateway.request.headers import (
-    REQUEST_ID,
-    upstream_headers,
-    valid_request_id,
-)
-from gateway.request.messages import chat_view
-from gateway.request.messages_resume import messages_refusal
-from gateway.request.priority import PRIORITY_ENDPOINTS, engine_priority
+from gateway.request.headers import REQUEST_ID, upstream_headers
+from gateway.request.priority import engine_priority
 from gateway.request.record import RequestRecord, finish
-from gateway.request.responses import with_response_id
 from gateway.request.resume import resume
 from gateway.request.rollout import Choice
 from gateway.request.router import Route, Step
 from gateway.request.services import SERVICES, Services
 from gateway.request.slo import meet_slo, parse_slo
-from gateway.request.stored import home_of
 
 _NO_USAGE_PLAN: Final = UsagePlan(inject=False, strip=False)
-_TOKEN_STREAMS: Final = (
-    CHAT,
-    COMPLETIONS,
-    RESPONSES,
-    MESSAGES,
-    GENERATE,
-)  # "stream": true streams tokens
 
 
 async def forward(request: Request, endpoint: Endpoint, svc: Services) -> StreamResponse:
@@ -113,23 +89,20 @@ async def forward(request: Request, endpoint: Endpoint, svc: Services) -> Stream
         principal = limiter.authenticate(request.headers)
         record.key = principal.id
         settings = svc.settings
-        raw, doc = await read_body(request, endpoint, settings)
+        raw, doc = await read_body(request, settings, endpoint=endpoint.name, form=endpoint.form)
         upload = raw if isinstance(raw, Upload) else None
         asked = record.model = request_model(doc)
-        response_id = pin = None
-        if endpoint is RESPONSES:
-            assert isinstance(raw, bytes)  # a JSON endpoint
-            response_id, pin, doc, raw = await _stored_response(svc, doc, raw)
+        prepared = await endpoint.api.prepare(svc, doc, raw)
         pool = svc.router.pool
         route = partial(
             _routed,
             request,
             svc,
             asked,
-            doc,
-            raw=raw,
+            prepared.doc,
+            raw=prepared.raw,
             endpoint=endpoint,
-            pin=pin,
+            pin=prepared.pin,
             objective=principal.objective,
         )
         routed = await route()
@@ -153,7 +126,7 @@ async def forward(request: Request, endpoint: Endpoint, svc: Services) -> Stream
                 routed,
                 record=record,
                 grant=grant,
-                response_id=response_id,
+                response_id=prepared.response_id,
                 engine_priority=engine_priority(routed.doc, request.headers, principal, priority),
             )
             return await _findable(call, routed, principal.id)
@@ -174,17 +147,6 @@ async def forward(request: Request, endpoint: Endpoint, svc: Services) -> Stream
             if upload is not None:
                 upload.close()
             finish(svc, record)  # counted and logged even if cancelled while settling
-
-
-async def _stored_response(
-    svc: Services, doc: dict[str, Any], raw: bytes
-) -> tuple[str | None, str | None, dict[str, Any], bytes]:
-    """A Responses request: the id to remember its backend under (None when not stored),
-    the backend it must go to (the one holding its ``previous_response_id``), and the body
-    that names the id."""
-    response_id, doc, raw = with_response_id(doc, raw)
-    pin = await home_of(svc, doc.get("previous_response_id"), "previous_response_id")
-    return (None if doc.get("store", True) is False else response_id), pin, doc, raw
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,22 +185,13 @@ async def _routed(
                 raw = raw.replaced("model", model)
             else:
                 raw = json.dumps(doc, separators=(",", ":")).encode()
-    view = _view(endpoint, doc)
+    api = endpoint.api
+    view = api.view(doc)
     tokens = None
     # precise_prefix: the prompt's blocks as the engine keys them. A salted request's blocks
     # are hashed with its salt: no other request's blocks are its prefix.
-    tokenizers = svc.tokenizers
-    if endpoint is GENERATE:
-        tokens = token_ids(doc) if router.wants_tokens and "cache_salt" not in doc else None
-    elif (
-        router.wants_tokens
-        and tokenizers is not None
-        and endpoint in (CHAT, COMPLETIONS, MESSAGES)
-        and "cache_salt" not in doc
-    ):
-        tokens = await tokenizers.tokens(
-            model, "completions" if endpoint is COMPLETIONS else "chat", view
-        )
+    if router.wants_tokens and "cache_salt" not in doc:
+        tokens = await api.prompt_ids(svc, model, doc, view)
     route = router.route(
         model,
         view,
@@ -250,24 +203,6 @@ async def _routed(
         pin=pin,
     )
     return _Routed(choice, doc, raw, route, view)
-
-
-def _view(endpoint: Endpoint, doc: dict[str, Any]) -> dict[str, Any]:
-    """The body as the rest of the gateway reads one (a chat's or a completion's fields)."""
-    if endpoint.dialect == "anthropic":
-        return chat_view(doc)
-    if endpoint is GENERATE:
-        return generate_view(doc)
-    return doc
-
-
-def _resumable(endpoint: Endpoint, doc: dict[str, Any]) -> bool:
-    """Whether a stream of this request may be continued on another backend if it breaks."""
-    if endpoint is MESSAGES:
-        return messages_refusal(doc) is None
-    if endpoint is GENERATE:
-        return generate_refusal(doc) is None
-    return endpoint in (CHAT, COMPLETIONS) and refusal(doc, endpoint is CHAT) is None
 
 
 def _call(
@@ -289,7 +224,8 @@ def _call(
         plan = usage_plan(doc)
         if plan.inject:
             body = with_include_usage(doc, body)
-    resumable = svc.settings.continuation.enabled and _resumable(endpoint, doc)
+    api = endpoint.api
+    continuing = api.continuing(doc) if svc.settings.continuation.enabled else None
     return Call(
         request,
         svc,
@@ -297,44 +233,26 @@ def _call(
         body,
         upstream_headers(
             request.headers,
-            _upstream_id(request, endpoint, doc, record),
+            api.upstream_id(request.headers, doc, record.request_id),
             own_priority=engine_priority is None,
         ),
         record,
         strip_usage=plan.strip,
         extra_headers=grant.headers,
         choice=routed.choice,
-        resumable=doc if resumable else None,
+        continuing=continuing,
         endpoint=endpoint,
         response_id=response_id,
-        streamed=endpoint in _TOKEN_STREAMS and doc.get("stream") is True,
-        engine_priority=engine_priority if endpoint in PRIORITY_ENDPOINTS else None,
+        streamed=endpoint.streams_tokens and doc.get("stream") is True,
+        engine_priority=engine_priority if endpoint.priority is not None else None,
     )
 
 
 async def _findable(call: Call, routed: _Routed, owner: str) -> StreamResponse:
-    """Serve ``call``; a token-in generation where its abort route can find it meanwhile (by
-    the id it goes upstream with)."""
-    if call.endpoint is not GENERATE:
+    """Serve ``call``, with what its API keeps meanwhile (``Api.serving``)."""
+    upstream_id = call.headers[REQUEST_ID]
+    with call.endpoint.api.serving(call.svc, upstream_id, owner, call.record):
         return await _traced(call, routed.route, routed.doc)
-    generations = call.svc.generations
-    aborts = abort_ids(call.headers[REQUEST_ID])
-    generations.started(aborts, owner, call.record)
-    try:
-        return await _traced(call, routed.route, routed.doc)
-    finally:
-        generations.ended(aborts)
-
-
-def _upstream_id(
-    request: Request, endpoint: Endpoint, doc: dict[str, Any], record: RequestRecord
-) -> str:
-    """The X-Request-Id the backend gets: the request's, but for a token-in generation
-    without the header, the body's ``request_id``: vLLM names the generation after the
-    header, else the body's id, and the one the client chose is the one it aborts by."""
-    if endpoint is GENERATE and REQUEST_ID not in request.headers:
-        return valid_request_id(doc.get("request_id")) or record.request_id
-    return record.request_id
 
 
 def _classify(svc: Services, record: RequestRecord, exc: BaseException) -> None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -30,9 +29,9 @@ from backends.upstream.client import CLIENT_ERRORS, Transport, Upstream, transla
 from backends.upstream.idle import IdleWatch
 from gateway.http import Request, Response, StreamResponse
 from gateway.limits.tokens import UsageFilter
-from gateway.request.continuation import Keep, Stitch
-from gateway.request.endpoints import Dialect
-from gateway.request.messages_resume import MessagesStitch, end_of_message
+from gateway.request.api import Stitcher
+from gateway.request.continuation import Keep
+from gateway.request.dialects import OPENAI, Dialect
 from gateway.request.sse import FirstTokenWatch
 from gateway.request.waits import outrun
 
@@ -52,16 +51,7 @@ class RelayResult:
     error: UpstreamError | None = None
     events: int = 0  # SSE "data:" events relayed
     on_first: Callable[[], None] | None = None  # called once, at the first token
-    dialect: Dialect = "openai"  # the error event's shape
-
-
-def stream_error_event(err: UpstreamError, dialect: Dialect = "openai") -> bytes:
-    """How a failure after the stream began reaches the client: as vLLM reports one (an
-    ``error`` event, as Anthropic's API sends it, in a Messages stream)."""
-    body = json.dumps(err.shaped(dialect), separators=(",", ":")).encode()
-    if dialect == "anthropic":
-        return b"event: error\ndata: " + body + b"\n\n"
-    return b"data: " + body + b"\n\ndata: [DONE]\n\n"
+    dialect: Dialect = OPENAI  # the error event's shape
 
 
 # An alias's answer: the served model name's JSON field, and the alias's
@@ -341,7 +331,7 @@ async def relay_stream(
 async def _close(resp: StreamResponse, chunks: Chunks, result: RelayResult) -> None:
     if result.ending is Ending.UPSTREAM_ERROR:
         assert result.error is not None
-        await resp.write(chunks.rest() + stream_error_event(result.error, result.dialect))
+        await resp.write(chunks.rest() + result.dialect.error_event(result.error))
     if result.ending is not Ending.CLIENT_DISCONNECT:
         await resp.write_eof(chunks.rest())
 
@@ -351,16 +341,16 @@ async def end_stream(
     error: UpstreamError | None,
     *,
     done: bool = False,
-    dialect: Dialect = "openai",
+    dialect: Dialect = OPENAI,
 ) -> None:
     """End a broken stream that was not continued: vLLM's error event, then [DONE]; or,
     with no ``error``, only the [DONE] it lacked (``done``: not even that; a Messages
     stream's ``message_stop``)."""
     try:
         if error is not None:
-            await resp.write(stream_error_event(error, dialect))
+            await resp.write(dialect.error_event(error))
         elif not done:
-            await resp.write(b"data: [DONE]\n\n" if dialect == "openai" else end_of_message())
+            await resp.write(dialect.stream_end())
         await resp.write_eof()
     except ConnectionResetError:  # the client went away meanwhile
         pass
@@ -369,7 +359,7 @@ async def end_stream(
 async def relay_resumed(
     resp: StreamResponse,
     upstream: Upstream,
-    stitch: Stitch | MessagesStitch,
+    stitch: Stitcher,
     chunks: Chunks,
 ) -> UpstreamError | None:
     """Relay a continuation into the client's open stream ``resp``, through ``stitch``.

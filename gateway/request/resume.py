@@ -16,7 +16,6 @@ import json
 import time
 from dataclasses import replace
 from functools import partial
-from typing import Any
 
 import structlog
 from opentelemetry.trace import Span
@@ -34,15 +33,7 @@ from gateway.http import StreamResponse
 from gateway.limits.tokens import UsageFilter
 from gateway.request.attempt import attempts
 from gateway.request.call import Call, StreamBroken, Try, error_kind
-from gateway.request.continuation import Progress, Stitch, can_resume, resume_body
-from gateway.request.endpoints import GENERATE, MESSAGES
-from gateway.request.generate import generate_resume_body
-from gateway.request.messages_resume import (
-    CHAT_PATH,
-    MessagesProgress,
-    MessagesStitch,
-    messages_resume_body,
-)
+from gateway.request.continuation import StreamProgress
 from gateway.request.relay import (
     EVENT_STREAM,
     Chunks,
@@ -66,7 +57,9 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
     """
     svc, record = call.svc, call.record
     settings, metrics = svc.settings.continuation, svc.metrics
-    assert call.resumable is not None
+    continuing = call.continuing
+    assert continuing is not None
+    dialect = call.endpoint.dialect
     resp, progress = broken.response, broken.progress
     failed_on = [broken.backend]
     retry = replace(svc.retry, max_attempts=settings.max_attempts, deadline=settings.deadline)
@@ -74,14 +67,10 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
         reason = _break_reason(broken.error)
         if progress.done or progress.finished is not None:  # only the stream's end was lost
             metrics.continuations.labels(reason, "complete").inc()
-            await end_stream(resp, None, done=progress.done, dialect=call.endpoint.dialect)
+            await end_stream(resp, None, done=progress.done, dialect=dialect)
             record.ending = Ending.COMPLETE.value
             return resp
-        why = (
-            progress.blocker
-            if isinstance(progress, MessagesProgress)
-            else can_resume(call.resumable, call.chat, progress)
-        )
+        why = continuing.blocker(progress)
         if why is None and record.continuations >= settings.max_continuations:
             why = "limit"
         if why is None and not await svc.retry_budget.take("continuation"):
@@ -92,7 +81,7 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
             log.warning(
                 "stream_not_continued", backend=broken.backend, error=broken.error.message, why=why
             )
-            await end_stream(resp, broken.error, dialect=call.endpoint.dialect)
+            await end_stream(resp, broken.error, dialect=dialect)
             return resp
         record.continuations += 1
         log.info(
@@ -103,8 +92,8 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
             continuation=record.continuations,
         )
         attempt = partial(_resume_attempt, resp=resp, progress=progress)
-        # A Messages stream goes on as the chat vLLM renders it (``messages_resume``).
-        asks = replace(call, path=CHAT_PATH) if call.endpoint is MESSAGES else call
+        # Where the rest is asked for (a Messages stream: as the chat vLLM renders).
+        asks = call if continuing.path is None else replace(call, path=continuing.path)
         try:
             done = await attempts(
                 asks, step, span, attempt, retry=retry, since=time.monotonic(), exclude=failed_on
@@ -119,7 +108,7 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
             log.warning(
                 "stream_not_continued", backend=broken.backend, error=exc.message, why="failed"
             )
-            await end_stream(resp, broken.error, dialect=call.endpoint.dialect)
+            await end_stream(resp, broken.error, dialect=dialect)
             record.ending = Ending.UPSTREAM_ERROR.value
             return resp
         metrics.continuations.labels(reason, "continued").inc()
@@ -136,7 +125,7 @@ def _break_reason(error: UpstreamError) -> str:
     return kind if kind in ("timeout", "protocol") else "unreachable"
 
 
-async def _sent_tokens(t: Try, progress: Progress | MessagesProgress) -> int:
+async def _sent_tokens(t: Try, progress: StreamProgress) -> int:
     """How many tokens the client has received: the stream's own token ids when it carries
     them, else the continuing backend's count of the text (its ``/tokenize``), else the
     events (one token each, a lower bound with speculative decoding or a stream interval)."""
@@ -149,8 +138,9 @@ async def _sent_tokens(t: Try, progress: Progress | MessagesProgress) -> int:
     call = t.call
     svc = call.svc
     client = svc.upstream
-    assert call.resumable is not None
-    body = {"model": call.resumable.get("model"), "prompt": text, "add_special_tokens": False}
+    assert call.continuing is not None
+    model = call.continuing.doc.get("model")
+    body = {"model": model, "prompt": text, "add_special_tokens": False}
     raw = json.dumps(body).encode()
     try:
         async with asyncio.timeout(svc.settings.continuation.tokenize_timeout):
@@ -167,29 +157,16 @@ async def _sent_tokens(t: Try, progress: Progress | MessagesProgress) -> int:
     return progress.events
 
 
-def _continuation(
-    call: Call, progress: Progress | MessagesProgress, sent: int
-) -> tuple[dict[str, Any], Stitch | MessagesStitch]:
-    """The request for the rest of the answer, ``sent`` tokens of it sent, and what rewrites
-    its events into the client's stream."""
-    assert call.resumable is not None
-    if isinstance(progress, MessagesProgress):
-        return messages_resume_body(call.resumable, progress, sent), MessagesStitch(progress, sent)
-    if call.endpoint is GENERATE:
-        return generate_resume_body(call.resumable, progress, sent), Stitch(progress, sent)
-    return resume_body(call.resumable, call.chat, progress, sent), Stitch(progress, sent)
-
-
 async def _resume_attempt(
-    t: Try, *, resp: StreamResponse, progress: Progress | MessagesProgress
+    t: Try, *, resp: StreamResponse, progress: StreamProgress
 ) -> StreamResponse:
     """One backend's try at the rest of a broken stream, into the client's open ``resp``."""
     call = t.call
     svc, record = call.svc, call.record
     client = svc.upstream
-    assert call.resumable is not None
+    assert call.continuing is not None
     sent = await _sent_tokens(t, progress)
-    body, stitch = _continuation(call, progress, sent)
+    body, stitch = call.continuing.rest(progress, sent)
     upstream = await open_upstream(t, json.dumps(body, separators=(",", ":")).encode())
     complete = False
     try:

@@ -11,7 +11,7 @@ from opentelemetry.trace import set_span_in_context
 from backends.upstream.client import Interrupt, RequestBody, Upstream
 from gateway.observe.tracing import attempt_span, inject
 from gateway.request.call import Try, rescue_now
-from gateway.request.priority import PRIORITY_HEADER_ENDPOINTS, VLLM_PRIORITY, with_priority
+from gateway.request.priority import VLLM_PRIORITY, with_priority
 from gateway.request.waits import first_token_late, marked_down
 
 
@@ -28,7 +28,7 @@ async def open_upstream(t: Try, body: RequestBody) -> Upstream:
     svc, record = call.svc, call.record
     headers = call.headers
     if call.engine_priority is not None and t.lease.backend.spec.scheduling == "priority":
-        if call.endpoint in PRIORITY_HEADER_ENDPOINTS:
+        if call.endpoint.priority == "header":
             headers = CIMultiDict(headers)
             headers[VLLM_PRIORITY] = str(call.engine_priority)
         elif isinstance(body, bytes):

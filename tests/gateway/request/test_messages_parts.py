@@ -14,9 +14,9 @@ from backends.errors import (
     UpstreamTimeout,
 )
 from gateway.limits.tokens import UsageFilter, estimate_prompt_tokens, usage_from_body
-from gateway.request.endpoints import dialect_of, is_route_missing
+from gateway.request.dialects import ANTHROPIC, OPENAI, dialect_of
+from gateway.request.endpoints import is_route_missing
 from gateway.request.messages import chat_view
-from gateway.request.relay import stream_error_event
 from gateway.request.sse import carries_token
 
 
@@ -130,10 +130,10 @@ def test_the_system_prompt_counts_in_the_limits_estimate() -> None:
 
 
 def test_errors_on_messages_paths_are_in_anthropics_shape() -> None:
-    assert dialect_of("/v1/messages") == "anthropic"
-    assert dialect_of("/v1/messages/count_tokens") == "anthropic"
-    assert dialect_of("/v1/messagesx") == "openai"
-    assert dialect_of("/v1/chat/completions") == "openai"
+    assert dialect_of("/v1/messages") is ANTHROPIC
+    assert dialect_of("/v1/messages/count_tokens") is ANTHROPIC
+    assert dialect_of("/v1/messagesx") is OPENAI
+    assert dialect_of("/v1/chat/completions") is OPENAI
     limited = RateLimited("slow down", limit_type="requests", headers={"Retry-After": "3"})
     assert limited.shaped("anthropic") == {
         "type": "error",
@@ -164,12 +164,12 @@ def test_a_backends_refusal_keeps_its_anthropic_body_or_is_translated() -> None:
 
 
 def test_an_error_inside_a_messages_stream_is_an_error_event() -> None:
-    raw = stream_error_event(UpstreamTimeout("late"), "anthropic")
+    raw = ANTHROPIC.error_event(UpstreamTimeout("late"))
     event, data = raw.decode().rstrip("\n").split("\n")
     assert event == "event: error"
     assert json.loads(data.removeprefix("data: "))["error"]["type"] == "timeout_error"
     assert b"[DONE]" not in raw
-    assert stream_error_event(UpstreamTimeout("late")).endswith(b"data: [DONE]\n\n")
+    assert OPENAI.error_event(UpstreamTimeout("late")).endswith(b"data: [DONE]\n\n")
 
 
 def test_the_first_token_of_a_messages_stream_is_a_content_delta() -> None:

@@ -90,7 +90,8 @@ async def test_a_cut_stream_and_a_client_that_leaves_are_told_apart() -> None:
     fleet = Fleet({"a": cut, "b": held, "c": held})
     transport = MockTransport(fleet)
     policy = InOrder()
-    # Not continued elsewhere (tests/gateway/test_continuation.py covers that): one outcome each.
+    # Not continued elsewhere (tests/gateway/request/test_continuation.py covers that): one
+    # outcome each.
     off = {"enabled": False}
     async with running_gateway(BACKENDS, transport=transport, continuation=off) as gw:
         gw.app[ROUTER].policy = policy

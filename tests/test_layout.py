@@ -1,6 +1,6 @@
-"""The repository's shape: the README's layout table names every package folder, imports point
-one way (``policies`` <- ``backends`` <- ``gateway`` <- ``tools``, ``loadtest``), and nothing
-reaches outside the clone."""
+"""The repository's shape: the README's layout table names every package folder, ``tests/``
+mirrors the package folders, imports point one way (``policies`` <- ``backends`` <- ``gateway``
+<- ``tools``, ``loadtest``), and nothing reaches outside the clone."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
 PACKAGES = ("policies", "backends", "gateway", "tools", "loadtest")
 
 # What each top-level package may import of ours.
@@ -58,6 +59,29 @@ def test_readme_layout_table_names_every_package_folder() -> None:
 def test_readme_layout_table_names_only_folders_that_exist() -> None:
     stale = [p for p in readme_layout_paths() if not (ROOT / p).is_dir()]
     assert stale == [], f"the README's layout table names folders that are gone: {stale}"
+
+
+def test_every_package_folder_has_its_tests_in_the_mirror_folder() -> None:
+    """A test lives in the folder of ``tests/`` that mirrors the folder of the code it tests;
+    so each package folder has that folder, holding tests of its own."""
+    missing = [f for f in package_folders() if not any((TESTS / f).glob("test_*.py"))]
+    assert missing == [], (
+        f"package folders with no tests/<folder>/test_*.py of their own: {missing}; "
+        "create the mirror folder (with an __init__.py) and move or write its tests there"
+    )
+
+
+def test_every_folder_of_tests_is_a_package() -> None:
+    """Each test module is imported by its dotted path (``tests.gateway.request.test_x``), so
+    folders may hold files of the same name, as their packages may."""
+    loose = sorted(
+        {
+            path.parent.relative_to(ROOT).as_posix()
+            for path in TESTS.rglob("*.py")
+            if "__pycache__" not in path.parts and not (path.parent / "__init__.py").is_file()
+        }
+    )
+    assert loose == [], f"folders of tests without an __init__.py: {loose}"
 
 
 def imports_of(path: Path) -> list[tuple[str, bool]]:

@@ -66,7 +66,7 @@ def tiny_model_dir() -> Path:
         print(f"bench_tokenize: building the tiny model failed:\n{done.stderr[-1000:]}")
     # Imported by name: the tests are not part of the installed package (nor type-checked
     # with it), and this fallback only runs from a checkout.
-    tests = importlib.import_module("tests.gateway.test_tokenizer")
+    tests = importlib.import_module("tests.gateway.tokenizer.test_tokenizer")
     out = Path(tempfile.mkdtemp(prefix="bench-tokenize-")) / "tiny"
     print(f"bench_tokenize: using the tests' builder ({out})")
     built: Path = tests.build_tiny_tokenizer(out)

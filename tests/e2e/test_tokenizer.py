@@ -24,7 +24,7 @@ import pytest
 
 from gateway.tokenizer import HfTokenizer, PathKind
 from tests.e2e.servers import MODEL_DIR, SERVED_MODEL, VllmServer, vllm_python
-from tests.gateway.test_tokenizer import build_tiny_tokenizer
+from tests.gateway.tokenizer.test_tokenizer import build_tiny_tokenizer
 
 SYSTEM_USER: Final = [
     {"role": "system", "content": "Be brief."},

@@ -1,9 +1,11 @@
-"""Each decision of the attempt loop, in memory on the transport seam (``MockTransport``).
+"""The attempt loop (``gateway/request/attempt.py``) in memory, on the transport seam
+(``MockTransport``): each decision it takes, and what it tells the policy.
 
 No backend server runs: each backend is a function, so every test reads what the loop decided
-from what the transport saw (which backends were asked, in which order, with which bodies)
-and from what the client got. Timeouts are tiny values and a stuck backend waits on an event
-that never comes, so nothing here depends on how fast the machine is.
+from what the transport saw (which backends were asked, in which order, with which bodies),
+from what the client got, and from the outcomes the policy was told (a refusal, a connection
+refused, a cut stream, a client that leaves). Timeouts are tiny values and a stuck backend
+waits on an event that never comes, so nothing here depends on how fast the machine is.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pytest
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
 from gateway.keys import ROUTER
 from gateway.request import call
+from policies import PrefixAffinity
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
 from tests.mock_fleet import Answer, Fleet, InOrder, chunk
 
@@ -32,6 +35,8 @@ CHAT: dict[str, Any] = {
     "stream": True,
 }
 PLAIN: dict[str, Any] = {**CHAT, "stream": False}
+# A prompt long enough to have prefix blocks for prefix_affinity to remember.
+LONG: dict[str, Any] = {**CHAT, "messages": [{"role": "user", "content": "hi " * 40}]}
 NO_BACKOFF = {"backoff_base": 0}
 
 
@@ -40,13 +45,20 @@ def delta(content: str) -> bytes:
 
 
 async def words(
-    *texts: str, cut: bool = False, ended: list[str] | None = None, name: str = ""
+    *texts: str,
+    cut: bool = False,
+    hold: asyncio.Event | None = None,
+    ended: list[str] | None = None,
+    name: str = "",
 ) -> AsyncIterator[bytes]:
-    """An SSE chat stream of ``texts``; ``cut``: the backend dies after them. ``ended`` is
-    told ``name`` however the stream ends (read to its end, or closed by the gateway)."""
+    """An SSE chat stream of ``texts``; ``cut``: the backend dies after them; ``hold``: the
+    stream waits on it after its first text. ``ended`` is told ``name`` however the stream
+    ends (read to its end, or closed by the gateway)."""
     try:
         yield chunk({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
-        for text in texts:
+        for i, text in enumerate(texts):
+            if hold is not None and i == 1:
+                await hold.wait()
             yield delta(text)
         if cut:
             raise ConnectionResetError("the backend died")
@@ -67,9 +79,9 @@ async def stuck(ended: list[str], name: str) -> AsyncIterator[bytes]:
         ended.append(name)
 
 
-def streams(*texts: str, cut: bool = False) -> Answer:
+def streams(*texts: str, cut: bool = False, hold: asyncio.Event | None = None) -> Answer:
     async def answer(request: MockRequest) -> MockResponse:
-        return MockResponse.sse(words(*texts, cut=cut))
+        return MockResponse.sse(words(*texts, cut=cut, hold=hold))
 
     return answer
 
@@ -294,3 +306,111 @@ async def test_a_broken_stream_continues_on_another_backend_from_what_was_sent()
         assert resumed["continue_final_message"] is True
         assert resumed["max_tokens"] == CHAT["max_tokens"] - 3
         await run.no_leaks()
+
+
+async def test_each_attempt_is_told_to_the_policy_as_it_really_ended() -> None:
+    """A refusal, an unreachable backend, then a stream: three outcomes, in order."""
+    fleet = Fleet(
+        {"a": status(503, "full"), "b": refuses_connections, "c": streams("t0", "t1", "t2", "t3")}
+    )
+    policy = InOrder()
+    async with gateway(fleet, policy, retry=NO_BACKOFF) as run:
+        code, raw = await post(run, CHAT)
+    assert code == 200
+    assert raw.endswith(b"data: [DONE]\n\n")
+    assert b"usage" not in raw  # asked for upstream, not by this client
+    (a, first), (b, second), (c, third) = policy.outcomes
+    assert (a, first.ok, first.status, first.error) == ("a", False, 503, "refused")
+    assert (b, second.ok, second.status, second.error) == ("b", False, 0, "unreachable")
+    assert (c, third.ok, third.status, third.error) == ("c", True, 200, None)
+    assert third.first_token_s is not None
+    assert third.first_token_s >= 0
+    assert third.tokens == 4
+    assert [req.backend.id for req in run.transport.requests] == ["a", "b", "c"]
+    assert [(req.backend.id, complete) for req, complete in run.transport.finished] == [
+        ("a", True),  # its refusal was read whole: the connection can be reused
+        ("c", True),
+    ]  # b never answered, so there was nothing to finish
+
+
+async def test_a_cut_stream_and_a_client_that_leaves_are_told_apart() -> None:
+    hold = asyncio.Event()
+    held = streams("t0", "t1", "t2", hold=hold)
+    fleet = Fleet({"a": streams("t0", "t1", "t2", cut=True), "b": held, "c": held})
+    policy = InOrder()
+    # Not continued elsewhere (tests/gateway/request/test_continuation.py covers that): one
+    # outcome each.
+    async with gateway(fleet, policy, continuation={"enabled": False}) as run:
+        _, raw = await post(run, CHAT)
+        assert b'"error"' in raw  # the stream began, so it ends with an error event
+        fleet.answers["a"] = held
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(run.gw.url + "/v1/chat/completions", json=CHAT)
+            await r.content.readuntil(b"t0")
+            r.close()  # the client leaves mid-stream
+            await wait_for(lambda: len(policy.outcomes) == 2, what="the second outcome")
+    (_, broken), (_, left) = policy.outcomes
+    assert (broken.ok, broken.error) == (False, "stream")
+    assert broken.first_token_s is not None
+    assert (left.ok, left.error) == (False, "abandoned")
+    assert [complete for _, complete in run.transport.finished] == [False, False]  # both closed
+
+
+async def test_prefix_affinity_learns_only_what_the_backend_really_took() -> None:
+    """A prefix is recorded tentatively at the choice; the failed attempt's record is
+    withdrawn, the successful one's kept (issue 17: it was recorded before the attempt)."""
+    fleet = Fleet({"a": status(503, "full"), "b": streams("t0", "t1")})
+    async with running_gateway(
+        BACKENDS[:2], transport=MockTransport(fleet), policy="prefix_affinity"
+    ) as gw:
+        policy = gw.app[ROUTER].policy
+        assert isinstance(policy, PrefixAffinity)
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(gw.url + "/v1/chat/completions", json=LONG) as r:
+                    assert r.status == 200
+                    await r.read()
+        facts = gw.app[ROUTER].route("m", LONG, {}).serve.facts
+        held = policy.index.match(facts.prefix_hashes, ["a", "b"])
+    assert held["a"] == 0  # a refused every time it was tried: it holds nothing
+    assert held["b"] == len(facts.prefix_hashes) > 0
+    assert policy.index.footprint("a") == 0
+
+
+async def test_a_model_pool_and_prefill_then_decode_run_the_same_loop() -> None:
+    """Disaggregated serving without any server: the prefill refuses once, moves on, and the
+    decode streams; every backend's request is closed or completed."""
+
+    async def prefill(request: MockRequest) -> MockResponse:
+        doc = request.json()
+        assert doc["max_tokens"] == 1
+        assert doc["stream"] is False
+        kv = {"remote_engine_id": request.backend.id, "remote_block_ids": [1, 2]}
+        return MockResponse.json({"choices": [], "kv_transfer_params": kv})
+
+    async def busy(request: MockRequest) -> MockResponse:
+        return MockResponse.json({"error": {"message": "full"}}, 503, **{"Retry-After": "2"})
+
+    async def decode(request: MockRequest) -> MockResponse:
+        assert request.json()["kv_transfer_params"]["remote_engine_id"] == "p1"
+        return MockResponse.sse(words("t0", "t1", "t2"))
+
+    backends = [
+        {"url": "http://p0.invalid:1", "name": "p0", "role": "prefill"},
+        {"url": "http://p1.invalid:1", "name": "p1", "role": "prefill"},
+        {"url": "http://d0.invalid:1", "name": "d0", "role": "decode"},
+    ]
+    fleet = Fleet({"p0": busy, "p1": prefill, "d0": decode})
+    transport = MockTransport(fleet)
+    async with (
+        running_gateway(
+            backends, transport=transport, disagg={"prefill": {"policy": "round_robin"}}
+        ) as gw,
+        aiohttp.ClientSession() as s,
+        s.post(gw.url + "/v1/chat/completions", json=CHAT) as r,
+    ):
+        assert r.status == 200
+        body = await r.read()
+    assert body.count(b'"content": "t') == 3
+    assert [req.backend.id for req in transport.requests] == ["p0", "p1", "d0"]
+    assert [complete for _, complete in transport.finished] == [True, True, True]

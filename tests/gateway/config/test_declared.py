@@ -25,7 +25,7 @@ from gateway.request import retry
 from policies import AffinityConfig
 from policies.setting import Spec, settings_of
 
-DOCS = Path(__file__).resolve().parents[2] / "docs"
+DOCS = Path(__file__).resolve().parents[3] / "docs"
 
 
 def _modules(package: ModuleType) -> list[ModuleType]:

@@ -147,7 +147,7 @@ def test_endpoints_that_generate_nothing_reserve_no_completion_budget() -> None:
 
 
 def test_the_readmes_endpoint_table_names_every_route_the_gateway_serves() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     table = readme.split("## Endpoints", 1)[1].split("\n## ", 1)[0]
     routed = [p for e in (*JSON_ENDPOINTS, *FORM_ENDPOINTS, RESPONSES) for p in e.paths]
     derendered = [p for p in routed if p.endswith("/derender")]  # written as /v1/*/derender

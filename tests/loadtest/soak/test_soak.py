@@ -37,7 +37,7 @@ from loadtest.soak.outcomes import (
     stream_error_event,
 )
 from loadtest.soak.runner import SoakOptions, run_soak
-from tests.loadtest.soak_data import BACKENDS, envelope, kill, obs
+from tests.loadtest.soak.soak_data import BACKENDS, envelope, kill, obs
 from tests.redis_server import HOW_TO_GET_REDIS
 
 # -- the configuration ------------------------------------------------------------------------

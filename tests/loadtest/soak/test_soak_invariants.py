@@ -33,7 +33,7 @@ from loadtest.soak.outcomes import (
 )
 from loadtest.soak.report import markdown, timeline
 from loadtest.soak.runner import Recorded, evaluate
-from tests.loadtest.soak_data import BACKENDS, MIB, envelope, kill, obs
+from tests.loadtest.soak.soak_data import BACKENDS, MIB, envelope, kill, obs
 
 # -- invariants: each can pass, and each can fail ---------------------------------------------
 

@@ -15,7 +15,7 @@ from policies.kv_index import Cleared, KvIndex, Removed, Stored, chain_keys
 
 TOKENS = list(range(100, 116))  # four blocks of four
 H1, H2 = b"\x01" * 32, b"\x02" * 32  # sha256 block hashes (vLLM's default since 0.10)
-VLLM_PYTHON = Path(__file__).resolve().parents[2] / ".venv-vllm" / "bin" / "python"
+VLLM_PYTHON = Path(__file__).resolve().parents[3] / ".venv-vllm" / "bin" / "python"
 
 
 def batch(events: list[Any], ts: float = 1.5, rank: int | None = 0) -> bytes:

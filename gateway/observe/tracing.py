@@ -69,10 +69,11 @@ def end_attempt(span: trace.Span | None, status: int, error: BaseException | Non
 
 def annotate(span: trace.Span, record: RequestRecord) -> None:
     """Copy the request's outcome onto its server span."""
+    span.set_attribute("gen_ai.request.model", record.model)
     span.set_attribute("http.response.status_code", record.status)
     span.set_attribute("llm_gateway.backend", record.backend)
     span.set_attribute("llm_gateway.attempts", len(record.backends))
-    span.set_attribute("llm_gateway.ending", record.ending or "unknown")
+    span.set_attribute("llm_gateway.ending", str(record.ending))
     if record.ttft is not None:
         span.set_attribute("llm_gateway.time_to_first_token_s", record.ttft)
     if record.events:
@@ -80,4 +81,4 @@ def annotate(span: trace.Span, record: RequestRecord) -> None:
     if record.continuations:
         span.set_attribute("llm_gateway.continuations", record.continuations)
     if record.status >= 500 or record.status == 0:
-        span.set_status(trace.Status(trace.StatusCode.ERROR, record.ending or "unknown"))
+        span.set_status(trace.Status(trace.StatusCode.ERROR, str(record.ending)))

@@ -14,19 +14,13 @@ from typing import Final, NoReturn
 
 from backends.errors import BackendLacksEndpoint, BackendRefused, UpstreamTimeout
 from backends.upstream.client import Upstream
-from gateway.http import StreamResponse
 from gateway.limits.tokens import UsageFilter, usage_from_body
-from gateway.request.call import StreamBroken, Try
+from gateway.request.call import Answered, StreamBroken, Try
 from gateway.request.continuation import Keep
 from gateway.request.endpoints import is_route_missing
 from gateway.request.headers import downstream_headers
-from gateway.request.relay import (
-    EVENT_STREAM,
-    Ending,
-    RelayResult,
-    relay_body,
-    relay_stream,
-)
+from gateway.request.record import Ending
+from gateway.request.relay import EVENT_STREAM, RelayResult, relay_body, relay_stream
 from gateway.request.retry import RETRYABLE_STATUS
 from gateway.request.send import open_upstream
 from gateway.request.waits import outrun
@@ -34,7 +28,7 @@ from gateway.request.waits import outrun
 _BUSY: Final = frozenset({429, 503})  # answers that tell the client when to come back
 
 
-async def answer(t: Try) -> StreamResponse:
+async def answer(t: Try) -> Answered:
     """One backend's try at the client's answer: relay it, or raise if nothing was sent."""
     call = t.call
     svc = call.svc
@@ -63,10 +57,10 @@ async def answer(t: Try) -> StreamResponse:
         call.record.status = status
         if call.response_id is not None and status == 200:  # follow-ups must come back here
             await svc.response_homes.remember(call.response_id, t.lease.backend.id)
-        resp, done = await _relay(t, upstream, read)
+        answered, done = await _relay(t, upstream, read)
         complete = complete or done
         call.record.ended_at = time.monotonic()
-        return resp
+        return answered
     except asyncio.CancelledError:  # the client left: closing the upstream aborts it
         call.record.abort_reason = svc.cancel_reason()
         raise
@@ -74,11 +68,9 @@ async def answer(t: Try) -> StreamResponse:
         client.finish(upstream, complete=complete)
 
 
-async def _relay(
-    t: Try, upstream: Upstream, read: bytes | None = None
-) -> tuple[StreamResponse, bool]:
-    """Relay the answer (``read``: its body, if already read); return the response and
-    whether it completed.
+async def _relay(t: Try, upstream: Upstream, read: bytes | None = None) -> tuple[Answered, bool]:
+    """Relay the answer (``read``: its body, if already read); return it, and whether the
+    upstream response completed.
 
     Raises ``UpstreamError`` only if nothing reached the client; an error after that ends
     the stream with an error event and is kept in ``t.stream_error``.
@@ -95,12 +87,11 @@ async def _relay(
         if t.race is not None and t.interrupt is not None and not t.interrupt.take():
             raise outrun(upstream.backend.id)  # its rival took the client first
         whole = await relay_body(upstream, headers, svc.upstream, rename, read)
-        record.ending = Ending.COMPLETE.value
         if isinstance(whole.body, bytes):
             record.usage = usage_from_body(whole.body)
         tally.answered = True
         tally.tokens = record.usage.completion_tokens if record.usage else None
-        return whole, True
+        return Answered(whole, Ending.COMPLETE), True
     usage = UsageFilter(strip=call.strip_usage)
     result = RelayResult(
         ending=Ending.UPSTREAM_ERROR,
@@ -132,7 +123,7 @@ async def _relay(
             record.usage = usage.usage
             record.first_token_at = result.first_token_at
             record.events = result.events
-    record.ending = result.ending.value
+    answered = Answered(resp, result.ending)
     if result.ending is Ending.UPSTREAM_ERROR:
         tally.error = "stream"
         t.stream_error = result.error
@@ -140,12 +131,12 @@ async def _relay(
         if keep is not None:
             assert result.error is not None
             raise StreamBroken(resp, result.error, t.lease.backend.id, keep.progress())
-        return resp, False
+        return answered, False
     if result.ending is Ending.CLIENT_DISCONNECT:
         record.abort_reason = svc.cancel_reason()
-        return resp, False
+        return answered, False
     tally.answered = True
-    return resp, True
+    return answered, True
 
 
 def _lacks(t: Try) -> NoReturn:

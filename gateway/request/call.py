@@ -37,7 +37,7 @@ from gateway.request.api import Continuing
 from gateway.request.continuation import StreamProgress
 from gateway.request.endpoints import CHAT, Endpoint
 from gateway.request.hedge import Race
-from gateway.request.record import RequestRecord
+from gateway.request.record import Ending, RequestRecord
 from gateway.request.rollout import Choice
 from gateway.request.router import Step
 from gateway.request.services import Services
@@ -74,6 +74,15 @@ class Call:
     streamed: bool = False
     # vLLM's priority for the engines that schedule by it (``gateway.request.priority``)
     engine_priority: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """The client's answer, and how it ended as its relay saw it (the request's ending:
+    ``gateway.request.record.finish``)."""
+
+    response: StreamResponse
+    ending: Ending
 
 
 @dataclass(slots=True)

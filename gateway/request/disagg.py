@@ -37,8 +37,9 @@ from gateway.config.policies import build_policy, weights_of
 from gateway.config.routing import RolePoolSettings
 from gateway.config.settings import Settings
 from gateway.http import Response
-from gateway.request.call import Try
+from gateway.request.call import Answered, Try
 from gateway.request.headers import downstream_headers
+from gateway.request.record import Ending
 from gateway.request.retry import RETRYABLE_STATUS
 from gateway.request.send import open_upstream
 from policies import KvIndex, LatencyTracker, Policy
@@ -91,7 +92,7 @@ def decode_body(doc: Mapping[str, Any], raw: bytes, kv: dict[str, Any] | None) -
     return json.dumps({**doc, "kv_transfer_params": kv}, separators=(",", ":")).encode()
 
 
-async def prefill_attempt(t: Try, body: bytes) -> dict[str, Any] | Response | None:
+async def prefill_attempt(t: Try, body: bytes) -> dict[str, Any] | Answered | None:
     """One prefill backend's try: the KV parameters (None without a connector), or the
     backend's 4xx to pass on; raises ``UpstreamError`` for what another may do better."""
     call = t.call
@@ -116,11 +117,11 @@ async def prefill_attempt(t: Try, body: bytes) -> dict[str, Any] | Response | No
         raise UpstreamProtocolError(f"backend {backend}: the prefill answer is not JSON")
     t.tally.answered = True
     if not isinstance(answer, dict):  # a 4xx: the request itself was refused, pass it on
-        record.status, record.ending = status, "complete"
+        record.status = status
         headers = downstream_headers(upstream.headers, record.request_id)
         if call.extra_headers:
             headers.update(call.extra_headers)
-        return Response(status=status, body=raw, headers=headers)
+        return Answered(Response(status=status, body=raw, headers=headers), Ending.COMPLETE)
     elapsed = t.tally.outcome().duration_s
     svc.metrics.disagg_prefill.labels(record.model, backend).observe(elapsed)
     if t.parent is not None:

@@ -41,9 +41,6 @@ from typing import Any, Final
 
 from opentelemetry.trace import Span, SpanKind
 
-from backends.errors import (
-    GatewayError,
-)
 from gateway.http import Handler, Request, StreamResponse
 from gateway.keys import REQUEST_ID_KEY
 from gateway.limits.admission import AdmissionTicket
@@ -59,13 +56,13 @@ from gateway.observe.tracing import annotate, parent_context
 from gateway.request.answer import answer
 from gateway.request.attempt import attempts
 from gateway.request.body import read_body, request_model
-from gateway.request.call import Call, StreamBroken
+from gateway.request.call import Answered, Call, StreamBroken
 from gateway.request.disagg import decode_body, prefill_attempt, prefill_body
 from gateway.request.endpoints import Endpoint
 from gateway.request.form import Upload
 from gateway.request.headers import REQUEST_ID, upstream_headers
 from gateway.request.priority import engine_priority
-from gateway.request.record import RequestRecord, finish
+from gateway.request.record import Outcome, RequestRecord, finish
 from gateway.request.resume import resume
 from gateway.request.rollout import Choice
 from gateway.request.router import Route, Step
@@ -78,13 +75,32 @@ _NO_USAGE_PLAN: Final = UsagePlan(inject=False, strip=False)
 async def forward(request: Request, endpoint: Endpoint, svc: Services) -> StreamResponse:
     """Route one model-addressed JSON request (``endpoint``: what it is,
     ``gateway.request.endpoints``) to a backend serving its model, under the limits, and relay the
-    answer."""
+    answer; traced as one server span when tracing is on."""
     record = RequestRecord(
         request[REQUEST_ID_KEY], started=time.monotonic(), endpoint=endpoint.name
     )
+    tracer = svc.tracer
+    if tracer is None:
+        return await _forward(request, endpoint, svc, record, None)
+    with tracer.start_as_current_span(
+        f"POST {request.path}",
+        context=parent_context(request.headers),
+        kind=SpanKind.SERVER,
+        attributes={"http.request.id": record.request_id},
+    ) as span:
+        try:
+            return await _forward(request, endpoint, svc, record, span)
+        finally:
+            annotate(span, record)  # once ``finish`` has said how it ended
+
+
+async def _forward(
+    request: Request, endpoint: Endpoint, svc: Services, record: RequestRecord, span: Span | None
+) -> StreamResponse:
     limiter = svc.limiter
     grant: Grant | None = None
     upload: Upload | None = None
+    outcome: Outcome  # the answer's ending, or the exception that ended the request
     try:
         principal = limiter.authenticate(request.headers)
         record.key = principal.id
@@ -129,12 +145,14 @@ async def forward(request: Request, endpoint: Endpoint, svc: Services) -> Stream
                 response_id=prepared.response_id,
                 engine_priority=engine_priority(routed.doc, request.headers, principal, priority),
             )
-            return await _findable(call, routed, principal.id)
+            answered = await _findable(call, routed, principal.id, span)
         finally:
             if ticket is not None:
                 ticket.release()
+        outcome = answered.ending
+        return answered.response
     except BaseException as exc:
-        _classify(svc, record, exc)
+        outcome = exc
         raise
     finally:
         try:
@@ -146,7 +164,7 @@ async def forward(request: Request, endpoint: Endpoint, svc: Services) -> Stream
         finally:
             if upload is not None:
                 upload.close()
-            finish(svc, record)  # counted and logged even if cancelled while settling
+            finish(svc, record, outcome)  # counted and logged even if cancelled while settling
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,22 +266,11 @@ def _call(
     )
 
 
-async def _findable(call: Call, routed: _Routed, owner: str) -> StreamResponse:
+async def _findable(call: Call, routed: _Routed, owner: str, span: Span | None) -> Answered:
     """Serve ``call``, with what its API keeps meanwhile (``Api.serving``)."""
     upstream_id = call.headers[REQUEST_ID]
     with call.endpoint.api.serving(call.svc, upstream_id, owner, call.record):
-        return await _traced(call, routed.route, routed.doc)
-
-
-def _classify(svc: Services, record: RequestRecord, exc: BaseException) -> None:
-    """Say truthfully in ``record`` how a request that raised ``exc`` ended (idempotent)."""
-    if isinstance(exc, GatewayError):
-        record.status, record.ending = exc.status, type(exc).__name__
-    elif isinstance(exc, asyncio.CancelledError):
-        if record.ending is None:  # before the relay: still queued, or waiting for the head
-            record.ending = svc.cancel_reason()
-    elif isinstance(exc, Exception):  # a bug: the middleware answers 500 and logs it
-        record.status, record.ending = 500, "internal_error"
+        return await _serve(call, routed.route, routed.doc, span)
 
 
 async def _prioritised(svc: Services, request: Request, principal: Principal, route: Route) -> int:
@@ -302,29 +309,7 @@ async def _wait_for_capacity(
     return ticket
 
 
-async def _traced(call: Call, route: Route, doc: dict[str, Any]) -> StreamResponse:
-    svc, record = call.svc, call.record
-    tracer = svc.tracer
-    if tracer is None:
-        return await _serve(call, route, doc, None)
-    with tracer.start_as_current_span(
-        f"POST {call.path}",
-        context=parent_context(call.request.headers),
-        kind=SpanKind.SERVER,
-        attributes={"gen_ai.request.model": record.model, "http.request.id": record.request_id},
-    ) as span:
-        try:
-            return await _serve(call, route, doc, span)
-        except BaseException as exc:
-            _classify(svc, record, exc)  # before the span is annotated
-            raise
-        finally:
-            annotate(span, record)
-
-
-async def _serve(
-    call: Call, route: Route, doc: dict[str, Any], span: Span | None
-) -> StreamResponse:
+async def _serve(call: Call, route: Route, doc: dict[str, Any], span: Span | None) -> Answered:
     """Run the route's steps: the prefill (if any), then the step that answers the client."""
     call.svc.retry_budget.deposit()  # one request: its share of the extra attempts' budget
     if route.prefill is None:
@@ -334,7 +319,7 @@ async def _serve(
     svc.router.check(route.serve)  # no decode backend: fail before any prefill
     body = prefill_body(doc)
     prefilled = await attempts(call, route.prefill, span, lambda t: prefill_attempt(t, body))
-    if isinstance(prefilled, StreamResponse):  # the prefill refused the request (a 4xx)
+    if isinstance(prefilled, Answered):  # the prefill refused the request (a 4xx)
         return prefilled
     answered = time.monotonic()
     assert isinstance(call.body, bytes)  # chat and completions only (``Router.route``)
@@ -350,17 +335,13 @@ async def _serve(
             )
 
 
-async def _answered(call: Call, step: Step, span: Span | None) -> StreamResponse:
+async def _answered(call: Call, step: Step, span: Span | None) -> Answered:
     """The client's answer from ``step``'s backends; a stream that breaks on the way goes on
-    from another backend when it can (``_resume``)."""
+    from another backend when it can (``gateway.request.resume``)."""
     try:
         return await attempts(call, step, span, answer)
     except StreamBroken as broken:
-        try:
-            return await resume(call, step, span, broken)
-        except asyncio.CancelledError:  # the client left (or the gateway stops) meanwhile
-            call.record.ending = call.svc.cancel_reason()
-            raise
+        return await resume(call, step, span, broken)
 
 
 def route_endpoint(endpoint: Endpoint) -> Handler:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import enum
 import logging
 import time
 from dataclasses import dataclass, field
@@ -9,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Final, Protocol
 
 import structlog
 
+from backends.errors import GatewayError
 from gateway.limits.tokens import Usage
 from policies import BackendSnapshot, Weights, score
 
@@ -20,6 +23,18 @@ log = structlog.get_logger("gateway.request")
 
 OTHER: Final = "other"  # the label of every name the fleet does not serve
 _LOGGED_NAME_CHARS: Final = 200  # a client's model name is cut to this in the log event
+
+
+class Ending(enum.Enum):
+    """How an answer that reached the client ended (what the relay saw)."""
+
+    COMPLETE = "complete"
+    UPSTREAM_ERROR = "upstream_error"
+    CLIENT_DISCONNECT = "client_disconnect"
+
+
+# What ended a request: its answer's ending, or the exception that ended it (``finish``).
+Outcome = Ending | BaseException
 
 
 @dataclass(slots=True)
@@ -38,7 +53,7 @@ class RequestRecord:
     candidates: list[BackendSnapshot] = field(default_factory=list)
     status: int = 0
     # How it ended: complete, upstream_error, client_disconnect, shutdown, internal_error, or
-    # the name of the GatewayError that refused it. None until one of those is known.
+    # the name of the GatewayError that refused it. Said once, by ``finish``.
     ending: str | None = None
     first_token_at: float | None = None
     ended_at: float | None = None
@@ -125,17 +140,35 @@ class Finishing(Protocol):
     @property
     def router(self) -> Router: ...
 
+    def cancel_reason(self) -> str: ...
 
-def finish(svc: Finishing, record: RequestRecord) -> None:
-    """Record a finished request: metrics always, the log event when info is enabled.
+
+def conclude(record: RequestRecord, outcome: Outcome, cancel_reason: str) -> str:
+    """Say how the request ended, from what ended it: its answer's ending as the relay saw it,
+    or what the exception means (a ``GatewayError``'s status and name; a cancellation before
+    the answer ended: ``cancel_reason``, the client left or the gateway stops; anything
+    else is a bug the client got a 500 for)."""
+    if isinstance(outcome, Ending):
+        record.ending = outcome.value
+    elif isinstance(outcome, GatewayError):
+        record.status, record.ending = outcome.status, type(outcome).__name__
+    elif isinstance(outcome, asyncio.CancelledError):
+        record.ending = cancel_reason
+    else:
+        record.status, record.ending = 500, "internal_error"
+    return record.ending
+
+
+def finish(svc: Finishing, record: RequestRecord, outcome: Outcome) -> None:
+    """Record a finished request, ended by ``outcome`` (``conclude``): metrics always, the log
+    event when info is enabled.
 
     The model label is the model's name only if the fleet serves it (or it is an alias):
     any other name a client sends is ``other``, so clients cannot grow the series.
     """
     if record.ended_at is None:
         record.ended_at = time.monotonic()
-    if record.ending is None:  # every path should have said; this one did not
-        record.ending = "unknown"
+    ending = conclude(record, outcome, svc.cancel_reason())
     metrics = svc.metrics
     backend = record.backend
     model = record.model if svc.router.pool.serves(record.model) or record.pool else OTHER
@@ -148,9 +181,7 @@ def finish(svc: Finishing, record: RequestRecord) -> None:
     if itl is not None:
         metrics.itl.labels(model, backend).observe(itl)
     if record.pool is not None:
-        metrics.record_pool(
-            record.model, record.pool, record.status, record.ending, ttft=ttft, itl=itl
-        )
+        metrics.record_pool(record.model, record.pool, record.status, ending, ttft=ttft, itl=itl)
     if record.abort_reason is not None:
         metrics.aborts.labels(backend, record.abort_reason).inc()
     if len(record.backends) > 1 and record.status and record.status < 500 and not record.hedged:

@@ -16,7 +16,6 @@ The splice writes to the client's transport under the gateway's own server's flo
 from __future__ import annotations
 
 import asyncio
-import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -32,16 +31,11 @@ from gateway.limits.tokens import UsageFilter
 from gateway.request.api import Stitcher
 from gateway.request.continuation import Keep
 from gateway.request.dialects import OPENAI, Dialect
+from gateway.request.record import Ending
 from gateway.request.sse import FirstTokenWatch
 from gateway.request.waits import outrun
 
 EVENT_STREAM: Final = "text/event-stream"  # the content type of a stream to relay
-
-
-class Ending(enum.Enum):
-    COMPLETE = "complete"
-    UPSTREAM_ERROR = "upstream_error"
-    CLIENT_DISCONNECT = "client_disconnect"
 
 
 @dataclass(slots=True)

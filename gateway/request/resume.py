@@ -32,16 +32,10 @@ from backends.upstream.client import json_or_none
 from gateway.http import StreamResponse
 from gateway.limits.tokens import UsageFilter
 from gateway.request.attempt import attempts
-from gateway.request.call import Call, StreamBroken, Try, error_kind
+from gateway.request.call import Answered, Call, StreamBroken, Try, error_kind
 from gateway.request.continuation import StreamProgress
-from gateway.request.relay import (
-    EVENT_STREAM,
-    Chunks,
-    Ending,
-    RelayResult,
-    end_stream,
-    relay_resumed,
-)
+from gateway.request.record import Ending
+from gateway.request.relay import EVENT_STREAM, Chunks, RelayResult, end_stream, relay_resumed
 from gateway.request.retry import RETRYABLE_STATUS
 from gateway.request.router import Step
 from gateway.request.send import open_upstream
@@ -49,7 +43,7 @@ from gateway.request.send import open_upstream
 log = structlog.get_logger("gateway.request")
 
 
-async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken) -> StreamResponse:
+async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken) -> Answered:
     """Continue a broken stream on other backends, as many times as the settings allow.
 
     What cannot be continued faithfully (or finds no backend in time) ends as it did before
@@ -68,8 +62,7 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
         if progress.done or progress.finished is not None:  # only the stream's end was lost
             metrics.continuations.labels(reason, "complete").inc()
             await end_stream(resp, None, done=progress.done, dialect=dialect)
-            record.ending = Ending.COMPLETE.value
-            return resp
+            return Answered(resp, Ending.COMPLETE)
         why = continuing.blocker(progress)
         if why is None and record.continuations >= settings.max_continuations:
             why = "limit"
@@ -82,7 +75,7 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
                 "stream_not_continued", backend=broken.backend, error=broken.error.message, why=why
             )
             await end_stream(resp, broken.error, dialect=dialect)
-            return resp
+            return Answered(resp, Ending.UPSTREAM_ERROR)
         record.continuations += 1
         log.info(
             "stream_continuing",
@@ -109,8 +102,7 @@ async def resume(call: Call, step: Step, span: Span | None, broken: StreamBroken
                 "stream_not_continued", backend=broken.backend, error=exc.message, why="failed"
             )
             await end_stream(resp, broken.error, dialect=dialect)
-            record.ending = Ending.UPSTREAM_ERROR.value
-            return resp
+            return Answered(resp, Ending.UPSTREAM_ERROR)
         metrics.continuations.labels(reason, "continued").inc()
         return done
 
@@ -157,9 +149,7 @@ async def _sent_tokens(t: Try, progress: StreamProgress) -> int:
     return progress.events
 
 
-async def _resume_attempt(
-    t: Try, *, resp: StreamResponse, progress: StreamProgress
-) -> StreamResponse:
+async def _resume_attempt(t: Try, *, resp: StreamResponse, progress: StreamProgress) -> Answered:
     """One backend's try at the rest of a broken stream, into the client's open ``resp``."""
     call = t.call
     svc, record = call.svc, call.record
@@ -200,9 +190,8 @@ async def _resume_attempt(
         t.tally.answered = True
         if usage.usage is not None:
             t.tally.tokens = usage.usage.completion_tokens - sent
-        record.ending = Ending.COMPLETE.value
         record.ended_at = time.monotonic()
-        return resp
+        return Answered(resp, Ending.COMPLETE)
     except asyncio.CancelledError:  # the client left: closing the upstream aborts it
         record.abort_reason = svc.cancel_reason()
         raise

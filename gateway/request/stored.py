@@ -15,7 +15,6 @@ import time
 from typing import Any
 
 from backends.errors import (
-    GatewayError,
     InvalidRequest,
     NoBackendAvailable,
     ResponseBackendGone,
@@ -25,7 +24,7 @@ from backends.state import BackendState
 from gateway.http import Request, Response
 from gateway.keys import REQUEST_ID_KEY
 from gateway.request.headers import upstream_headers
-from gateway.request.record import RequestRecord, finish
+from gateway.request.record import Ending, Outcome, RequestRecord, finish
 from gateway.request.services import SERVICES, Services
 
 _TRUE = frozenset({"true", "1", "True"})
@@ -67,6 +66,7 @@ async def _to_home(request: Request, *, cancel: bool) -> Response:
     svc = request.app[SERVICES]
     record = RequestRecord(request[REQUEST_ID_KEY], started=time.monotonic(), endpoint="responses")
     limiter, grant = svc.limiter, None
+    outcome: Outcome  # how it ended (``finish``)
     try:
         principal = limiter.authenticate(request.headers)
         record.key = principal.id
@@ -95,15 +95,15 @@ async def _to_home(request: Request, *, cancel: bool) -> Response:
         else:
             timeout = svc.settings.upstream.idle_timeout
             status, body = await transport.get(backend.spec, request.path_qs, within=timeout)
-        record.status, record.ending = status, "complete"
+        record.status, outcome = status, Ending.COMPLETE
         return Response(status=status, body=body, content_type="application/json")
-    except GatewayError as exc:
-        record.status, record.ending = exc.status, type(exc).__name__
+    except BaseException as exc:
+        outcome = exc
         raise
     finally:
         if grant is not None:
             await limiter.finish(grant, 0)
-        finish(svc, record)
+        finish(svc, record, outcome)
 
 
 async def get_response(request: Request) -> Response:

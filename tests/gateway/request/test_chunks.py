@@ -8,7 +8,8 @@ import pytest
 
 from backends.upstream.idle import IdleWatch
 from gateway.limits.tokens import UsageFilter
-from gateway.request.relay import Chunks, Ending, RelayResult, partial_tail
+from gateway.request.record import Ending
+from gateway.request.relay import Chunks, RelayResult, partial_tail
 
 SERVED, ALIAS = b'"model":"m-v2"', b'"model":"chat"'
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from importlib import metadata
 from typing import TYPE_CHECKING
 
@@ -62,7 +62,6 @@ from gateway.keys import (
     MONITOR,
     POOL,
     READ_CACHE,
-    RELAY_FAST,
     RESPONSE_HOMES,
     RETRY,
     RETRY_BUDGET,
@@ -539,16 +538,13 @@ def create_app(
     tracer_provider: TracerProvider | None = None,
     loader: SettingsLoader | None = None,
     transport: Transport | None = None,
-    relay_check: Callable[[], str | None] = lambda: None,
     worker: Worker | None = None,
 ) -> web.Application:
     """The gateway app.
 
     ``loader`` re-reads the configuration for a reload (SIGHUP, ``POST /admin/reload``);
     ``resolver``, ``tracer_provider`` and ``transport`` (how backends are reached:
-    ``backends.upstream.mock.MockTransport`` in tests) replace the real ones. ``relay_check``
-    returns why the stream relay's fast path (``gateway.request.relay.Splice``) is not to be
-    used, or None (tests force the plain reads with it).
+    ``backends.upstream.mock.MockTransport`` in tests) replace the real ones.
     ``worker``: this process is one of ``serve --workers``' (its in-flight counts shared).
     """
     # The services' container and their cleanup contexts; the model endpoints are served by
@@ -601,15 +597,6 @@ def create_app(
     metrics.registry.register(LatencyCollector(tracker, pool, lambda: app[ROUTER].policy))
     metrics.watch_limits(lambda: app[LIMITER], admission)
     metrics.watch_supervisor(supervisor)
-    tap_problem = relay_check()
-    app[RELAY_FAST] = tap_problem is None
-    metrics.relay_plain_reads.set(0 if tap_problem is None else 1)
-    if tap_problem is not None:
-        log.warning(
-            "relay_fast_path_off",
-            reason=tap_problem,
-            effect="streams are relayed with plain reads: correct, with more CPU per token",
-        )
     app[METRICS] = metrics
     app.cleanup_ctx.append(_limits_ctx)
     app.cleanup_ctx.append(_responses_ctx)

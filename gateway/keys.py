@@ -64,8 +64,6 @@ RETRY_BUDGET: Final = web.AppKey[Budget]("retry_budget")
 ADMISSION: Final = web.AppKey[AdmissionQueue | None]("admission")
 TRACER: Final = web.AppKey[Tracer | None]("tracer")
 GATEWAY: Final = web.AppKey("gateway", web.Application)
-# False when the tap's aiohttp internals are not as expected: streams use plain reads.
-RELAY_FAST: Final = web.AppKey("relay_fast", bool)  # on the admin app: the main app
 KV_INDEX: Final = web.AppKey("kv_index", KvIndex)  # what each engine caches (its KV events)
 WORKER: Final = web.AppKey("worker", Worker)  # one of ``serve --workers``' processes
 READ_CACHE: Final = web.AppKey("read_cache", ReadCache)  # worker 0's latest backend readings

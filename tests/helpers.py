@@ -134,7 +134,6 @@ async def running_gateway(
     tracer_provider = overrides.pop("tracer_provider", None)
     loader = overrides.pop("loader", None)
     transport = overrides.pop("transport", None)
-    extra = {k: overrides.pop(k) for k in ("relay_check",) if k in overrides}
     wait_models = overrides.pop("wait_models", True)
     overrides.setdefault("shutdown_grace", 0.5)
     overrides.setdefault("log_level", "warning")
@@ -145,7 +144,6 @@ async def running_gateway(
         tracer_provider=tracer_provider,
         loader=loader,
         transport=transport,
-        **extra,
     )
     server = data_plane(app)
     await server.setup()

@@ -123,7 +123,6 @@ async def _relay(
             usage=usage,
             result=result,
             rename=rename,
-            fast=svc.relay_fast,
             keep=keep,
         )
     except UpstreamTimeout:  # before anything reached the client

@@ -27,7 +27,6 @@ from gateway.keys import (
     LIFECYCLE,
     LIMITER,
     METRICS,
-    RELAY_FAST,
     RESPONSE_HOMES,
     RETRY,
     RETRY_BUDGET,
@@ -69,7 +68,6 @@ class Services:
     retry: RetryPolicy
     hedges: HedgeBudget
     lifecycle: Lifecycle
-    relay_fast: bool  # streams are spliced (``gateway.request.relay.Splice``)
     response_homes: ResponseHomes
     tokenizers: Tokenizers | None
     generations: Generations
@@ -92,7 +90,6 @@ class Services:
             retry=app[RETRY],
             hedges=app[HEDGES],
             lifecycle=app[LIFECYCLE],
-            relay_fast=app[RELAY_FAST],
             response_homes=app[RESPONSE_HOMES],
             tokenizers=app[TOKENIZERS],
             generations=app[GENERATIONS],

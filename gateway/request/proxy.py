@@ -85,7 +85,7 @@ from gateway.request.responses import with_response_id
 from gateway.request.resume import resume
 from gateway.request.rollout import Choice
 from gateway.request.router import Route, Step
-from gateway.request.services import SERVICES, Services
+from gateway.request.services import Services
 from gateway.request.slo import meet_slo, parse_slo
 from gateway.request.stored import home_of
 
@@ -445,10 +445,10 @@ async def _answered(call: Call, step: Step, span: Span | None) -> StreamResponse
             raise
 
 
-def route_endpoint(endpoint: Endpoint) -> Handler:
+def route_endpoint(endpoint: Endpoint, svc: Services) -> Handler:
     """The request handler of one of ``gateway.request.endpoints``' JSON endpoints."""
 
     async def handler(request: Request) -> StreamResponse:
-        return await forward(request, endpoint, request.app[SERVICES])
+        return await forward(request, endpoint, svc)
 
     return handler

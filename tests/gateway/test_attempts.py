@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator
 import aiohttp
 
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
-from gateway.keys import ROUTER
 from policies import PrefixAffinity
 from tests.helpers import running_gateway, wait_for
 from tests.mock_fleet import Fleet, InOrder, chunk
@@ -55,7 +54,7 @@ async def test_each_attempt_is_told_to_the_policy_as_it_really_ended() -> None:
     transport = MockTransport(fleet)
     policy = InOrder()
     async with running_gateway(BACKENDS, transport=transport, retry={"backoff_base": 0}) as gw:
-        gw.app[ROUTER].policy = policy
+        gw.svc.router.policy = policy
         async with (
             aiohttp.ClientSession() as s,
             s.post(gw.url + "/v1/chat/completions", json=CHAT) as r,
@@ -93,7 +92,7 @@ async def test_a_cut_stream_and_a_client_that_leaves_are_told_apart() -> None:
     # Not continued elsewhere (tests/gateway/test_continuation.py covers that): one outcome each.
     off = {"enabled": False}
     async with running_gateway(BACKENDS, transport=transport, continuation=off) as gw:
-        gw.app[ROUTER].policy = policy
+        gw.svc.router.policy = policy
         async with aiohttp.ClientSession() as s:
             async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
                 body = await r.read()
@@ -124,14 +123,14 @@ async def test_prefix_affinity_learns_only_what_the_backend_really_took() -> Non
     async with running_gateway(
         BACKENDS[:2], transport=MockTransport(fleet), policy="prefix_affinity"
     ) as gw:
-        policy = gw.app[ROUTER].policy
+        policy = gw.svc.router.policy
         assert isinstance(policy, PrefixAffinity)
         async with aiohttp.ClientSession() as s:
             for _ in range(3):
                 async with s.post(gw.url + "/v1/chat/completions", json=CHAT) as r:
                     assert r.status == 200
                     await r.read()
-        facts = gw.app[ROUTER].route("m", CHAT, {}).serve.facts
+        facts = gw.svc.router.route("m", CHAT, {}).serve.facts
         held = policy.index.match(facts.prefix_hashes, ["a", "b"])
     assert held["a"] == 0  # a refused every time it was tried: it holds nothing
     assert held["b"] == len(facts.prefix_hashes) > 0

@@ -10,7 +10,6 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.keys import POOL
 from gateway.limits.tokens import reservation
 from gateway.request.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
 from tests.helpers import gateway_for
@@ -55,7 +54,7 @@ async def test_each_endpoint_goes_to_a_backend_that_has_it_and_is_learned() -> N
             )
             assert status == 200, doc
             assert doc["object"] == "chat.completion"
-        state = gw.app[POOL]
+        state = gw.svc.pool
         chats = 4
         while "chat" not in state.get(pool_id).lacks:  # type: ignore[union-attr]
             assert chats < 12, "the pooling server was never offered a chat request"
@@ -108,7 +107,7 @@ async def test_an_endpoint_no_backend_has_is_a_404_in_openai_shape_without_retry
             text = await r.text()
         assert requests_by(text, endpoint="embeddings", backend=gen.url[7:]) == 1
         assert requests_by(text, endpoint="embeddings", backend="none") == 1
-        assert gw.app[POOL].get(gen.url[7:]).lacks == {"embeddings"}  # type: ignore[union-attr]
+        assert gw.svc.pool.get(gen.url[7:]).lacks == {"embeddings"}  # type: ignore[union-attr]
         # Its chat still works; a model nobody serves is the gateway's own 404.
         status, _ = await post(
             s,

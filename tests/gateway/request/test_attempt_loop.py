@@ -19,7 +19,6 @@ import aiohttp
 import pytest
 
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
-from gateway.keys import ROUTER
 from gateway.request import call
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
 from tests.mock_fleet import Answer, Fleet, InOrder, chunk
@@ -117,7 +116,7 @@ class Run:
 
     async def no_leaks(self) -> None:
         """Every lease released: the pool's snapshots show nothing in flight."""
-        pool = self.gw.app[ROUTER].pool
+        pool = self.gw.svc.router.pool
 
         def idle() -> bool:
             return all(pool.snapshot(b, 0.0).in_flight == 0 for b in pool.all())
@@ -131,7 +130,7 @@ async def gateway(
 ) -> AsyncIterator[Run]:
     transport = MockTransport(fleet)
     async with running_gateway(BACKENDS, transport=transport, **settings) as gw:
-        gw.app[ROUTER].policy = policy or InOrder()
+        gw.svc.router.policy = policy or InOrder()
         yield Run(gw, transport)
 
 

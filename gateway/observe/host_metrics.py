@@ -11,7 +11,9 @@ queue depth an autoscaler scales on is the engines' queue once plus every worker
 queue. ``llm_gateway_workers_reporting`` says how many workers' figures are in the answer: a
 worker that did not answer within the timeout is left out, not waited for.
 
-Pure merging (``combine``) apart from the I/O that fetches the texts (``gather``).
+Pure merging (``combine``) apart from the I/O that fetches the texts (``gather``). ``page`` is
+every ``/metrics`` the gateway serves: the data plane's (the host's, with workers), the admin
+API's and a worker's private one (``own_page``: this process's alone).
 """
 
 from __future__ import annotations

@@ -13,21 +13,25 @@ import gc
 import signal
 import socket
 import ssl
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 import structlog
 from aiohttp import web
 
 from backends.errors import InvalidRequest
-from gateway.admin.api import create_admin_app
+from gateway.admin.api import SERVER_HEADER, create_admin_app
 from gateway.admin.fleet import reload_through_log
-from gateway.admin.reload import SettingsLoader, reload_settings
-from gateway.app import SERVER_HEADER, create_app, worker_private_app
+from gateway.admin.reload import reload_settings
 from gateway.config.settings import Settings, TlsSettings
+from gateway.config.source import SettingsLoader
 from gateway.http import Server, ServerConfig
-from gateway.keys import FLEET, LIFECYCLE, ROUTES, SETTINGS
 from gateway.observe.logs import configure_logging
+from gateway.request.endpoints import ENDPOINTS, Endpoint
 from gateway.request.middleware import entry, refusal_body
+from gateway.request.routes import model_routes
+from gateway.request.services import Services
+from gateway.root import open_gateway
+from gateway.workers.private import private_app
 from gateway.workers.supervisor import Supervisor, Worker
 
 log = structlog.get_logger("gateway.server")
@@ -58,13 +62,14 @@ def settle_heap() -> None:
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
 
 
-def data_plane(app: web.Application) -> Server:
-    """The model endpoints' server (the gateway's own, ``gateway.http``), tests included.
+def data_plane(svc: Services, endpoints: Sequence[Endpoint] = ENDPOINTS) -> Server:
+    """The model endpoints' server (the gateway's own, ``gateway.http``), tests included;
+    ``endpoints``: the table it routes (``gateway.request.endpoints``).
 
     It cancels a handler whose client has gone away: that is how a disconnect reaches the
     upstream request in every phase.
     """
-    settings = app[SETTINGS]
+    settings = svc.settings
     client = settings.client
     config = ServerConfig(
         max_header_bytes=client.max_header_bytes,
@@ -75,7 +80,7 @@ def data_plane(app: web.Application) -> Server:
         error_body=refusal_body,
         server_name=SERVER_HEADER,
     )
-    return Server(app, entry(app[ROUTES]), config)
+    return Server(entry(model_routes(svc, endpoints), svc.lifecycle), config)
 
 
 def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.AppRunner:
@@ -90,41 +95,38 @@ def make_runner(app: web.Application, *, shutdown_timeout: float = 30.0) -> web.
     )
 
 
-async def stop_gracefully(
-    app: web.Application, server: Server, runners: list[web.AppRunner]
-) -> None:
+async def stop_gracefully(svc: Services, server: Server, runners: list[web.AppRunner]) -> None:
     """Refuse new requests, stop the admin side (``runners``), then drain the data plane:
-    in-flight requests have ``shutdown_grace`` seconds, then the app's resources close."""
-    app[LIFECYCLE].stopping = True
+    in-flight requests have ``shutdown_grace`` seconds (the services close after, as the
+    composition root's block ends)."""
+    svc.lifecycle.stopping = True
     log.info("gateway_stopping")
     for runner in runners:
         await runner.cleanup()
-    await server.cleanup(app[SETTINGS].shutdown_grace)
+    await server.cleanup(svc.settings.shutdown_grace)
     log.info("gateway_stopped")
 
 
-def _on_sighup(app: web.Application, settings: Settings) -> Callable[[], None]:
+def _on_sighup(svc: Services) -> Callable[[], None]:
     """What SIGHUP does: in a fleet (Redis, or the workers of this host), a reload appended to
     the change log, so every replica and worker re-reads its configuration in the log's order
     (with ``serve --workers`` the supervisor sends SIGHUP to worker 0 alone); else re-read it
     here."""
     tasks: set[asyncio.Task[None]] = set()
-
-    if settings.fleet_store is not None:
+    member = svc.fleet
+    if member is not None:
 
         def reload_fleet() -> None:
-            member = app[FLEET]
-            if member is not None:
-                task = asyncio.create_task(reload_through_log(member))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
+            task = asyncio.create_task(reload_through_log(member))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
 
         return reload_fleet
 
     def reload() -> None:
         # A refused reload has been logged with its reason; the running configuration stays.
         with contextlib.suppress(InvalidRequest):
-            reload_settings(app)
+            reload_settings(svc)
 
     return reload
 
@@ -160,20 +162,36 @@ async def run_until_signalled(
     """One gateway process until SIGINT/SIGTERM; ``worker``: one of ``serve --workers``'
     (its port shared, its in-flight counts in the host's table, its admin API worker 0's on
     the admin port and the others' on their private sockets)."""
-    app = create_app(settings, loader=loader, worker=worker)
-    server = data_plane(app)
-    await server.setup()
+    async with open_gateway(settings, loader=loader, worker=worker) as svc:
+        server = data_plane(svc)
+        runners = await _open_listeners(svc, server)
+        settle_heap()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, _on_sighup(svc))
+        try:
+            await stop.wait()
+        finally:
+            await stop_gracefully(svc, server, runners)
+
+
+async def _open_listeners(svc: Services, server: Server) -> list[web.AppRunner]:
+    """A worker's private socket, the admin API (with a token), then the model endpoints'
+    port; the aiohttp runners, to stop first. ``ListenError``: what was opened is closed."""
+    settings, worker = svc.settings, svc.worker
     runners: list[web.AppRunner] = []
     admin_address = None
     try:
         if worker is not None:  # what the other workers ask it (its figures, response homes)
-            own = make_runner(worker_private_app(app), shutdown_timeout=1)
+            own = make_runner(private_app(svc), shutdown_timeout=1)
             await own.setup()
             runners.insert(0, own)
             await web.UnixSite(own, str(worker.private_socket(worker.index))).start()
         if settings.admin.token is not None:
             admin = make_runner(
-                create_admin_app(app, settings.admin.token.get_secret_value()),
+                create_admin_app(svc, settings.admin.token.get_secret_value()),
                 shutdown_timeout=1,
             )
             await admin.setup()
@@ -216,16 +234,7 @@ async def run_until_signalled(
         discovery=settings.discovery.dns or None,
         policy=settings.policy,
     )
-    settle_heap()
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, _on_sighup(app, settings))
-    try:
-        await stop.wait()
-    finally:
-        await stop_gracefully(app, server, runners)
+    return runners
 
 
 def serve(settings: Settings, loader: SettingsLoader | None = None) -> int:

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 import aiohttp
 
-from gateway.keys import ADMISSION
+from gateway.request.services import Services
 from tests.waiting import wait_for
 from tools.fake_vllm import FakeBackend, answer, echo_json, hang_before_headers
 
@@ -62,10 +62,10 @@ async def retried(session: aiohttp.ClientSession, url: str, n: int = 6) -> Count
 
 
 async def shed_one(
-    session: aiohttp.ClientSession, url: str, app: Any, a: FakeBackend, b: FakeBackend
+    session: aiohttp.ClientSession, url: str, svc: Services, a: FakeBackend, b: FakeBackend
 ) -> None:
     """One request shed by priority, the others served once the backends let them go."""
-    queue = app[ADMISSION]
+    queue = svc.admission
     assert queue is not None
     behaviours = a.behaviour, b.behaviour
     for fake in (a, b):

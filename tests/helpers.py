@@ -19,10 +19,11 @@ import aiohttp
 from aiohttp import web
 
 from gateway.admin.api import create_admin_app
-from gateway.app import create_app
 from gateway.config.settings import Settings
 from gateway.http import Server
-from gateway.keys import METRICS, POOL
+from gateway.request.endpoints import ENDPOINTS
+from gateway.request.services import Services
+from gateway.root import open_gateway
 from gateway.server import data_plane, make_runner, ssl_context
 from tests.waiting import wait_for
 from tools.fake_vllm import (
@@ -111,15 +112,15 @@ async def stopped(fake: FakeBackend) -> AsyncIterator[None]:
 @dataclass
 class RunningGateway:
     url: str
-    app: web.Application
+    svc: Services  # the gateway's services (``gateway.root.open_gateway``)
     server: Server
     admin_url: str | None = None
 
     def in_flight(self) -> dict[str, int]:
-        return {b.id: b.in_flight for b in self.app[POOL].all()}
+        return {b.id: b.in_flight for b in self.svc.pool.all()}
 
     def ready(self) -> bool:
-        return self.app[POOL].ready()
+        return self.svc.pool.ready()
 
 
 @asynccontextmanager
@@ -134,55 +135,51 @@ async def running_gateway(
     tracer_provider = overrides.pop("tracer_provider", None)
     loader = overrides.pop("loader", None)
     transport = overrides.pop("transport", None)
-    extra = {k: overrides.pop(k) for k in ("relay_check",) if k in overrides}
     wait_models = overrides.pop("wait_models", True)
+    endpoints = overrides.pop("endpoints", ENDPOINTS)  # the table the data plane routes
     overrides.setdefault("shutdown_grace", 0.5)
     overrides.setdefault("log_level", "warning")
     settings = Settings(backends=backend_urls, scrape=scrape, health=health, **overrides)
-    app = create_app(
+    async with open_gateway(
         settings,
         resolver=resolver,
         tracer_provider=tracer_provider,
         loader=loader,
         transport=transport,
-        **extra,
-    )
-    server = data_plane(app)
-    await server.setup()
-    sock = bound_socket()
-    await server.start(sock=sock, ssl=ssl_context(settings.tls))
-    scheme = "https" if settings.tls.enabled else "http"
-    gw = RunningGateway(url=f"{scheme}://127.0.0.1:{sock.getsockname()[1]}", app=app, server=server)
-    admin_runner = None
-    if settings.admin.token is not None:
-        admin_runner = make_runner(
-            create_admin_app(app, settings.admin.token.get_secret_value()), shutdown_timeout=0.5
-        )
-        await admin_runner.setup()
-        admin_sock = bound_socket()
-        await web.SockSite(admin_runner, admin_sock).start()
-        gw.admin_url = f"http://127.0.0.1:{admin_sock.getsockname()[1]}"
-    try:
-        # The start-up's first look at the backends is bounded (2 s; each probe by its
-        # timeout): on a busy machine it can end before a backend that is up has listed its
-        # models, and a request for them would then be a 404. Wait for what the test assumes:
-        # each backend's models known, or that backend down.
-        # The start-up's first look at the backends is bounded (2 s, each probe by its
-        # timeout): on a busy machine it can end before a backend that is up has listed its
-        # models, and a request for them is then a 404 (models unknown). Tests assume the
-        # gateway has met its backends: wait for that, the event, not a time. A test whose
-        # backend never lists its models says so (``wait_models=False``).
-        if wait_models:
-            await wait_for(
-                lambda: all(b.models_known for b in app[POOL].all()),
-                within=30.0,
-                what="every backend's models listed to the gateway",
+    ) as svc:
+        server = data_plane(svc, endpoints)
+        sock = bound_socket()
+        await server.start(sock=sock, ssl=ssl_context(settings.tls))
+        scheme = "https" if settings.tls.enabled else "http"
+        url = f"{scheme}://127.0.0.1:{sock.getsockname()[1]}"
+        gw = RunningGateway(url=url, svc=svc, server=server)
+        admin_runner = None
+        if settings.admin.token is not None:
+            admin_runner = make_runner(
+                create_admin_app(svc, settings.admin.token.get_secret_value()),
+                shutdown_timeout=0.5,
             )
-        yield gw
-    finally:
-        if admin_runner is not None:
-            await admin_runner.cleanup()
-        await server.cleanup(settings.shutdown_grace)
+            await admin_runner.setup()
+            admin_sock = bound_socket()
+            await web.SockSite(admin_runner, admin_sock).start()
+            gw.admin_url = f"http://127.0.0.1:{admin_sock.getsockname()[1]}"
+        try:
+            # The start-up's first look at the backends is bounded (2 s, each probe by its
+            # timeout): on a busy machine it can end before a backend that is up has listed its
+            # models, and a request for them is then a 404 (models unknown). Tests assume the
+            # gateway has met its backends: wait for that, the event, not a time. A test whose
+            # backend never lists its models says so (``wait_models=False``).
+            if wait_models:
+                await wait_for(
+                    lambda: all(b.models_known for b in svc.pool.all()),
+                    within=30.0,
+                    what="every backend's models listed to the gateway",
+                )
+            yield gw
+        finally:
+            if admin_runner is not None:
+                await admin_runner.cleanup()
+            await server.cleanup(settings.shutdown_grace)
 
 
 class Rig(NamedTuple):
@@ -226,7 +223,7 @@ async def gateway_for(
 
 def sample(gw: RunningGateway, name: str, **labels: str) -> float:
     """A metric's value in the gateway's registry (0 if the series does not exist)."""
-    return gw.app[METRICS].registry.get_sample_value(name, labels) or 0.0
+    return gw.svc.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 def events(raw: bytes) -> list[Any]:

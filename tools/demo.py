@@ -17,9 +17,9 @@ import structlog
 from aiohttp import web
 
 from gateway.admin.api import create_admin_app
-from gateway.app import create_app
 from gateway.config.settings import Settings
 from gateway.observe.logs import configure_logging
+from gateway.root import open_gateway
 from gateway.server import data_plane, listen, make_runner, new_event_loop
 from tools.sim import SimConfig, SimServer
 
@@ -80,32 +80,35 @@ async def _run(d: Demo) -> None:
         backends=[s.url for s in sims],
         admin={"host": "127.0.0.1", "port": admin_port, "token": token},
     )
-    app = create_app(settings)
-    server = data_plane(app)
-    runners: list[web.AppRunner] = []
-    admin_runner = make_runner(create_admin_app(app, token), shutdown_timeout=1)
     try:
-        await server.setup()
-        await listen(server.start(host=host, port=port), host, port, "--port")
-        runners.append(admin_runner)
-        await admin_runner.setup()
-        await listen(
-            web.TCPSite(admin_runner, "127.0.0.1", admin_port).start(),
-            "127.0.0.1",
-            admin_port,
-            "--admin-port",
-        )
-        log.info("demo_ready", gateway=f"http://{host}:{port}", backends=[s.url for s in sims])
-        print(_banner(d, token), flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
+        async with open_gateway(settings) as svc:
+            server = data_plane(svc)
+            admin_runner = make_runner(create_admin_app(svc, token), shutdown_timeout=1)
+            runners: list[web.AppRunner] = []
+            try:
+                await listen(server.start(host=host, port=port), host, port, "--port")
+                runners.append(admin_runner)
+                await admin_runner.setup()
+                await listen(
+                    web.TCPSite(admin_runner, "127.0.0.1", admin_port).start(),
+                    "127.0.0.1",
+                    admin_port,
+                    "--admin-port",
+                )
+                log.info(
+                    "demo_ready", gateway=f"http://{host}:{port}", backends=[s.url for s in sims]
+                )
+                print(_banner(d, token), flush=True)
+                stop = asyncio.Event()
+                loop = asyncio.get_running_loop()
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    loop.add_signal_handler(sig, stop.set)
+                await stop.wait()
+            finally:
+                for r in runners:
+                    await r.cleanup()
+                await server.cleanup(5)
     finally:
-        for r in runners:
-            await r.cleanup()
-        await server.cleanup(5)
         for sim in sims:
             await sim.stop()
 

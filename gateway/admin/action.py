@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from aiohttp import web
+from gateway.request.services import Services
 
 # The path's parameters, and who asked under ``CALLER`` where an operator did (the audit
 # trail's ``caller``: the same on every replica, from the change in the log)
@@ -24,20 +24,20 @@ class Action:
 
     method: str
     pattern: str  # aiohttp's form: /admin/backends/{backend_id}/drain
-    check: Callable[[web.Application, Params, Doc], Doc]  # what it would set; raises if bad
-    apply: Callable[[web.Application, Params, Doc], Doc]  # the answer's document
-    before: Callable[[web.Application, Params], Doc]  # what it replaces (the audit's ``old``)
+    check: Callable[[Services, Params, Doc], Doc]  # what it would set; raises if bad
+    apply: Callable[[Services, Params, Doc], Doc]  # the answer's document
+    before: Callable[[Services, Params], Doc]  # what it replaces (the audit's ``old``)
     json_body: bool = False
     # Run once, where the change is made, before anything else: the body to log and apply in
     # its place, and what to add to the answer there (a key made by the gateway: its secret
     # goes to the caller once, only its hash to the log)
-    prepare: Callable[[web.Application, Params, Doc], tuple[Doc, dict[str, Any]]] | None = None
+    prepare: Callable[[Services, Params, Doc], tuple[Doc, dict[str, Any]]] | None = None
     routed: bool = True
     # A change that would set what ``before`` says is set already is answered as such and not
     # logged (``old == new``: a drain of a drained backend)
     skip_unchanged: bool = False
     # ``?dry_run=1``: what it would change, answered here; nothing changed, nothing logged
-    dry_run: Callable[[web.Application, Params, Doc], Doc] | None = None
+    dry_run: Callable[[Services, Params, Doc], Doc] | None = None
 
     def __post_init__(self) -> None:
         # What ``prepare`` makes is logged as JSON: read back as such where it is applied

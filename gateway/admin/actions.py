@@ -2,7 +2,7 @@
 
 An action is checked, then applied. ``check`` validates a change against the running state
 without changing anything and says what it would set (the audit trail's ``new``); ``apply``
-makes it and answers the admin API's document. Both take the gateway app, the path's
+makes it and answers the admin API's document. Both take the gateway's services, the path's
 parameters and the parsed body, so an action runs the same way whether the admin API called
 it on a single gateway or a replica's follower took it from the fleet's change log
 (``ActionApplier``). ``state``/``restore`` are what a snapshot of the change log holds: every
@@ -14,12 +14,11 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from typing import Any, Final
 
 import structlog
-from aiohttp import web
 
 from backends.errors import GatewayError, InvalidRequest, NotFound
 from gateway.admin import capacity, rollouts
@@ -35,38 +34,37 @@ from gateway.admin.state import reload_plan
 from gateway.admin.views import backend_view
 from gateway.fleet.changes import Change, Position, Snapshot
 from gateway.fleet.follower import Outcome
-from gateway.keys import ADAPTERS, CAPACITY, LIMITER, POOL
 from gateway.limits.budget import FIELDS, Budget, iso
 from gateway.limits.keys import Authenticator, check_labels, check_limits, hash_key
-from gateway.request.rollout import ROLLOUT
+from gateway.request.services import Services
 
 log = structlog.get_logger("gateway.admin.api")
 
 KEY_PREFIX: Final = "sk-gw-"  # keys the gateway makes: recognisable in a leaked file
 
 
-def _backend(app: web.Application, params: Params) -> Any:
-    b = app[POOL].get(params["backend_id"])
+def _backend(svc: Services, params: Params) -> Any:
+    b = svc.pool.get(params["backend_id"])
     if b is None:
         raise NotFound(f"No backend {params['backend_id']!r}.")
     return b
 
 
 def _drain(draining: bool) -> Action:
-    def check(app: web.Application, params: Params, _body: Doc) -> Doc:
-        _backend(app, params)
+    def check(svc: Services, params: Params, _body: Doc) -> Doc:
+        _backend(svc, params)
         return {"draining": draining}
 
-    def apply(app: web.Application, params: Params, _body: Doc) -> Doc:
-        b = _backend(app, params)
-        pool, was = app[POOL], b.draining
+    def apply(svc: Services, params: Params, _body: Doc) -> Doc:
+        b = _backend(svc, params)
+        pool, was = svc.pool, b.draining
         pool.set_draining(b.id, draining)
         log.info("backend_drain_changed", backend=b.id, draining=draining, was=was)
         now = pool.now()
         return backend_view(b, now, pool.snapshot(b, now))
 
-    def before(app: web.Application, params: Params) -> Doc:
-        b = app[POOL].get(params["backend_id"])
+    def before(svc: Services, params: Params) -> Doc:
+        b = svc.pool.get(params["backend_id"])
         return None if b is None else {"draining": b.draining}
 
     verb = "drain" if draining else "undrain"
@@ -75,41 +73,41 @@ def _drain(draining: bool) -> Action:
     )
 
 
-def _check_policy(app: web.Application, _params: Params, body: Doc) -> Doc:
-    plan_policy(app, body)
+def _check_policy(svc: Services, _params: Params, body: Doc) -> Doc:
+    plan_policy(svc, body)
     return body
 
 
-def _alias_weights_check(app: web.Application, params: Params, body: Doc) -> Doc:
-    return app[ROLLOUT].checked_weights(params["alias"], body)
+def _alias_weights_check(svc: Services, params: Params, body: Doc) -> Doc:
+    return svc.rollout.checked_weights(params["alias"], body)
 
 
-def _alias_weights(app: web.Application, params: Params) -> Doc:
-    return app[ROLLOUT].aliases.get(params["alias"])
+def _alias_weights(svc: Services, params: Params) -> Doc:
+    return svc.rollout.aliases.get(params["alias"])
 
 
-def _rollback_check(app: web.Application, params: Params, _body: Doc) -> Doc:
-    rollouts.not_under_way(app, params["alias"])
-    return app[ROLLOUT].check_rollback(params["alias"])
+def _rollback_check(svc: Services, params: Params, _body: Doc) -> Doc:
+    rollouts.not_under_way(svc, params["alias"])
+    return svc.rollout.check_rollback(params["alias"])
 
 
-def _rollback(app: web.Application, params: Params, _body: Doc) -> Doc:
+def _rollback(svc: Services, params: Params, _body: Doc) -> Doc:
     """Back to the weights before the last change (a progressive rollout's: before it began);
     refused while one is under way."""
-    rollouts.not_under_way(app, params["alias"])
-    return app[ROLLOUT].rollback(params["alias"])
+    rollouts.not_under_way(svc, params["alias"])
+    return svc.rollout.rollback(params["alias"])
 
 
 def _pool_drain(drained: bool) -> Action:
-    def check(app: web.Application, params: Params, _body: Doc) -> Doc:
-        app[ROLLOUT].check_drain(params["pool"], drained)
+    def check(svc: Services, params: Params, _body: Doc) -> Doc:
+        svc.rollout.check_drain(params["pool"], drained)
         return {"drained": drained}
 
-    def apply(app: web.Application, params: Params, _body: Doc) -> Doc:
-        return app[ROLLOUT].set_drained(params["pool"], drained)
+    def apply(svc: Services, params: Params, _body: Doc) -> Doc:
+        return svc.rollout.set_drained(params["pool"], drained)
 
-    def before(app: web.Application, params: Params) -> Doc:
-        return {"drained": params["pool"] in app[ROLLOUT].drained}
+    def before(svc: Services, params: Params) -> Doc:
+        return {"drained": params["pool"] in svc.rollout.drained}
 
     verb = "drain" if drained else "undrain"
     return Action(
@@ -117,18 +115,18 @@ def _pool_drain(drained: bool) -> Action:
     )
 
 
-def _reload_check(app: web.Application, _params: Params, _body: Doc) -> Doc:
-    read_settings(app)
+def _reload_check(svc: Services, _params: Params, _body: Doc) -> Doc:
+    read_settings(svc)
     return "reread the configuration file"
 
 
-def _reload(app: web.Application, _params: Params, _body: Doc) -> Doc:
-    result = reload_settings(app)
+def _reload(svc: Services, _params: Params, _body: Doc) -> Doc:
+    result = reload_settings(svc)
     return {"applied": result.applied, "restart_required": result.restart_required}
 
 
-def _auth(app: web.Application) -> Authenticator:
-    return app[LIMITER].auth
+def _auth(svc: Services) -> Authenticator:
+    return svc.limiter.auth
 
 
 def _new_secret() -> tuple[str, dict[str, Any]]:
@@ -164,7 +162,7 @@ def _expires_at(value: Any) -> float | None:
 _KEY_FIELDS: Final = {"name", "tier", "hash", "labels", "limits", "expires_at", *FIELDS.values()}
 
 
-def _key_prepare(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
+def _key_prepare(_svc: Services, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
     """Checked and made whole where the change is made: the expiry as Unix time, and without
     a hash, a key made here (its secret answered once, its hash logged)."""
     if not isinstance(body, dict) or not isinstance(body.get("name"), str):
@@ -192,8 +190,8 @@ def _key_prepare(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc
     return {**doc, "hash": digest}, extra
 
 
-def _key_check(app: web.Application, _params: Params, body: Doc) -> Doc:
-    digest = _auth(app).check_add(body["name"], body["hash"], body["tier"])
+def _key_check(svc: Services, _params: Params, body: Doc) -> Doc:
+    digest = _auth(svc).check_add(body["name"], body["hash"], body["tier"])
     return {
         "name": body["name"],
         "tier": body["tier"],
@@ -205,9 +203,9 @@ def _key_check(app: web.Application, _params: Params, body: Doc) -> Doc:
     }
 
 
-def _key_apply(app: web.Application, _params: Params, body: Doc) -> Doc:
+def _key_apply(svc: Services, _params: Params, body: Doc) -> Doc:
     budget = body.get("budget")
-    return _auth(app).add(
+    return _auth(svc).add(
         body["name"],
         body["hash"],
         body["tier"],
@@ -218,18 +216,16 @@ def _key_apply(app: web.Application, _params: Params, body: Doc) -> Doc:
     )
 
 
-def _key_before(app: web.Application, params: Params) -> Doc:
+def _key_before(svc: Services, params: Params) -> Doc:
     name = params.get("name")
-    auth = _auth(app)
+    auth = _auth(svc)
     return None if name is None or auth.tier_of(name) is None else auth.describe(name)
 
 
 _MAX_OVERLAP_S: Final = 30 * 86_400
 
 
-def _rotate_prepare(
-    _app: web.Application, _params: Params, body: Doc
-) -> tuple[Doc, dict[str, Any]]:
+def _rotate_prepare(_svc: Services, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
     """The old secret's last moment, decided here (every replica honours it until then)."""
     body = {} if body is None else body
     if not isinstance(body, dict) or set(body) - {"overlap_seconds", "hash"}:
@@ -251,13 +247,13 @@ def _rotate_prepare(
     return {**doc, "hash": digest}, extra
 
 
-def _rotate_check(app: web.Application, params: Params, body: Doc) -> Doc:
-    digest = _auth(app).check_rotate(params["name"], body["hash"])
+def _rotate_check(svc: Services, params: Params, body: Doc) -> Doc:
+    digest = _auth(svc).check_rotate(params["name"], body["hash"])
     return {"hash": digest.hex()[:12], "previous_until": iso(float(body["previous_until"]))}
 
 
-def _revoke_check(app: web.Application, params: Params, _body: Doc) -> Doc:
-    if _auth(app).tier_of(params["name"]) is None:
+def _revoke_check(svc: Services, params: Params, _body: Doc) -> Doc:
+    if _auth(svc).tier_of(params["name"]) is None:
         raise NotFound(f"No key {params['name']!r}.")
     return {"revoked": params["name"]}
 
@@ -271,24 +267,24 @@ def _budget_body(body: Doc) -> Budget | None:
     return Budget.from_json(body)
 
 
-def _budget_check(app: web.Application, params: Params, body: Doc) -> Doc:
+def _budget_check(svc: Services, params: Params, body: Doc) -> Doc:
     budget = _budget_body(body)
-    _auth(app).budget(params["name"])  # 404 if no such key
+    _auth(svc).budget(params["name"])  # 404 if no such key
     return None if budget is None else budget.to_json()
 
 
-def _budget_apply(app: web.Application, params: Params, body: Doc) -> Doc:
+def _budget_apply(svc: Services, params: Params, body: Doc) -> Doc:
     budget = _budget_body(body)
-    doc = _auth(app).set_budget(params["name"], budget)
-    current = _auth(app).budget(params["name"])
+    doc = _auth(svc).set_budget(params["name"], budget)
+    current = _auth(svc).budget(params["name"])
     return {
         **doc,
         "budget": None if current is None else {"source": current.source, **current.to_json()},
     }
 
 
-def _budget_before(app: web.Application, params: Params) -> Doc:
-    auth = _auth(app)
+def _budget_before(svc: Services, params: Params) -> Doc:
+    auth = _auth(svc)
     if auth.tier_of(params["name"]) is None:
         return None
     b = auth.budget(params["name"])
@@ -298,7 +294,7 @@ def _budget_before(app: web.Application, params: Params) -> Doc:
 ADAPTERS_PATH: Final = "/admin/lora/applied"
 
 
-def _adapters_check(_app: web.Application, _params: Params, body: Doc) -> Doc:
+def _adapters_check(_svc: Services, _params: Params, body: Doc) -> Doc:
     ok = (
         isinstance(body, dict)
         and body.get("op") in ("load", "unload")
@@ -310,13 +306,13 @@ def _adapters_check(_app: web.Application, _params: Params, body: Doc) -> Doc:
     return body
 
 
-def _adapters_apply(app: web.Application, params: Params, body: Doc) -> Doc:
+def _adapters_apply(svc: Services, params: Params, body: Doc) -> Doc:
     """A LoRA adapter loaded on (or taken off) backends, once, by the replica that was asked:
     here, the backends' models say so at once (not at the next poll of ``/v1/models``), and
     the fleet's record of adapters (a snapshot's) follows."""
-    _adapters_check(app, params, body)
-    pool, name = app[POOL], str(body["lora_name"])
-    held = app[ADAPTERS].get(name)
+    _adapters_check(svc, params, body)
+    pool, name = svc.pool, str(body["lora_name"])
+    held = svc.adapters.get(name)
     backends = set(map(str, held["backends"])) if held else set()  # type: ignore[call-overload]
     for backend_id in map(str, body["backends"]):
         b = pool.get(backend_id)
@@ -329,14 +325,14 @@ def _adapters_apply(app: web.Application, params: Params, body: Doc) -> Doc:
             if b is not None:
                 pool.record_models(backend_id, b.models - {name})
     if backends:
-        app[ADAPTERS][name] = {
+        svc.adapters[name] = {
             "lora_path": body.get("lora_path", held.get("lora_path") if held else None),
             "model": body.get("model", held.get("model") if held else None),
             "backends": sorted(backends),
         }
     else:
-        app[ADAPTERS].pop(name, None)
-    return {"lora_name": name, "adapter": app[ADAPTERS].get(name)}
+        svc.adapters.pop(name, None)
+    return {"lora_name": name, "adapter": svc.adapters.get(name)}
 
 
 ACTIONS: Final = (
@@ -346,15 +342,15 @@ ACTIONS: Final = (
         "PUT",
         "/admin/policy",
         _check_policy,
-        lambda app, _p, body: change_policy(app, body),
-        lambda app, _p: describe_policy(app),
+        lambda svc, _p, body: change_policy(svc, body),
+        lambda svc, _p: describe_policy(svc),
         json_body=True,
     ),
     Action(
         "PUT",
         "/admin/aliases/{alias}",
         _alias_weights_check,
-        lambda app, p, body: app[ROLLOUT].set_weights(p["alias"], body),
+        lambda svc, p, body: svc.rollout.set_weights(p["alias"], body),
         _alias_weights,
         json_body=True,
     ),
@@ -372,15 +368,15 @@ ACTIONS: Final = (
         "/admin/reload",
         _reload_check,
         _reload,
-        lambda _app, _p: None,
-        dry_run=lambda app, _p, _b: reload_plan(app),
+        lambda _svc, _p: None,
+        dry_run=lambda svc, _p, _b: reload_plan(svc),
     ),
     Action(
         "POST",
         "/admin/keys",
         _key_check,
         _key_apply,
-        lambda _app, _p: None,
+        lambda _svc, _p: None,
         json_body=True,
         prepare=_key_prepare,
     ),
@@ -388,7 +384,7 @@ ACTIONS: Final = (
         "POST",
         "/admin/keys/{name}/rotate",
         _rotate_check,
-        lambda app, p, b: _auth(app).rotate(p["name"], b["hash"], float(b["previous_until"])),
+        lambda svc, p, b: _auth(svc).rotate(p["name"], b["hash"], float(b["previous_until"])),
         _key_before,
         json_body=True,
         prepare=_rotate_prepare,
@@ -406,7 +402,7 @@ ACTIONS: Final = (
         ADAPTERS_PATH,
         _adapters_check,
         _adapters_apply,
-        lambda app, _p: None,
+        lambda svc, _p: None,
         json_body=True,
         routed=False,
     ),
@@ -414,7 +410,7 @@ ACTIONS: Final = (
         "DELETE",
         "/admin/keys/{name}",
         _revoke_check,
-        lambda app, p, _b: _auth(app).revoke(p["name"]),
+        lambda svc, p, _b: _auth(svc).revoke(p["name"]),
         _key_before,
     ),
     *rollouts.ROLLOUT_ACTIONS,
@@ -441,52 +437,53 @@ def find(method: str, path: str) -> tuple[Action, dict[str, str]] | None:
     return None
 
 
-def run(app: web.Application, action: Action, params: Params, raw: bytes) -> Outcome:
+def run(svc: Services, action: Action, params: Params, raw: bytes) -> Outcome:
     """Apply ``action``; its answer as a status and a JSON body, refusals in our error shape."""
     try:
-        doc = action.apply(app, params, parse_body(action, raw))
+        doc = action.apply(svc, params, parse_body(action, raw))
     except GatewayError as err:
         return Outcome(err.status, json.dumps(err.envelope()).encode())
     return Outcome(200, json.dumps(doc).encode())
 
 
-def state(app: web.Application) -> dict[str, Any]:
+def state(svc: Services) -> dict[str, Any]:
     """Every value the actions change, as this replica has it now (a snapshot's state)."""
     return {
-        "draining": {b.id: b.draining for b in app[POOL].all()},
-        "policy": describe_policy(app),
-        "rollout": app[ROLLOUT].state(),
-        "keys": _auth(app).state(),
-        "adapters": {name: dict(held) for name, held in app[ADAPTERS].items()},
-        **rollouts.state(app),
+        "draining": {b.id: b.draining for b in svc.pool.all()},
+        "policy": describe_policy(svc),
+        "rollout": svc.rollout.state(),
+        "keys": _auth(svc).state(),
+        "adapters": {name: dict(held) for name, held in svc.adapters.items()},
+        **rollouts.state(svc),
         "capacity": {
-            **app[CAPACITY].state(),
-            "sleep_wanted": sorted(b.id for b in app[POOL].all() if b.sleep_wanted),
+            **svc.capacity.state(),
+            "sleep_wanted": sorted(b.id for b in svc.pool.all() if b.sleep_wanted),
         },
     }
 
 
-def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
+def restore(svc: Services, doc: Mapping[str, Any]) -> None:
     """Take ``state()`` as another replica wrote it (backends this one lacks left out)."""
-    pool = app[POOL]
+    pool = svc.pool
     for backend_id, draining in dict(doc.get("draining", {})).items():
         if pool.get(backend_id) is not None:
             pool.set_draining(backend_id, bool(draining))
     policy = doc.get("policy")
     if isinstance(policy, dict):
-        change_policy(app, {k: v for k, v in policy.items() if v is not None})
-    app[ROLLOUT].restore(doc.get("rollout", {}))
-    _auth(app).restore(doc.get("keys", {}))
+        change_policy(svc, {k: v for k, v in policy.items() if v is not None})
+    svc.rollout.restore(doc.get("rollout", {}))
+    _auth(svc).restore(doc.get("keys", {}))
     # The record only: the backends' models come from their own /v1/models, as at start.
     adapters = doc.get("adapters", {})
     held: dict[str, dict[str, object]] = {}
     if isinstance(adapters, dict):
         held = {str(k): dict(v) for k, v in adapters.items() if isinstance(v, dict)}
-    app[ADAPTERS] = held
-    rollouts.restore(app, doc)
+    svc.adapters.clear()
+    svc.adapters.update(held)
+    rollouts.restore(svc, doc)
     held_capacity = doc.get("capacity")
     if isinstance(held_capacity, dict):
-        app[CAPACITY].restore(held_capacity)
+        svc.capacity.restore(held_capacity)
         asleep = set(held_capacity.get("sleep_wanted") or ())
         for b in pool.all():
             if b.sleep_wanted != (b.id in asleep):
@@ -494,21 +491,22 @@ def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
 
 
 class ActionApplier:
-    """The fleet follower's ``Applier`` for a gateway app: changes from the log run as the
-    admin API would run them here."""
+    """The fleet follower's ``Applier`` for the gateway's services (``services``: they hold the
+    fleet's member, which holds this, so they are asked for once the follower runs): changes
+    from the log run as the admin API would run them here."""
 
-    def __init__(self, app: web.Application) -> None:
-        self.app = app
+    def __init__(self, services: Callable[[], Services]) -> None:
+        self._services = services
 
     async def apply(self, position: Position, change: Change) -> Outcome:
         found = find(change.method, change.path)
         if found is None:  # written by a newer version: said, and passed over
             return Outcome(404, f"no such change here: {change.method} {change.path}".encode())
         action, params = found
-        return run(self.app, action, {**params, CALLER: change.caller}, change.body)
+        return run(self._services(), action, {**params, CALLER: change.caller}, change.body)
 
     async def restore(self, snapshot: Snapshot) -> None:
-        restore(self.app, snapshot.state)
+        restore(self._services(), snapshot.state)
 
     def export(self) -> dict[str, Any]:
-        return state(self.app)
+        return state(self._services())

@@ -12,39 +12,38 @@ from __future__ import annotations
 import hmac
 import time
 from collections.abc import Collection
+from typing import Final
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 
 from backends.errors import FleetLogUnavailable, GatewayError, error_envelope
 from gateway.admin import capacity, lora, rollouts
 from gateway.admin.actions import ACTIONS
 from gateway.admin.console import PUBLIC_PATHS, add_console_routes
+from gateway.admin.context import Admin, admin_of, hand_in
 from gateway.admin.fleet import add_fleet_routes, change_handler
-from gateway.admin.lastknown import VIEWS
+from gateway.admin.lastknown import LastKnown
 from gateway.admin.reload import describe_policy
+from gateway.admin.replays import Replays
 from gateway.admin.state import get_state
 from gateway.admin.stats import stats_document
 from gateway.admin.views import backend_view, latency_view
-from gateway.app import server_header
-from gateway.keys import (
-    GATEWAY,
-    KV_FEEDS,
-    KV_INDEX,
-    LATENCY,
-    METRICS,
-    POOL,
-    ROUTER,
-    SETTINGS,
-)
+from gateway.observe.host_metrics import own_page
 from gateway.observe.latency_metrics import latency_views
-from gateway.request.rollout import ROLLOUT
+from gateway.request.services import Services
 from policies import POLICY_NAMES
 
 log = structlog.get_logger("gateway.admin.api")
+
+SERVER_HEADER: Final = "llm-gateway"
+
+
+async def server_header(_request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer says it is the gateway, not which Python and aiohttp versions run it."""
+    response.headers["Server"] = SERVER_HEADER
 
 
 def _token_middleware(token: str, public: Collection[str] = ()) -> Middleware:
@@ -83,7 +82,7 @@ def _token_middleware(token: str, public: Collection[str] = ()) -> Middleware:
                 headers={k: v for k, v in exc.headers.items() if k.lower() == "allow"},
             )
         except (RedisError, OSError, TimeoutError) as exc:  # Redis in trouble: said once
-            request.app[VIEWS].note_failure(str(exc) or type(exc).__name__)
+            admin_of(request).views.note_failure(str(exc) or type(exc).__name__)
             error = FleetLogUnavailable(
                 "Redis, which the fleet shares, did not answer; nothing was changed by this "
                 "call. Try again shortly.",
@@ -109,12 +108,12 @@ def _token_middleware(token: str, public: Collection[str] = ()) -> Middleware:
 
 
 async def list_backends(request: web.Request) -> web.Response:
-    gateway = request.app[GATEWAY]
-    pool = gateway[POOL]
-    policy = gateway[ROUTER].policy
+    svc = admin_of(request).svc
+    pool = svc.pool
+    policy = svc.router.policy
     weights = policy.weights
     now = pool.now()
-    latency = {v.backend: v for v in latency_views(gateway[LATENCY], pool)}
+    latency = {v.backend: v for v in latency_views(svc.latency, pool)}
     views = []
     for b in pool.all():
         view = backend_view(b, now, pool.snapshot(b, now), weights)
@@ -125,17 +124,17 @@ async def list_backends(request: web.Request) -> web.Response:
 
 async def get_policy(request: web.Request) -> web.Response:
     """The running policy, and the names ``PUT /admin/policy`` accepts."""
-    return web.json_response({**describe_policy(request.app[GATEWAY]), "policies": POLICY_NAMES})
+    return web.json_response({**describe_policy(admin_of(request).svc), "policies": POLICY_NAMES})
 
 
 async def get_stats(request: web.Request) -> web.Response:
     """The cumulative counters a console diffs between polls (``gateway.admin.stats``)."""
-    registry = request.app[GATEWAY][METRICS].registry
+    registry = admin_of(request).svc.metrics.registry
     return web.json_response(stats_document(registry.collect(), time.time()))
 
 
 async def list_aliases(request: web.Request) -> web.Response:
-    rollout = request.app[GATEWAY][ROLLOUT]
+    rollout = admin_of(request).svc.rollout
     return web.json_response(
         {
             "aliases": [rollout.describe(a) for a in sorted(rollout.aliases)],
@@ -153,17 +152,17 @@ async def list_aliases(request: web.Request) -> web.Response:
 
 
 async def get_alias(request: web.Request) -> web.Response:
-    rollout = request.app[GATEWAY][ROLLOUT]
+    rollout = admin_of(request).svc.rollout
     return web.json_response(rollout.describe(request.match_info["alias"]))
 
 
 async def kv_events(request: web.Request) -> web.Response:
     """Each backend's KV-event feed and what the index holds of its cache."""
-    gateway = request.app[GATEWAY]
-    feeds, index = gateway[KV_FEEDS], gateway[KV_INDEX]
+    svc = admin_of(request).svc
+    feeds, index = svc.kv_feeds, svc.kv_index
     stats = index.stats()
     out: dict[str, object] = {}
-    for b in gateway[POOL].all():
+    for b in svc.pool.all():
         st = feeds.status.get(b.id) if feeds is not None else None
         cache = stats.get(b.id)
         out[b.id] = {
@@ -190,22 +189,17 @@ async def kv_events(request: web.Request) -> web.Response:
     )
 
 
-async def admin_metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[GATEWAY][METRICS].registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def create_admin_app(gateway: web.Application, token: str) -> web.Application:
-    """The admin API on ``gateway``. Its changes go through the fleet's change log when there
-    is one (Redis, or files for the workers of one host: ``gateway.admin.fleet``)."""
+def create_admin_app(svc: Services, token: str) -> web.Application:
+    """The admin API on the gateway's services. Its changes go through the fleet's change log
+    when there is one (Redis, or files for the workers of one host: ``gateway.admin.fleet``)."""
     app = web.Application(middlewares=[_token_middleware(token, PUBLIC_PATHS)])
     app.on_response_prepare.append(server_header)
-    app[GATEWAY] = gateway
+    hand_in(app, Admin(svc, LastKnown(svc.settings.fleet.view_timeout), Replays()))
     add_console_routes(app)
     app.router.add_get("/admin/stats", get_stats)
     app.router.add_get("/admin/backends", list_backends)
     app.router.add_get("/admin/policy", get_policy)
-    app.router.add_get("/admin/metrics", admin_metrics)
+    app.router.add_get("/admin/metrics", own_page(svc.metrics.registry))
     app.router.add_get("/admin/kv-events", kv_events)
     app.router.add_get("/admin/aliases", list_aliases)
     app.router.add_get("/admin/aliases/{alias}", get_alias)
@@ -215,7 +209,7 @@ def create_admin_app(gateway: web.Application, token: str) -> web.Application:
     for action in ACTIONS:
         if action.routed:
             app.router.add_route(action.method, action.pattern, change_handler(action))
-    add_fleet_routes(app, gateway[SETTINGS].fleet.view_timeout)
+    add_fleet_routes(app)
     app.router.add_get("/admin/state", get_state)
     app.router.add_post("/admin/lora/load", lora.load_adapter)
     app.router.add_post("/admin/lora/unload", lora.unload_adapter)

@@ -27,16 +27,16 @@ from pydantic import ValidationError
 from backends.errors import InvalidRequest, NotFound
 from backends.sleep import Rest
 from gateway.admin.action import CALLER, Action, Doc, Params
+from gateway.admin.context import admin_of
 from gateway.admin.own import submit_own
-from gateway.admin.reload import CONFIG
 from gateway.capacity.settings import RULE_FIELDS, RuleSettings, rule_doc, rule_of
-from gateway.keys import CAPACITY, GATEWAY, MANAGER, POOL
+from gateway.request.services import Services
 
 log = structlog.get_logger("gateway.capacity")
 
 
-def _engine(app: web.Application, params: Params) -> Any:
-    b = app[POOL].get(params["backend_id"])
+def _engine(svc: Services, params: Params) -> Any:
+    b = svc.pool.get(params["backend_id"])
     if b is None:
         raise NotFound(f"No backend {params['backend_id']!r}.")
     return b
@@ -68,16 +68,16 @@ def engine_doc(b: Any) -> dict[str, Any]:
 
 
 def _sleep(wanted: bool) -> Action:
-    def check(app: web.Application, params: Params, body: Doc) -> Doc:
-        _engine(app, params)
+    def check(svc: Services, params: Params, body: Doc) -> Doc:
+        _engine(svc, params)
         _token(body)
         return {"sleep_wanted": wanted}
 
-    def apply(app: web.Application, params: Params, body: Doc) -> Doc:
-        b = _engine(app, params)
-        app[CAPACITY].accept(_token(body))
+    def apply(svc: Services, params: Params, body: Doc) -> Doc:
+        b = _engine(svc, params)
+        svc.capacity.accept(_token(body))
         was = b.rest
-        app[POOL].set_sleep_wanted(b.id, wanted)
+        svc.pool.set_sleep_wanted(b.id, wanted)
         log.info(
             "backend_sleep_wanted" if wanted else "backend_wake_wanted",
             backend=b.id,
@@ -89,8 +89,8 @@ def _sleep(wanted: bool) -> Action:
         )
         return engine_doc(b)
 
-    def before(app: web.Application, params: Params) -> Doc:
-        b = app[POOL].get(params["backend_id"])
+    def before(svc: Services, params: Params) -> Doc:
+        b = svc.pool.get(params["backend_id"])
         return None if b is None else {"sleep_wanted": b.sleep_wanted}
 
     verb = "sleep" if wanted else "wake"
@@ -105,7 +105,7 @@ def _sleep(wanted: bool) -> Action:
     )
 
 
-def _rule_body(app: web.Application, params: Params, body: Doc) -> dict[str, Any]:
+def _rule_body(svc: Services, params: Params, body: Doc) -> dict[str, Any]:
     """The model's rule once ``body`` (some of its fields) is set over the current one."""
     if not isinstance(body, dict):
         raise InvalidRequest("The body must be a JSON object of the rule's fields.")
@@ -116,9 +116,9 @@ def _rule_body(app: web.Application, params: Params, body: Doc) -> dict[str, Any
         )
     try:
         given = RuleSettings.model_validate(body).given()
-        current = app[CAPACITY].rules.get(params["model"])
+        current = svc.capacity.rules.get(params["model"])
         base = rule_doc(current) if current is not None else {}
-        defaults = app[CONFIG].current.capacity.defaults
+        defaults = svc.config.current.capacity.defaults
         return rule_doc(rule_of(defaults, base, given))
     except (ValidationError, ValueError) as exc:
         raise InvalidRequest(f"Invalid capacity rule: {_first_error(exc)}") from None
@@ -131,26 +131,26 @@ def _first_error(exc: Exception) -> str:
     return str(exc)
 
 
-def _set_rule(app: web.Application, params: Params, body: Doc) -> Doc:
-    rule = _rule_body(app, params, body)
+def _set_rule(svc: Services, params: Params, body: Doc) -> Doc:
+    rule = _rule_body(svc, params, body)
     model = params["model"]
-    app[CAPACITY].rules[model] = rule_of(rule)
+    svc.capacity.rules[model] = rule_of(rule)
     log.info("capacity_rule_set", model=model, rule=rule, by=params.get(CALLER) or None)
     return {"model": model, "rule": rule}
 
 
-def _drop_rule_check(app: web.Application, params: Params, _body: Doc) -> Doc:
-    if params["model"] not in app[CAPACITY].rules:
+def _drop_rule_check(svc: Services, params: Params, _body: Doc) -> Doc:
+    if params["model"] not in svc.capacity.rules:
         raise NotFound(f"No capacity rule for {params['model']!r}.")
     return None
 
 
-def _drop_rule(app: web.Application, params: Params, _body: Doc) -> Doc:
+def _drop_rule(svc: Services, params: Params, _body: Doc) -> Doc:
     """The model no longer managed: its engines wanted awake (the manager wakes them)."""
     model = params["model"]
-    _drop_rule_check(app, params, None)
-    del app[CAPACITY].rules[model]
-    pool = app[POOL]
+    _drop_rule_check(svc, params, None)
+    del svc.capacity.rules[model]
+    pool = svc.pool
     woken = []
     for b in pool.serving(model):
         if b.sleep_wanted:
@@ -160,8 +160,8 @@ def _drop_rule(app: web.Application, params: Params, _body: Doc) -> Doc:
     return {"model": model, "rule": None, "woken": woken}
 
 
-def _rule_before(app: web.Application, params: Params) -> Doc:
-    rule = app[CAPACITY].rules.get(params["model"])
+def _rule_before(svc: Services, params: Params) -> Doc:
+    rule = svc.capacity.rules.get(params["model"])
     return None if rule is None else rule_doc(rule)
 
 
@@ -184,7 +184,7 @@ CAPACITY_ACTIONS: Final = (
 
 
 async def submit_sleep(
-    app: web.Application, backend: str, asleep: bool, why: str, token: int | None
+    svc: Services, backend: str, asleep: bool, why: str, token: int | None
 ) -> None:
     """The capacity manager's decision for ``backend`` (or a held request's wake) made for the
     fleet through its log (``submit_own``)."""
@@ -193,13 +193,13 @@ async def submit_sleep(
     if token is not None:
         body["token"] = token
     caller = "capacity manager" if token is not None else "held request"
-    await submit_own(app, action, {"backend_id": backend}, body, caller)
+    await submit_own(svc, action, {"backend_id": backend}, body, caller)
 
 
-def capacity_view(app: web.Application) -> dict[str, Any]:
-    """``GET /admin/capacity`` on the gateway app ``app``: this replica's view."""
-    book, pool = app[CAPACITY], app[POOL]
-    manager = app[MANAGER]
+def capacity_view(svc: Services) -> dict[str, Any]:
+    """``GET /admin/capacity``: this replica's view."""
+    book, pool = svc.capacity, svc.pool
+    manager = svc.manager
     now = pool.now()
     engines = [
         # how long it has been in its state (None: not changed since this replica started)
@@ -220,4 +220,4 @@ def capacity_view(app: web.Application) -> dict[str, Any]:
 
 
 async def get_capacity(request: web.Request) -> web.Response:
-    return web.json_response(capacity_view(request.app[GATEWAY]))
+    return web.json_response(capacity_view(admin_of(request).svc))

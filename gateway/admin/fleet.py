@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections import OrderedDict
 from typing import Any, Final
 
 import structlog
@@ -36,56 +35,24 @@ from aiohttp.typedefs import Handler
 from backends.errors import (
     FleetLogUnavailable,
     GatewayError,
-    IdempotencyKeyReused,
     InvalidRequest,
     NotFound,
 )
 from gateway.admin.action import CALLER, Action
 from gateway.admin.actions import find, parse_body
-from gateway.admin.lastknown import VIEWS, LastKnown, ViewUnavailable
+from gateway.admin.context import admin_of
+from gateway.admin.lastknown import ViewUnavailable
+from gateway.admin.replays import IDEMPOTENCY_HEADER
 from gateway.fleet.changes import Change, Position, change_id, fingerprint
 from gateway.fleet.fates import Fate
 from gateway.fleet.member import Member, Submitted
 from gateway.fleet.registry import Report, applied_by, summary
-from gateway.keys import FLEET, GATEWAY, LIMITER
 
 log = structlog.get_logger("gateway.admin.api")
 
 CALLER_HEADER: Final = "X-Admin-Caller"  # who asks, for the audit trail (never a credential)
-IDEMPOTENCY_HEADER: Final = "Idempotency-Key"
 _CALLER: Final = re.compile(r"[^A-Za-z0-9_.@:/ -]")
 _MAX_LISTED: Final = 500
-_KEPT_REPLAYS: Final = 1024
-_REPLAY_S: Final = 86_400.0
-
-
-class Replays:
-    """Without a fleet: the answers of the last changes made here, by id, for a day, so that a
-    repeated call is answered as the first was."""
-
-    def __init__(self) -> None:
-        self._kept: OrderedDict[str, tuple[float, str, int, bytes]] = OrderedDict()
-
-    def get(self, cid: str, fp: str | None) -> tuple[int, bytes] | None:
-        """The first answer for ``cid``; ``fp`` None: whatever request made it."""
-        kept = self._kept.get(cid)
-        if kept is None or time.time() - kept[0] > _REPLAY_S:
-            return None
-        if fp is not None and kept[1] != fp:
-            raise IdempotencyKeyReused(
-                f"Idempotency-Key {cid!r} was used for another request; use a new key for a "
-                "new change.",
-                param=IDEMPOTENCY_HEADER,
-            )
-        return kept[2], kept[3]
-
-    def put(self, cid: str, fp: str, status: int, body: bytes) -> None:
-        self._kept[cid] = (time.time(), fp, status, body)
-        while len(self._kept) > _KEPT_REPLAYS:
-            self._kept.popitem(last=False)
-
-
-REPLAYS: Final = web.AppKey("replays", Replays)
 
 
 def _caller(request: web.Request) -> str:
@@ -107,16 +74,16 @@ def change_handler(action: Action) -> Handler:
 
 
 async def _change(request: web.Request, action: Action, cid: str) -> web.Response:
-    gateway = request.app[GATEWAY]
+    svc = admin_of(request).svc
     raw = await request.read()
     params = dict(request.match_info)
     if request.query.get("dry_run", "0") not in ("0", "false"):
         if action.dry_run is None:
             raise InvalidRequest("This change has no dry run; nothing was changed.")
-        return web.json_response(action.dry_run(gateway, params, parse_body(action, raw)))
+        return web.json_response(action.dry_run(svc, params, parse_body(action, raw)))
     given = request.headers.get(IDEMPOTENCY_HEADER)
     fp = fingerprint(request.method, request.path_qs, raw)
-    member = gateway[FLEET]
+    member = svc.fleet
     if member is None:
         return _alone(request, action, params, raw, cid=cid, fp=fp)
     done, current = await member.ready(cid, fp, repeat=given is not None)
@@ -124,9 +91,9 @@ async def _change(request: web.Request, action: Action, cid: str) -> web.Respons
         return _answer(done, member, action, {})
     body, extra = parse_body(action, raw), dict[str, Any]()
     if action.prepare is not None:
-        body, extra = action.prepare(gateway, params, body)
-    new = action.check(gateway, params, body)  # refused: nothing logged
-    old = action.before(gateway, params)
+        body, extra = action.prepare(svc, params, body)
+    new = action.check(svc, params, body)  # refused: nothing logged
+    old = action.before(svc, params)
     if action.skip_unchanged and old == new and current:  # "already so" of the latest state
         return _unchanged(cid, old)
     change = Change(
@@ -149,7 +116,8 @@ def _alone(
     request: web.Request, action: Action, params: dict[str, str], raw: bytes, *, cid: str, fp: str
 ) -> web.Response:
     """This replica alone: applied here at once (a refusal raises, as any admin error)."""
-    gateway, replays = request.app[GATEWAY], request.app[REPLAYS]
+    admin = admin_of(request)
+    svc, replays = admin.svc, admin.replays
     headers = {"X-Gateway-Change-Id": cid}
     kept = replays.get(cid, fp)
     if kept is not None:
@@ -160,12 +128,12 @@ def _alone(
         )
     body, extra = parse_body(action, raw), dict[str, Any]()
     if action.prepare is not None:
-        body, extra = action.prepare(gateway, params, body)
-    if action.skip_unchanged and (old := action.before(gateway, params)) == action.check(
-        gateway, params, body
+        body, extra = action.prepare(svc, params, body)
+    if action.skip_unchanged and (old := action.before(svc, params)) == action.check(
+        svc, params, body
     ):
         return _unchanged(cid, old)
-    doc = action.apply(gateway, {**params, CALLER: _caller(request)}, body)
+    doc = action.apply(svc, {**params, CALLER: _caller(request)}, body)
     replays.put(cid, fp, 200, json.dumps(doc).encode())  # the secret made here: never kept
     return web.json_response({**doc, **extra}, headers=headers)
 
@@ -234,7 +202,7 @@ async def change_fate(request: web.Request) -> web.Response:
     cid = change_id(request.match_info["id"])
     member = _member(request)
     if member is None:
-        kept = request.app[REPLAYS].get(cid, None)
+        kept = admin_of(request).replays.get(cid, None)
         if kept is None:
             raise NotFound(f"No change {cid!r} was made here (in the last day).")
         return web.json_response(
@@ -279,13 +247,13 @@ async def record_done(request: web.Request, path: str, body: dict[str, Any]) -> 
     order; the headers for the answer. Without a fleet, applied here. Redis out of reach: the
     backends already changed, so it is applied here, said in the log and in the answer, and the
     other replicas learn it from the backends' ``/v1/models`` at their next poll."""
-    gateway = request.app[GATEWAY]
+    svc = admin_of(request).svc
     found = find("POST", path)
     assert found is not None, path
     action, params = found
-    member = gateway[FLEET]
+    member = svc.fleet
     if member is None:
-        action.apply(gateway, params, body)
+        action.apply(svc, params, body)
         return {}
     raw = json.dumps(body).encode()
     change = Change(
@@ -295,19 +263,19 @@ async def record_done(request: web.Request, path: str, body: dict[str, Any]) -> 
         replica=member.id,
         caller=_caller(request),
         at=time.time(),
-        old=action.before(gateway, params),
-        new=action.check(gateway, params, body),
+        old=action.before(svc, params),
+        new=action.check(svc, params, body),
         id=change_id(None),
         fingerprint=fingerprint("POST", path, raw),
     )
     try:
         done = await member.submit(change)
     except FleetLogUnavailable as exc:
-        action.apply(gateway, params, body)
+        action.apply(svc, params, body)
         log.warning("fleet_record_failed", path=path, error=exc.message)
         return {"X-Gateway-Replicas": "unrecorded"}
     if done.position is None:  # perhaps in the log: applied here all the same (idempotent)
-        action.apply(gateway, params, body)
+        action.apply(svc, params, body)
         return {"X-Gateway-Replicas": "unknown", "X-Gateway-Change-Id": done.id}
     return {
         "X-Gateway-Replicas": done.spread.header(),
@@ -317,7 +285,7 @@ async def record_done(request: web.Request, path: str, body: dict[str, Any]) -> 
 
 
 def _member(request: web.Request) -> Member | None:
-    return request.app[GATEWAY][FLEET]
+    return admin_of(request).svc.fleet
 
 
 async def _replicas_doc(request: web.Request, member: Member) -> dict[str, Any]:
@@ -332,7 +300,7 @@ async def _replicas_doc(request: web.Request, member: Member) -> dict[str, Any]:
     def fallback() -> dict[str, Any]:
         return _replicas_view(member, [], None)
 
-    doc = await request.app[VIEWS].read("replicas", fetch, fallback)
+    doc = await admin_of(request).views.read("replicas", fetch, fallback)
     if "stale" in doc:  # the others as last known, this replica as it is now, summed again
         reports = [Report.decode(json.dumps(r)) for r in doc["_reports"]]
         head = None if doc["summary"]["head"] is None else Position.parse(doc["summary"]["head"])
@@ -385,7 +353,7 @@ async def list_changes(request: web.Request) -> web.Response:
         return {"changes": [change.describe(position) for position, change in recent]}
 
     # One listing kept (the last read): a stale answer is as much of it as asked for
-    doc = await request.app[VIEWS].read("changes", fetch, lambda: {"changes": []})
+    doc = await admin_of(request).views.read("changes", fetch, lambda: {"changes": []})
     doc = {**doc, "changes": doc["changes"][:limit]}
     applied = member.follower.applied
     return web.json_response(
@@ -422,7 +390,7 @@ async def list_keys(request: web.Request) -> web.Response:
     """``GET /admin/keys``: the API keys in force (name, tier, where from, a hash prefix,
     labels, expiry, its budget with what it spent this day and month). The spent counts from
     the last state known, marked stale, while their store does not answer."""
-    limiter = request.app[GATEWAY][LIMITER]
+    limiter = admin_of(request).svc.limiter
 
     async def fetch() -> dict[str, Any]:
         keys = []
@@ -436,7 +404,7 @@ async def list_keys(request: web.Request) -> web.Response:
     def fallback() -> dict[str, Any]:
         return {"keys": [{**doc, "budget": None} for doc in limiter.auth.listing()]}
 
-    doc = await request.app[VIEWS].read("keys", fetch, fallback)
+    doc = await admin_of(request).views.read("keys", fetch, fallback)
     if "stale" in doc:  # the keys themselves are this replica's, never stale
         spent = {k["name"]: k.get("budget") for k in doc["keys"]}
         doc = {
@@ -460,7 +428,7 @@ async def key_usage(request: web.Request) -> web.Response:
         raise InvalidRequest("days: a whole number of days.") from None
     if not 1 <= days <= _MAX_USAGE_DAYS:
         raise InvalidRequest(f"days: 1 to {_MAX_USAGE_DAYS}.")
-    limiter, name = request.app[GATEWAY][LIMITER], request.match_info["name"]
+    limiter, name = admin_of(request).svc.limiter, request.match_info["name"]
     limiter.auth.budget(name)  # NotFound if no such key, before anything is read
 
     async def fetch() -> dict[str, Any]:
@@ -476,13 +444,13 @@ async def key_usage(request: web.Request) -> web.Response:
     def fallback() -> dict[str, Any]:
         return {"name": name, "budget": None, "days": None}
 
-    return web.json_response(await request.app[VIEWS].read(f"usage:{name}:{days}", fetch, fallback))
+    return web.json_response(
+        await admin_of(request).views.read(f"usage:{name}:{days}", fetch, fallback)
+    )
 
 
-def add_fleet_routes(app: web.Application, view_timeout: float) -> None:
+def add_fleet_routes(app: web.Application) -> None:
     """The fleet's views and the fates of changes on the admin app."""
-    app[REPLAYS] = Replays()
-    app[VIEWS] = LastKnown(view_timeout)
     app.router.add_get("/admin/replicas", list_replicas)
     app.router.add_get("/admin/changes", list_changes)
     app.router.add_get("/admin/changes/{id}", change_fate)

@@ -29,8 +29,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from backends.errors import InvalidRequest, NotFound, UpstreamError
 from backends.state import BackendState
 from gateway.admin.actions import ADAPTERS_PATH
+from gateway.admin.context import admin_of
 from gateway.admin.fleet import record_done
-from gateway.keys import GATEWAY, POOL, UPSTREAM
 
 log = structlog.get_logger("gateway.admin.lora")
 
@@ -86,7 +86,7 @@ async def _call(
     request: web.Request, b: BackendState, path: str, doc: dict[str, str]
 ) -> tuple[bool, str]:
     """One backend's answer to a load or unload: (succeeded, what it said)."""
-    transport = request.app[GATEWAY][UPSTREAM]
+    transport = admin_of(request).svc.upstream
     headers = {"Content-Type": "application/json"}
     try:
         upstream = await transport.open(b.spec, path, json.dumps(doc).encode(), headers)
@@ -106,7 +106,7 @@ async def _call(
 
 
 async def load_adapter(request: web.Request) -> web.Response:
-    pool = request.app[GATEWAY][POOL]
+    pool = admin_of(request).svc.pool
     body: LoadAdapter = await _body(request, LoadAdapter)
     serving = {b.id: b for b in pool.all() if body.model in b.models and not b.removed}
     if not serving:
@@ -156,7 +156,7 @@ async def load_adapter(request: web.Request) -> web.Response:
 
 
 async def unload_adapter(request: web.Request) -> web.Response:
-    pool = request.app[GATEWAY][POOL]
+    pool = admin_of(request).svc.pool
     body: UnloadAdapter = await _body(request, UnloadAdapter)
     holding = {b.id: b for b in pool.all() if body.lora_name in b.models}
     if not holding:

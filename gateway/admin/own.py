@@ -7,24 +7,22 @@ import json
 import time
 from typing import Any
 
-from aiohttp import web
-
 from backends.errors import Conflict
 from gateway.admin.action import Action, Params
 from gateway.fleet.changes import Change
-from gateway.keys import FLEET
+from gateway.request.services import Services
 
 
 async def submit_own(
-    app: web.Application, action: Action, params: Params, body: dict[str, Any], caller: str
+    svc: Services, action: Action, params: Params, body: dict[str, Any], caller: str
 ) -> None:
     """``action`` (with ``params``, ``body``) appended to the fleet's log and applied by every
     replica (this one's answer awaited), or, without a fleet, applied here. Raises the refusal
     (``GatewayError``) or the log's failure."""
     body = {**body, "at": time.time()}
-    member = app[FLEET]
+    member = svc.fleet
     if member is None:
-        action.apply(app, params, body)
+        action.apply(svc, params, body)
         return
     change = Change(
         method=action.method,
@@ -33,8 +31,8 @@ async def submit_own(
         replica=member.id,
         caller=caller,
         at=body["at"],
-        old=action.before(app, params),
-        new=action.check(app, params, body),
+        old=action.before(svc, params),
+        new=action.check(svc, params, body),
     )
     # Applied here is enough: the driver renews its lease each turn, so it must not wait for
     # every replica (a dead one stays in the registry until its report expires).

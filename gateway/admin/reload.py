@@ -6,12 +6,10 @@ configuration as it was and says why.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import structlog
-from aiohttp import web
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from backends.errors import InvalidRequest
@@ -25,35 +23,11 @@ from gateway.config.policies import (
 )
 from gateway.config.routing import AffinitySettings, LatencySettings, WeightSettings
 from gateway.config.settings import Settings
-from gateway.keys import (
-    CAPACITY,
-    KV_FEEDS,
-    KV_INDEX,
-    LATENCY,
-    METRICS,
-    MONITOR,
-    POOL,
-    ROLLOUTS,
-    ROUTER,
-)
-from gateway.request.rollout import ROLLOUT
+from gateway.request.services import Services
 from policies import AffinityConfig, PolicyName, PredictionConfig, Weights
 from policies.capabilities import Capabilities
 
 log = structlog.get_logger("gateway.admin.reload")
-
-SettingsLoader = Callable[[], Settings]
-
-
-@dataclass
-class ConfigSource:
-    """Where the configuration comes from, and what of it is in force now."""
-
-    load: SettingsLoader
-    current: Settings
-
-
-CONFIG: web.AppKey[ConfigSource] = web.AppKey("config_source")
 
 # Settings that take effect without a restart.
 _LIVE = frozenset(
@@ -79,8 +53,8 @@ class PolicyChange(BaseModel):
     latency: dict[str, Any] | None = None
 
 
-def describe_policy(app: web.Application) -> dict[str, Any]:
-    router = app[ROUTER]
+def describe_policy(svc: Services) -> dict[str, Any]:
+    router = svc.router
     policy, caps = router.policy, router.capabilities
     w = policy.weights
     doc: dict[str, Any] = {
@@ -90,7 +64,7 @@ def describe_policy(app: web.Application) -> dict[str, Any]:
     if caps.affinity_tuned is not None:
         doc["affinity"] = asdict(caps.affinity_tuned.affinity)
     if caps.latency_predicting is not None:
-        cfg = app[LATENCY].config
+        cfg = svc.latency.config
         doc["latency"] = {
             **asdict(caps.latency_predicting.prediction),
             "half_life": cfg.half_life,
@@ -99,29 +73,25 @@ def describe_policy(app: web.Application) -> dict[str, Any]:
     return doc
 
 
-def _affinity(
-    app: web.Application, current: Capabilities, patch: dict[str, Any] | None
-) -> AffinityConfig:
+def _affinity(svc: Services, current: Capabilities, patch: dict[str, Any] | None) -> AffinityConfig:
     """The running affinity settings (the policy's, else the configuration's), patched."""
     if current.affinity_tuned is not None:
         base = asdict(current.affinity_tuned.affinity)
     else:
-        base = app[CONFIG].current.affinity.model_dump()
+        base = svc.config.current.affinity.model_dump()
     try:
         return affinity_config(AffinitySettings.model_validate({**base, **(patch or {})}))
     except ValidationError as exc:
         raise InvalidRequest(f"Invalid policy change: affinity: {_errors(exc)}") from exc
 
 
-def _latency(
-    app: web.Application, current: Capabilities, patch: dict[str, Any] | None
-) -> LatencySettings:
+def _latency(svc: Services, current: Capabilities, patch: dict[str, Any] | None) -> LatencySettings:
     """The running [latency] settings (the policy's and tracker's, else the configuration's),
     patched."""
-    base = app[CONFIG].current.latency.model_dump()
+    base = svc.config.current.latency.model_dump()
     if current.latency_predicting is not None:
         base.update(asdict(current.latency_predicting.prediction))
-    cfg = app[LATENCY].config
+    cfg = svc.latency.config
     base.update(half_life=cfg.half_life, ridge=cfg.ridge)
     try:
         return LatencySettings.model_validate({**base, **(patch or {})})
@@ -154,45 +124,45 @@ class PolicyPlan:
     prediction: PredictionConfig
 
 
-def plan_policy(app: web.Application, body: Any) -> PolicyPlan:
+def plan_policy(svc: Services, body: Any) -> PolicyPlan:
     """Check a policy change; ``InvalidRequest`` if bad. Changes nothing."""
     try:
         change = PolicyChange.model_validate(body)
     except ValidationError as exc:
         raise InvalidRequest(f"Invalid policy change: {_errors(exc)}") from exc
-    current = app[ROUTER].policy
+    current = svc.router.policy
     name: PolicyName = change.policy or current.name  # type: ignore[assignment]
     if change.weights is not None:
         w = change.weights
         weights = weights_of(w)
     else:
         weights = current.weights or Weights()
-    caps = app[ROUTER].capabilities
-    affinity = _affinity(app, caps, change.affinity)
-    latency = _latency(app, caps, change.latency)
+    caps = svc.router.capabilities
+    affinity = _affinity(svc, caps, change.affinity)
+    latency = _latency(svc, caps, change.latency)
     prediction = prediction_config(latency)
-    if _needs_events(name, prediction) and app.get(KV_FEEDS) is None:
+    if _needs_events(name, prediction) and svc.kv_feeds is None:
         _refuse_untracked_events()
     return PolicyPlan(name, weights, affinity, latency, prediction)
 
 
-def change_policy(app: web.Application, body: Any) -> dict[str, Any]:
+def change_policy(svc: Services, body: Any) -> dict[str, Any]:
     """Switch policy and/or weights; raises ``InvalidRequest`` and changes nothing if bad."""
-    plan = plan_policy(app, body)
-    old = describe_policy(app)
-    app[LATENCY].configure(latency_config(plan.latency))
-    app[ROUTER].policy = build_policy(
-        app[CONFIG].current,
+    plan = plan_policy(svc, body)
+    old = describe_policy(svc)
+    svc.latency.configure(latency_config(plan.latency))
+    svc.router.policy = build_policy(
+        svc.config.current,
         plan.name,
         plan.weights,
-        app[KV_INDEX],
-        app[LATENCY],
-        previous=app[ROUTER].policy,
+        svc.kv_index,
+        svc.latency,
+        previous=svc.router.policy,
         affinity=plan.affinity,
         prediction=plan.prediction,
     )
-    new = describe_policy(app)
-    app[METRICS].policy_changes.inc()
+    new = describe_policy(svc)
+    svc.metrics.policy_changes.inc()
     log.info("policy_changed", old=old, new=new)
     return new
 
@@ -203,52 +173,52 @@ class ReloadResult:
     restart_required: list[str] = field(default_factory=list)
 
 
-def read_settings(app: web.Application) -> Settings:
+def read_settings(svc: Services) -> Settings:
     """The configuration as the file and environment give it now; ``InvalidRequest`` if bad."""
     try:
-        return app[CONFIG].load()
+        return svc.config.load()
     except (ValidationError, ValueError, OSError) as exc:
         detail = _errors(exc) if isinstance(exc, ValidationError) else str(exc)
         log.warning("reload_refused", reason=detail)
         raise InvalidRequest(f"Configuration not reloaded: {detail}") from exc
 
 
-def reload_settings(app: web.Application) -> ReloadResult:
+def reload_settings(svc: Services) -> ReloadResult:
     """Re-read the configuration; apply what can change live, list what needs a restart."""
-    new = read_settings(app)
-    old = app[CONFIG].current
+    new = read_settings(svc)
+    old = svc.config.current
     result = ReloadResult()
     for name in type(new).model_fields:
         if getattr(old, name) != getattr(new, name):
             applies = name in _LIVE or (name == "capacity" and _rules_only(old, new))
             (result.applied if applies else result.restart_required).append(name)
-    if _needs_events(new.policy, prediction_config(new.latency)) and app.get(KV_FEEDS) is None:
+    if _needs_events(new.policy, prediction_config(new.latency)) and svc.kv_feeds is None:
         _refuse_untracked_events()
     if _POLICY_FIELDS & set(result.applied):
-        app[LATENCY].configure(latency_config(new.latency))
-        app[ROUTER].policy = build_policy(
+        svc.latency.configure(latency_config(new.latency))
+        svc.router.policy = build_policy(
             new.model_copy(update={"kv_events": old.kv_events}),  # max_blocks needs a restart
             new.policy,
             weights_of(new.weights),
-            app[KV_INDEX],
-            app[LATENCY],
-            previous=app[ROUTER].policy,
+            svc.kv_index,
+            svc.latency,
+            previous=svc.router.policy,
         )
     if "backends" in result.applied:
-        _apply_backends(app, new)
+        _apply_backends(svc, new)
     if "capacity" in result.applied:
-        _apply_capacity_rules(app, new)
+        _apply_capacity_rules(svc, new)
     # A change of [rollout.plans] alone is the driver's to read (``gateway.rollouts``); the
     # weights of an alias a rollout is moving stay the rollout's.
     routing = {"pools", "aliases"} & set(result.applied) or old.rollout.model_dump(
         exclude={"plans"}
     ) != new.rollout.model_dump(exclude={"plans"})
     if routing:
-        owned = [run.plan.alias for run in app[ROLLOUTS].now.active()] if ROLLOUTS in app else []
-        app[ROLLOUT].reconfigure(new, owned)
-        app[METRICS].known_pools(app[ROLLOUT].pairs())
+        owned = [run.plan.alias for run in svc.rollouts.now.active()]
+        svc.rollout.reconfigure(new, owned)
+        svc.metrics.known_pools(svc.rollout.pairs())
     # What needs a restart keeps its running value until then.
-    app[CONFIG].current = old.model_copy(update={k: getattr(new, k) for k in result.applied})
+    svc.config.current = old.model_copy(update={k: getattr(new, k) for k in result.applied})
     log.info("config_reloaded", applied=result.applied, restart_required=result.restart_required)
     return result
 
@@ -259,10 +229,10 @@ def _rules_only(old: Settings, new: Settings) -> bool:
     return old.capacity.model_dump(exclude=rules) == new.capacity.model_dump(exclude=rules)
 
 
-def _apply_capacity_rules(app: web.Application, new: Settings) -> None:
+def _apply_capacity_rules(svc: Services, new: Settings) -> None:
     """The file's rules, over those set at run time (as the policy's are); the engines of a
     model no longer managed wanted awake."""
-    book, pool = app[CAPACITY], app[POOL]
+    book, pool = svc.capacity, svc.pool
     rules = new.capacity.rules()
     for model in set(book.rules) - set(rules):
         for b in pool.serving(model):
@@ -270,8 +240,8 @@ def _apply_capacity_rules(app: web.Application, new: Settings) -> None:
     book.rules = rules
 
 
-def _apply_backends(app: web.Application, new: Settings) -> None:
-    pool, monitor = app[POOL], app[MONITOR]
+def _apply_backends(svc: Services, new: Settings) -> None:
+    pool, monitor = svc.pool, svc.monitor
     wanted = {spec.id: spec for spec in backend_specs(new)}
     for b in pool.all():
         if b.spec.source == "static" and b.id not in wanted:

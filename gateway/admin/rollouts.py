@@ -32,10 +32,9 @@ from aiohttp import web
 
 from backends.errors import Conflict, InvalidRequest, NotFound
 from gateway.admin.action import CALLER, Action, Doc, Params
-from gateway.admin.lastknown import VIEWS
+from gateway.admin.context import admin_of
 from gateway.admin.own import submit_own
-from gateway.keys import DRIVER, FLEET, GATEWAY, METRICS, ROLLOUTS
-from gateway.request.rollout import ROLLOUT
+from gateway.request.services import Services
 from gateway.rollouts.plan import Plan, PlanError
 from gateway.rollouts.state import (
     RolloutError,
@@ -52,7 +51,7 @@ DECISION_PATH: Final = "/admin/rollouts/{alias}/decision"
 _ACTIONS: Final = ("window", "advance", "promote", "abort")
 
 
-def _stamped(_app: web.Application, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
+def _stamped(_svc: Services, _params: Params, body: Doc) -> tuple[Doc, dict[str, Any]]:
     body = dict(body) if isinstance(body, dict) else {}
     body["at"] = time.time()
     return body, {}
@@ -63,11 +62,11 @@ def _at(body: Doc) -> float:
     return float(at) if isinstance(at, int | float) and not isinstance(at, bool) else time.time()
 
 
-def _after(app: web.Application, change: Any) -> Rollouts:
+def _after(svc: Services, change: Any) -> Rollouts:
     """The rollouts once ``change`` (a function of the current ones) is made; 409 if it
     cannot follow them."""
     try:
-        after: Rollouts = change(app[ROLLOUTS].now)
+        after: Rollouts = change(svc.rollouts.now)
     except RolloutError as exc:
         raise Conflict(str(exc)) from None
     return after
@@ -78,16 +77,16 @@ def _by(params: Params) -> str:
     return params.get(CALLER, "")
 
 
-def _set(app: web.Application, alias: str, after: Rollouts) -> dict[str, Any]:
+def _set(svc: Services, alias: str, after: Rollouts) -> dict[str, Any]:
     """Make ``after`` the rollouts, and the alias's weights and the canary's drain theirs.
     Only the change that starts a rollout makes the weights before it the alias's previous."""
     run = after.get(alias)
     assert run is not None
-    rollout = app[ROLLOUT]
-    before = app[ROLLOUTS].now.get(alias)
+    rollout = svc.rollout
+    before = svc.rollouts.now.get(alias)
     starts = before is None or not before.active
-    app[ROLLOUTS].now = after
-    app[METRICS].rollout_share.labels(alias).set(run.weights.get(run.plan.canary, 0.0))
+    svc.rollouts.now = after
+    svc.metrics.rollout_share.labels(alias).set(run.weights.get(run.plan.canary, 0.0))
     canary = run.plan.canary
     if run.status == "aborted":
         rollout.set_weights(alias, run.weights, undoable=False)
@@ -102,10 +101,10 @@ def _set(app: web.Application, alias: str, after: Rollouts) -> dict[str, Any]:
     return run.doc()
 
 
-def not_under_way(app: web.Application, alias: str) -> None:
+def not_under_way(svc: Services, alias: str) -> None:
     """``Conflict`` while a rollout of ``alias`` is under way: it moves the weights itself (a
     rollback would leave it judging a canary with no traffic); aborting it goes back."""
-    run = app[ROLLOUTS].now.get(alias)
+    run = svc.rollouts.now.get(alias)
     if run is not None and run.active:
         raise Conflict(
             f"A rollout of {alias!r} is under way; abort it (POST /admin/rollouts/{alias}/abort)"
@@ -113,9 +112,9 @@ def not_under_way(app: web.Application, alias: str) -> None:
         )
 
 
-def _plan(app: web.Application, params: Params, body: Doc) -> Any:
+def _plan(svc: Services, params: Params, body: Doc) -> Any:
     alias = params["alias"]
-    rollout = app[ROLLOUT]
+    rollout = svc.rollout
     if alias not in rollout.aliases:
         raise NotFound(f"No alias {alias!r}.")
     doc = {k: v for k, v in body.items() if k != "at"} if isinstance(body, dict) else body
@@ -125,36 +124,36 @@ def _plan(app: web.Application, params: Params, body: Doc) -> Any:
         raise InvalidRequest(f"Invalid rollout plan for {alias!r}: {exc}.") from None
 
 
-def _start_check(app: web.Application, params: Params, body: Doc) -> Doc:
-    plan = _plan(app, params, body)
-    _after(app, lambda r: r.start(plan, _at(body)))
+def _start_check(svc: Services, params: Params, body: Doc) -> Doc:
+    plan = _plan(svc, params, body)
+    _after(svc, lambda r: r.start(plan, _at(body)))
     return {"step": 0, "weights": plan.weights(0)}
 
 
-def _start(app: web.Application, params: Params, body: Doc) -> Doc:
-    plan = _plan(app, params, body)
-    return _set(app, params["alias"], _after(app, lambda r: r.start(plan, _at(body), _by(params))))
+def _start(svc: Services, params: Params, body: Doc) -> Doc:
+    plan = _plan(svc, params, body)
+    return _set(svc, params["alias"], _after(svc, lambda r: r.start(plan, _at(body), _by(params))))
 
 
-def _configured(app: web.Application, params: Params, body: Doc) -> Rollouts:
-    plan = _plan(app, params, body)
-    return _after(app, lambda r: r.start(plan, _at(body), "configuration", configured=True))
+def _configured(svc: Services, params: Params, body: Doc) -> Rollouts:
+    plan = _plan(svc, params, body)
+    return _after(svc, lambda r: r.start(plan, _at(body), "configuration", configured=True))
 
 
-def _before(app: web.Application, params: Params) -> Doc:
-    run = app[ROLLOUTS].now.get(params["alias"])
+def _before(svc: Services, params: Params) -> Doc:
+    run = svc.rollouts.now.get(params["alias"])
     return None if run is None else {"status": run.status, "step": run.step}
 
 
 def _operator(verb: str) -> Action:
-    def change(app: web.Application, params: Params, body: Doc) -> Rollouts:
+    def change(svc: Services, params: Params, body: Doc) -> Rollouts:
         alias, at, by = params["alias"], _at(body), _by(params)
         why = str(body.get("why", "")) if isinstance(body, dict) else ""
         if verb == "pause":
-            return _after(app, lambda r: r.pause(alias, at, by))
+            return _after(svc, lambda r: r.pause(alias, at, by))
         if verb == "resume":
-            return _after(app, lambda r: r.resume(alias, at, by))
-        return _after(app, lambda r: r.abort(alias, at, why or "aborted by an operator", by=by))
+            return _after(svc, lambda r: r.resume(alias, at, by))
+        return _after(svc, lambda r: r.abort(alias, at, why or "aborted by an operator", by=by))
 
     check, apply = _made(change)
     return Action(
@@ -168,7 +167,7 @@ def _operator(verb: str) -> Action:
     )
 
 
-def _decided(app: web.Application, params: Params, body: Doc) -> Rollouts:
+def _decided(svc: Services, params: Params, body: Doc) -> Rollouts:
     if not isinstance(body, dict) or body.get("action") not in _ACTIONS:
         raise InvalidRequest(f"A decision is one of {', '.join(_ACTIONS)}.")
     alias, at, action = params["alias"], _at(body), body["action"]
@@ -185,33 +184,33 @@ def _decided(app: web.Application, params: Params, body: Doc) -> Rollouts:
     if action == "window":
         if baseline is None:
             raise InvalidRequest("A window decision has a baseline.")
-        return _after(app, lambda r: r.window(alias, to, token=token, baseline=baseline))
+        return _after(svc, lambda r: r.window(alias, to, token=token, baseline=baseline))
     if action == "advance":
         return _after(
-            app,
+            svc,
             lambda r: r.advance(
                 alias, to, at, token=token, why=why, readings=readings, baseline=baseline
             ),
         )
     if action == "promote":
-        return _after(app, lambda r: r.promote(alias, at, token=token, why=why, readings=readings))
-    return _after(app, lambda r: r.abort(alias, at, why, readings, token=token))
+        return _after(svc, lambda r: r.promote(alias, at, token=token, why=why, readings=readings))
+    return _after(svc, lambda r: r.abort(alias, at, why, readings, token=token))
 
 
-Making = Callable[[web.Application, Params, Doc], Rollouts]  # the rollouts a change makes
-Made = Callable[[web.Application, Params, Doc], Doc]
+Making = Callable[[Services, Params, Doc], Rollouts]  # the rollouts a change makes
+Made = Callable[[Services, Params, Doc], Doc]
 
 
 def _made(change: Making) -> tuple[Made, Made]:
     """An action's check (what it would set) and apply, from the rollouts it makes."""
 
-    def check(app: web.Application, params: Params, body: Doc) -> Doc:
-        run = change(app, params, body).get(params["alias"])
+    def check(svc: Services, params: Params, body: Doc) -> Doc:
+        run = change(svc, params, body).get(params["alias"])
         assert run is not None
         return {"status": run.status, "step": run.step}
 
-    def apply(app: web.Application, params: Params, body: Doc) -> Doc:
-        return _set(app, params["alias"], change(app, params, body))
+    def apply(svc: Services, params: Params, body: Doc) -> Doc:
+        return _set(svc, params["alias"], change(svc, params, body))
 
     return check, apply
 
@@ -252,32 +251,32 @@ ROLLOUT_ACTIONS: Final = (
 )
 
 
-def state(app: web.Application) -> dict[str, Any]:
+def state(svc: Services) -> dict[str, Any]:
     """The rollouts, for a snapshot of the fleet's log (two of its sections: ``rollouts``
     and ``rollouts_configured``)."""
-    now = app[ROLLOUTS].now
+    now = svc.rollouts.now
     return {"rollouts": now.doc(), "rollouts_configured": now.configured_doc()}
 
 
-def restore(app: web.Application, doc: Mapping[str, Any]) -> None:
-    app[ROLLOUTS].now = Rollouts.parse(doc.get("rollouts"), doc.get("rollouts_configured"))
+def restore(svc: Services, doc: Mapping[str, Any]) -> None:
+    svc.rollouts.now = Rollouts.parse(doc.get("rollouts"), doc.get("rollouts_configured"))
 
 
-async def submit_decision(app: web.Application, alias: str, body: dict[str, Any]) -> None:
+async def submit_decision(svc: Services, alias: str, body: dict[str, Any]) -> None:
     """The driver's decision for ``alias`` made for the fleet (``_submit``)."""
-    await _submit(app, DECISION, alias, body, "rollout driver")
+    await _submit(svc, DECISION, alias, body, "rollout driver")
 
 
-async def start_configured(app: web.Application, plan: Plan) -> None:
+async def start_configured(svc: Services, plan: Plan) -> None:
     """The configuration file's plan started for the fleet, once (``_submit``)."""
-    await _submit(app, CONFIGURED, plan.alias, plan_doc(plan), "configuration")
+    await _submit(svc, CONFIGURED, plan.alias, plan_doc(plan), "configuration")
 
 
 async def _submit(
-    app: web.Application, action: Action, alias: str, body: dict[str, Any], caller: str
+    svc: Services, action: Action, alias: str, body: dict[str, Any], caller: str
 ) -> None:
     """A change the gateway makes (``action``, not routed) for the fleet (``submit_own``)."""
-    await submit_own(app, action, {"alias": alias}, body, caller)
+    await submit_own(svc, action, {"alias": alias}, body, caller)
 
 
 Look = tuple[str, dict[str, Any]]  # the replica driving a rollout, and its last look
@@ -288,8 +287,9 @@ async def _looks(request: web.Request) -> tuple[str, dict[str, Look], dict[str, 
     drives, else from the fleet's reports (the newest, should two claim one while the lease
     passes; ``fleet.report_interval`` old at most; the last known, marked stale, while the
     registry is out of reach: the third part, the mark)."""
-    app = request.app[GATEWAY]
-    member = app[FLEET]
+    admin = admin_of(request)
+    svc = admin.svc
+    member = svc.fleet
     me = "self" if member is None else member.id
     looks: dict[str, Look] = {}
     stale: dict[str, Any] = {}
@@ -303,11 +303,10 @@ async def _looks(request: web.Request) -> tuple[str, dict[str, Look], dict[str, 
                     seen[alias] = (report.id, look)
             return {"looks": {a: list(v) for a, v in seen.items()}}
 
-        doc = await request.app[VIEWS].read("rollouts", fetch, lambda: {"looks": {}})
+        doc = await admin.views.read("rollouts", fetch, lambda: {"looks": {}})
         looks = {a: (str(v[0]), dict(v[1])) for a, v in doc["looks"].items()}
         stale = {"stale": doc["stale"]} if "stale" in doc else {}
-    if DRIVER in app:
-        looks.update((alias, (me, look)) for alias, look in app[DRIVER].progress.items())
+    looks.update((alias, (me, look)) for alias, look in svc.driver.progress.items())
     return me, looks, stale
 
 
@@ -326,8 +325,8 @@ def view(run: Run, alias: str, me: str, look: Look | None, now: float) -> dict[s
 
 async def list_rollouts(request: web.Request) -> web.Response:
     """``GET /admin/rollouts``: every alias's rollout (the last one of each)."""
-    app = request.app[GATEWAY]
-    runs = app[ROLLOUTS].now.runs
+    svc = admin_of(request).svc
+    runs = svc.rollouts.now.runs
     me, looks, stale = await _looks(request)
     now = time.time()
     docs = [view(runs[a], a, me, looks.get(a), now) for a in sorted(runs)]
@@ -336,8 +335,8 @@ async def list_rollouts(request: web.Request) -> web.Response:
 
 async def get_rollout(request: web.Request) -> web.Response:
     """``GET /admin/rollouts/{alias}``."""
-    app, alias = request.app[GATEWAY], request.match_info["alias"]
-    run = app[ROLLOUTS].now.get(alias)
+    svc, alias = admin_of(request).svc, request.match_info["alias"]
+    run = svc.rollouts.now.get(alias)
     if run is None:
         raise NotFound(f"No rollout of {alias!r}.")
     me, looks, stale = await _looks(request)

@@ -18,51 +18,49 @@ from typing import Any
 from aiohttp import web
 
 from backends.errors import InvalidRequest
-from gateway.admin.reload import CONFIG, describe_policy, live, read_settings
+from gateway.admin.context import admin_of
+from gateway.admin.reload import describe_policy, live, read_settings
 from gateway.capacity.settings import rule_doc
 from gateway.config.export import HEADER_MARK, Running, key_entry, running_toml
 from gateway.config.settings import FileLoader
-from gateway.keys import CAPACITY, FLEET, GATEWAY, LIMITER, POOL, ROLLOUTS
-from gateway.request.rollout import ROLLOUT
+from gateway.request.services import Services
 
 
-def running(app: web.Application) -> Running:
+def running(svc: Services) -> Running:
     """What the admin changes set, as this replica has it now."""
-    policy = describe_policy(app)
-    rollout = app[ROLLOUT]
-    limiter = app.get(LIMITER)
-    keys = {} if limiter is None else limiter.auth.records()
+    policy = describe_policy(svc)
+    rollout = svc.rollout
+    keys = svc.limiter.auth.records()
     notes = []
     for name, doc in keys.items():
         if doc.get("previous_until"):
             until = datetime.fromtimestamp(float(doc["previous_until"]), UTC).isoformat()
             notes.append(f"key {name!r} was rotated: its old secret still works until {until}")
-    if ROLLOUTS in app:
-        for run in app[ROLLOUTS].now.active():
-            notes.append(
-                f"a rollout of {run.plan.alias!r} is under way: its weights here are its step's"
-            )
+    for run in svc.rollouts.now.active():
+        notes.append(
+            f"a rollout of {run.plan.alias!r} is under way: its weights here are its step's"
+        )
     return Running(
         policy=str(policy["policy"]),
         weights=policy.get("weights"),
         aliases={a: dict(w) for a, w in rollout.aliases.items()},
-        drained_backends=frozenset(b.id for b in app[POOL].all() if b.draining),
+        drained_backends=frozenset(b.id for b in svc.pool.all() if b.draining),
         drained_pools=frozenset(rollout.drained),
         keys=[key_entry(n, d) for n, d in keys.items()],
         notes=notes,
-        capacity_rules={m: rule_doc(r) for m, r in app[CAPACITY].rules.items()},
+        capacity_rules={m: rule_doc(r) for m, r in svc.capacity.rules.items()},
     )
 
 
-def config_file(app: web.Application) -> str | None:
+def config_file(svc: Services) -> str | None:
     """Where the running configuration was read from, if from a file."""
-    load = app[CONFIG].load
+    load = svc.config.load
     path = load.path if isinstance(load, FileLoader) else None
     return None if path is None else str(path)
 
 
-def state_toml(app: web.Application) -> str:
-    path = config_file(app)
+def state_toml(svc: Services) -> str:
+    path = config_file(svc)
     text = None
     if path is not None:
         try:
@@ -70,7 +68,7 @@ def state_toml(app: web.Application) -> str:
                 text = f.read()
         except OSError as exc:
             raise InvalidRequest(f"The configuration file cannot be read: {exc}") from exc
-    member = app.get(FLEET)
+    member = svc.fleet
     at = datetime.fromtimestamp(time.time(), UTC).isoformat(timespec="seconds")
     where = "no file: only what the admin changes set" if path is None else path
     applied = (
@@ -83,21 +81,21 @@ def state_toml(app: web.Application) -> str:
         "Keys appear by their hashes; settings from the environment or the command line are "
         "not written."
     )
-    return running_toml(text, running(app), header=header)
+    return running_toml(text, running(svc), header=header)
 
 
 async def get_state(request: web.Request) -> web.Response:
     """``GET /admin/state``: the configuration file with the running state written in."""
-    text = state_toml(request.app[GATEWAY])
+    text = state_toml(admin_of(request).svc)
     return web.Response(text=text, content_type="application/toml")
 
 
-def reload_plan(app: web.Application) -> dict[str, Any]:
+def reload_plan(svc: Services) -> dict[str, Any]:
     """What ``POST /admin/reload`` would change, without changing anything: each setting the
     file now sets otherwise, live or needing a restart, and for the routing ones what is running
     now against what the reload would set."""
-    new = read_settings(app)
-    old = app[CONFIG].current
+    new = read_settings(svc)
+    old = svc.config.current
     changes: list[dict[str, Any]] = []
     for name in type(new).model_fields:
         before, after = getattr(old, name), getattr(new, name)
@@ -105,8 +103,8 @@ def reload_plan(app: web.Application) -> dict[str, Any]:
             continue
         entry: dict[str, Any] = {"setting": name, "live": live(name)}
         if name == "aliases":
-            rollout = app[ROLLOUT]
-            owned = {r.plan.alias for r in app[ROLLOUTS].now.active()} if ROLLOUTS in app else set()
+            rollout = svc.rollout
+            owned = {r.plan.alias for r in svc.rollouts.now.active()}
             entry["aliases"] = {
                 alias: {"now": rollout.aliases.get(alias), "after": weights}
                 for alias, weights in sorted(after.items())
@@ -114,7 +112,7 @@ def reload_plan(app: web.Application) -> dict[str, Any]:
             }
             entry["kept_by_rollouts"] = sorted(owned & set(after))
         elif name in ("policy", "weights"):
-            now = describe_policy(app)
+            now = describe_policy(svc)
             entry["now"] = now[name]
             entry["after"] = after if name == "policy" else after.model_dump(mode="json")
         else:
@@ -128,7 +126,7 @@ def reload_plan(app: web.Application) -> dict[str, Any]:
         changes.append(entry)
     return {
         "dry_run": True,
-        "file": config_file(app),
+        "file": config_file(svc),
         "changes": changes,
         "applied": [c["setting"] for c in changes if c["live"]],
         "restart_required": [c["setting"] for c in changes if not c["live"]],

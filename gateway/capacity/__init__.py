@@ -7,7 +7,8 @@
   the engines' ``/sleep`` and ``/wake_up``;
 - ``hold``: requests for a model with no awake engine held while one wakes;
 - ``settings``: ``[capacity]``;
-- ``wiring``: its place in the gateway app (the holds and metrics, the manager's context).
+- ``wiring``: its place in the gateway (``gateway.root``): the requests held for a wake, the
+  manager.
 
 The engines' states themselves (awake, going to sleep, asleep, waking) are the pool's
 (``backends.sleep``): the request path routes only to awake ones.

@@ -1,48 +1,76 @@
-"""Capacity's place in the gateway app (``gateway.app``'s composition): the requests held
-for a wake and the metrics, made with the app; the manager, a cleanup context that runs after
-the fleet's (its decisions go through the fleet's log)."""
+"""Capacity's place in the gateway (``gateway.root``'s composition): the requests held for a
+wake, and the manager, which decides through the fleet's log (``gateway.capacity.manager``).
+Both only with ``capacity.enabled``."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 from collections import Counter
-from collections.abc import AsyncIterator, Collection
-
-from aiohttp import web
+from collections.abc import Callable, Collection
 
 from backends.pool import BackendPool
-from gateway.admin.capacity import submit_sleep
+from backends.upstream.client import Transport
+from gateway.capacity.book import CapacityBook
 from gateway.capacity.hold import Holds
-from gateway.capacity.manager import HttpEngines, Inputs, Manager
+from gateway.capacity.manager import HttpEngines, Inputs, Manager, Submit
 from gateway.capacity.settings import rule_of
 from gateway.capacity.ttft import RecentTtft
 from gateway.config.settings import Settings
-from gateway.keys import (
-    CAPACITY,
-    CAPACITY_CLAIM,
-    FLEET,
-    HOLDS,
-    MANAGER,
-    METRICS,
-    POOL,
-    SETTINGS,
-    SUPERVISOR,
-    UPSTREAM,
-)
-from gateway.observe.capacity_metrics import CapacityCollector
+from gateway.fleet.member import Member
 from gateway.observe.metrics import GatewayMetrics
-from gateway.request.rollout import ROLLOUT
+from gateway.request.rollout import Rollout
+from gateway.rollouts.driver import Claim
 
 
-async def capacity_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The capacity manager (``gateway.capacity.manager``): on every replica, turning on the one
-    that holds its lease; off unless ``capacity.enabled``."""
-    s = app[SETTINGS]
-    if not s.capacity.enabled:
-        yield
-        return
-    holds, member = app[HOLDS], app[FLEET]
+def hold_for_wakes(
+    settings: Settings,
+    pool: BackendPool,
+    book: CapacityBook,
+    rollout: Rollout,
+    manager: Callable[[], Manager | None],
+) -> Holds | None:
+    """Requests held while an engine wakes, each for its model's wake timeout (``manager``:
+    the one asked to wake it, made after)."""
+    c = settings.capacity
+    if not c.enabled:
+        return None
+    default = rule_of(c.defaults)
+
+    def timeout_of(group: str) -> float:
+        return book.rules.get(group, default).wake_timeout
+
+    def wake(model: str, only: Collection[str] | None) -> None:
+        m = manager()
+        if m is not None:
+            m.wake_for(model, only)
+
+    def group(model: str, only: Collection[str] | None) -> str:
+        """A request routed to a model pool is held for the pool (its rule, if it has one)."""
+        if only is not None:
+            for name, p in rollout.pools.items():
+                if p.backends == only and name in book.rules:
+                    return name
+        return model
+
+    return Holds(pool, timeout_of, wake, retry_after=settings.retry_after_seconds, group=group)
+
+
+def capacity_manager(
+    settings: Settings,
+    *,
+    pool: BackendPool,
+    book: CapacityBook,
+    claim: Claim,
+    submit: Submit,
+    upstream: Transport,
+    metrics: GatewayMetrics,
+    rollout: Rollout,
+    holds: Holds | None,
+    member: Member | None,
+) -> Manager | None:
+    """The capacity manager: on every replica, turning on the one that holds ``claim``."""
+    c = settings.capacity
+    if not c.enabled:
+        return None
     assert holds is not None
 
     async def held() -> dict[str, int]:
@@ -53,66 +81,20 @@ async def capacity_ctx(app: web.Application) -> AsyncIterator[None]:
                     total.update(report.held)
         return dict(total)
 
-    c = s.capacity
-    manager = Manager(
-        app[POOL],
-        app[CAPACITY],
-        app[CAPACITY_CLAIM],
-        submit=lambda backend, asleep, why, token: submit_sleep(app, backend, asleep, why, token),
-        engines=HttpEngines(app[UPSTREAM], c.call_timeout),
+    return Manager(
+        pool,
+        book,
+        claim,
+        submit=submit,
+        engines=HttpEngines(upstream, c.call_timeout),
         inputs=Inputs(
             held=held,
-            ttft=RecentTtft(app[METRICS].ttft.collect).look,
-            pools=lambda: {name: p.backends for name, p in app[ROLLOUT].pools.items()},
+            ttft=RecentTtft(metrics.ttft.collect).look,
+            pools=lambda: {name: p.backends for name, p in rollout.pools.items()},
         ),
         every=c.every,
         # an engine going to sleep gets no /sleep before every replica has had the time to
         # apply the change that stopped their requests to it
-        settle=0.0 if member is None else 2 * s.fleet.wait,
+        settle=0.0 if member is None else 2 * settings.fleet.wait,
         trend_window=c.trend_window,
     )
-    app[MANAGER] = manager
-    task = app[SUPERVISOR].spawn("capacity_manager", "capacity-manager", manager.run)
-    yield
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
-
-
-def capacity_parts(
-    app: web.Application, settings: Settings, pool: BackendPool, metrics: GatewayMetrics
-) -> None:
-    """Capacity's parts the request path and the metrics read (the manager: ``_capacity_ctx``)."""
-    app[HOLDS] = _holds(app, settings, pool)
-    app[MANAGER] = None
-    metrics.registry.register(
-        CapacityCollector(
-            pool, lambda: app[HOLDS], lambda: app[MANAGER], lambda: list(app[CAPACITY].rules)
-        )
-    )
-
-
-def _holds(app: web.Application, settings: Settings, pool: BackendPool) -> Holds | None:
-    """Requests held while an engine wakes (capacity on), each for its model's wake timeout."""
-    c = settings.capacity
-    if not c.enabled:
-        return None
-    default = rule_of(c.defaults)
-
-    def timeout_of(group: str) -> float:
-        return app[CAPACITY].rules.get(group, default).wake_timeout
-
-    def wake(model: str, only: Collection[str] | None) -> None:
-        manager = app[MANAGER]
-        if manager is not None:
-            manager.wake_for(model, only)
-
-    def group(model: str, only: Collection[str] | None) -> str:
-        """A request routed to a model pool is held for the pool (its rule, if it has one)."""
-        if only is not None:
-            for name, p in app[ROLLOUT].pools.items():
-                if p.backends == only and name in app[CAPACITY].rules:
-                    return name
-        return model
-
-    return Holds(pool, timeout_of, wake, retry_after=settings.retry_after_seconds, group=group)

@@ -4,12 +4,12 @@
     response.py   Response, StreamResponse, json_response: what handlers answer
     routes.py     Router (Routes): method and path to handler; 404 and 405
     protocol.py   Connection: one client connection (keep-alive, pipelining, refusals)
-    server.py     Server: listeners, graceful stop, the app's life
+    server.py     Server: listeners, graceful stop
     config.py     ServerConfig: the server's limits and timeouts
     shared.py     Shared: what every connection of one server shares
     head.py, refusal.py, sampling.py: pure pieces (response heads, refusals, log sampling)
 
-aiohttp stays for the admin API; its ``web.Application`` is the services' container here.
+aiohttp stays for the admin API and the console (``gateway.admin``).
 """
 
 from gateway.http.config import ServerConfig

@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Hashable
 from typing import TYPE_CHECKING, Any, Final, Protocol, TypeVar, overload
 from urllib.parse import parse_qsl, unquote, urlsplit
 
-from aiohttp import web
 from multidict import CIMultiDictProxy, MultiDict, MultiDictProxy
 
 from backends.errors import BodyTooLarge
@@ -198,7 +197,6 @@ class Request:
         "_query_string",
         "_read",
         "_state",
-        "app",
         "content",
         "content_length",
         "headers",
@@ -219,7 +217,6 @@ class Request:
         headers: CIMultiDictProxy[str],
         version: tuple[int, int],
         content: Body,
-        app: web.Application,
         channel: Channel | None = None,
         remote: str | None = None,
         max_body_bytes: int = 1 << 62,
@@ -234,7 +231,6 @@ class Request:
         length = headers.get("Content-Length")
         self.content_length = int(length) if length is not None else None
         self.content = content
-        self.app = app
         self.match_info: dict[str, str] = {}
         self.remote = remote
         self.keep_alive = keep_alive  # as the client asked (the connection may still close)

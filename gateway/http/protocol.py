@@ -253,7 +253,6 @@ class Connection(asyncio.Protocol):
                 headers=headers,
                 version=version,
                 content=Body(self, expect_continue=expect_continue),
-                app=self._shared.app,
                 channel=self,
                 remote=self.remote,
                 max_body_bytes=self.config.max_body_bytes,

@@ -130,4 +130,4 @@ class Router:
         raise MethodNotAllowed(f"Method Not Allowed ({method} {path})", allow=allowed)
 
 
-Routes = Router  # the name the gateway's wiring uses (``gateway.keys.ROUTES``)
+Routes = Router  # the name the gateway's wiring uses (``gateway.request.routes``)

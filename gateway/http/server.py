@@ -1,9 +1,9 @@
-"""The server: listeners, their connections (``gateway.http.protocol``), and the app's life.
+"""The server: listeners and their connections (``gateway.http.protocol``).
 
-``setup`` starts the app (its ``cleanup_ctx`` owns the gateway's resources), ``start`` opens a
-listener (more than once for several), ``cleanup`` stops gracefully: no new connections, idle
-ones closed at once, each busy one closed after the answers it owes; past ``grace`` seconds
-what still runs is cancelled and cut; then the app's shutdown and cleanup.
+``start`` opens a listener (more than once for several), ``cleanup`` stops gracefully: no new
+connections, idle ones closed at once, each busy one closed after the answers it owes; past
+``grace`` seconds what still runs is cancelled and cut. What the handler uses is the caller's
+to open before and close after (``gateway.root``).
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ import asyncio
 import contextlib
 import socket
 import ssl as ssl_
-
-from aiohttp import web
 
 from gateway.http.config import ServerConfig
 from gateway.http.head import HttpDate
@@ -29,19 +27,16 @@ class Server:
 
     def __init__(
         self,
-        app: web.Application,
         handler: Handler,
         config: ServerConfig,
         *,
         sampler: LogSampler | None = None,
     ) -> None:
-        self.app = app
         self.config = config
         self._shared: Shared[Connection] = Shared(
-            config, app, handler, sampler or LogSampler(), HttpDate()
+            config, handler, sampler or LogSampler(), HttpDate()
         )
         self._listeners: list[asyncio.Server] = []
-        self._set_up = False
         self._stopping: asyncio.Task[None] | None = None
 
     @property
@@ -59,16 +54,6 @@ class Server:
                 if isinstance(name, tuple):
                     found.append((str(name[0]), int(name[1])))
         return found
-
-    async def setup(self) -> None:
-        """Run the app's startup (its ``cleanup_ctx`` opens its resources, which may still set
-        keys), then freeze it: as aiohttp's ``AppRunner`` does."""
-        if self._set_up:
-            return
-        self._set_up = True
-        self.app.on_startup.freeze()
-        await self.app.startup()
-        self.app.freeze()
 
     async def start(
         self,
@@ -135,6 +120,3 @@ class Server:
             async with asyncio.timeout(1.0):
                 for listener in self._listeners:
                     await listener.wait_closed()
-        if self._set_up:
-            await self.app.shutdown()
-            await self.app.cleanup()

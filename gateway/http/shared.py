@@ -13,8 +13,6 @@ from gateway.http.refusal import Refused, default_error_body
 from gateway.http.sampling import LogSampler
 
 if TYPE_CHECKING:
-    from aiohttp import web
-
     from gateway.http.config import ServerConfig
     from gateway.http.routes import Handler
 
@@ -26,21 +24,19 @@ C = TypeVar("C", bound=Hashable)
 
 
 class Shared(Generic[C]):
-    """What every connection of a server shares: its settings, app, handler, the log sampler,
+    """What every connection of a server shares: its settings, handler, the log sampler,
     and the set of open connections (for the server's graceful stop)."""
 
-    __slots__ = ("_emptied", "app", "config", "connections", "date", "handler", "sampler", "server")
+    __slots__ = ("_emptied", "config", "connections", "date", "handler", "sampler", "server")
 
     def __init__(
         self,
         config: ServerConfig,
-        app: web.Application,
         handler: Handler,
         sampler: LogSampler,
         date: HttpDate,
     ) -> None:
         self.config = config
-        self.app = app
         self.handler = handler
         self.sampler = sampler
         self.date = date

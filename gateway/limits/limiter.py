@@ -1,7 +1,7 @@
 """What the request path calls: authenticate, admit (reserve), finish (settle + release).
 
 ``Limiter`` holds the key table, the store and the reservation settings; a ``Grant`` is one
-request's admission. The store is owned by the app's cleanup context (``open_store``).
+request's admission. The store is opened and closed by ``open_limiter`` (``gateway.root``).
 """
 
 from __future__ import annotations
@@ -195,7 +195,7 @@ def make_store(
 async def open_limiter(
     settings: LimitsSettings, *, retry_after: int = 1, supervisor: Supervisor | None = None
 ) -> AsyncIterator[Limiter]:
-    """A limiter and its store, closed on exit: for the app's cleanup context."""
+    """A limiter and its store, closed on exit (one step of ``gateway.root``)."""
     store = make_store(settings, retry_after=retry_after, supervisor=supervisor)
     await store.open()
     try:

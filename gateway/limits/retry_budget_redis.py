@@ -18,15 +18,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 import uuid
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Final
 
 import structlog
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from backends.supervise import Supervisor
+from gateway.config.declared import build
+from gateway.config.settings import Settings
 from gateway.limits.retry_budget import Kind, LocalBudget, RetryBudgetPolicy
 
 log = structlog.get_logger("gateway.limits")
@@ -157,3 +161,30 @@ class RedisBudget:
     @property
     def degraded(self) -> bool:
         return self._degraded
+
+
+@contextlib.asynccontextmanager
+async def open_retry_budget(
+    s: Settings, supervisor: Supervisor
+) -> AsyncIterator[LocalBudget | RedisBudget]:
+    """The budget of extra attempts: the fleet's, on the limits' Redis when they share one
+    (its requests added in batches, by a loop under ``supervisor``), else this replica's."""
+    policy = build(RetryBudgetPolicy, s.retry, prefix="budget_")
+    if s.limits.store != "redis":
+        yield LocalBudget(policy, time.monotonic)
+        return
+    r = s.limits.redis
+    client = Redis.from_url(
+        r.url.get_secret_value(), socket_timeout=1.0, socket_connect_timeout=1.0, max_connections=4
+    )
+    budget = RedisBudget(
+        client, policy, key_prefix=f"{r.key_prefix}{s.fleet.name}:", clock=time.monotonic
+    )
+    task = supervisor.spawn("retry_budget", "retry-budget", budget.run)
+    try:
+        yield budget
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await client.aclose()

@@ -11,7 +11,9 @@ queue depth an autoscaler scales on is the engines' queue once plus every worker
 queue. ``llm_gateway_workers_reporting`` says how many workers' figures are in the answer: a
 worker that did not answer within the timeout is left out, not waited for.
 
-Pure merging (``combine``) apart from the I/O that fetches the texts (``gather``).
+Pure merging (``combine``) apart from the I/O that fetches the texts (``gather``). ``page`` is
+every ``/metrics`` the gateway serves: the data plane's (the host's, with workers), the admin
+API's and a worker's private one (``own_page``: this process's alone).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Final
 
-from prometheus_client import CollectorRegistry, generate_latest
+from aiohttp import web
+from aiohttp.typedefs import Handler
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -48,6 +52,7 @@ ADDITIVE_GAUGES: Final = frozenset(
 _SUMMED_TYPES: Final = frozenset({"counter", "histogram", "summary", "gaugehistogram"})
 _TIMEOUT_S: Final = 2.0
 REPORTING_METRIC: Final = "llm_gateway_workers_reporting"
+CONTENT_TYPE: Final = CONTENT_TYPE_LATEST  # a page's (Prometheus' text format)
 
 _Key = tuple[str, tuple[tuple[str, str], ...]]
 
@@ -93,6 +98,25 @@ class _Fixed(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return iter(self._families)
+
+
+async def page(registry: CollectorRegistry, peers: Sequence[Path] | None = None) -> bytes:
+    """A ``/metrics`` page: this process's figures; with ``peers`` (a worker's: the other
+    workers of its host, ``Worker.private_peers``), the host's, theirs combined in."""
+    own = generate_latest(registry)
+    if peers is None:
+        return own
+    return combine(await gather(own.decode(), peers))
+
+
+def own_page(registry: CollectorRegistry) -> Handler:
+    """The aiohttp handler of this process's own page: the admin API's ``/admin/metrics``, and
+    a worker's private ``/metrics`` (what the worker answering a scrape gathers)."""
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=await page(registry), headers={"Content-Type": CONTENT_TYPE})
+
+    return handler
 
 
 async def gather(own: str, peers: Sequence[Path]) -> list[str]:

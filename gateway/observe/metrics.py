@@ -394,12 +394,6 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
-        self.relay_plain_reads = Gauge(
-            "llm_gateway_relay_plain_reads",
-            "1 when streams are relayed with plain reads and writes, the fast path switched off "
-            "(logged as relay_fast_path_off at start-up).",
-            registry=r,
-        )
         self.rescues_declined = Counter(
             "llm_gateway_rescues_declined",
             "predicted_latency's rescue: streams whose first token was late but were left on "

@@ -23,7 +23,7 @@ from gateway.http import Request, Response, json_response
 from gateway.keys import REQUEST_ID_KEY
 from gateway.request.endpoints import GENERATE
 from gateway.request.headers import upstream_headers
-from gateway.request.services import SERVICES
+from gateway.request.services import Services
 
 ABORT_PATH: Final = "/inference/v1/abort_requests"
 _MAX_IDS: Final = 1024
@@ -45,9 +45,8 @@ def _ids_of(raw: bytes) -> list[str]:
     return list(dict.fromkeys(ids))
 
 
-async def abort_requests(request: Request) -> Response:
+async def abort_requests(request: Request, svc: Services) -> Response:
     """``POST /inference/v1/abort_requests``: ``{"request_ids": [...]}`` aborted where they run."""
-    svc = request.app[SERVICES]
     principal = svc.limiter.authenticate(request.headers)
     raw = await request.content.read(_MAX_BODY + 1)
     if len(raw) > _MAX_BODY:

@@ -110,7 +110,6 @@ async def _relay(t: Try, upstream: Upstream, read: bytes | None = None) -> tuple
             usage=usage,
             result=result,
             rename=rename,
-            fast=svc.relay_fast,
             keep=keep,
         )
     except UpstreamTimeout:  # before anything reached the client

@@ -139,9 +139,11 @@ RERANK: Final = Endpoint("rerank", ("/rerank", "/v1/rerank", "/v2/rerank"), prio
 TOKENIZE: Final = Endpoint("tokenize", ("/tokenize",))
 DETOKENIZE: Final = Endpoint("detokenize", ("/detokenize",))
 
-JSON_ENDPOINTS: Final = (
+# The table: every endpoint the data plane routes (``gateway.request.routes``).
+ENDPOINTS: Final = (
     CHAT,
     COMPLETIONS,
+    RESPONSES,
     MESSAGES,
     COUNT_TOKENS,
     GENERATE,
@@ -153,6 +155,8 @@ JSON_ENDPOINTS: Final = (
     INVOCATIONS,
     RENDER,
     MESSAGES_RENDER,
+    TRANSCRIPTIONS,
+    TRANSLATIONS,
     EMBEDDINGS,
     POOLING,
     CLASSIFY,
@@ -161,7 +165,6 @@ JSON_ENDPOINTS: Final = (
     TOKENIZE,
     DETOKENIZE,
 )
-FORM_ENDPOINTS: Final = (TRANSCRIPTIONS, TRANSLATIONS)
 
 
 # What a server started without ``--enable-scale-out`` answers on those routes (with a 403).

@@ -8,12 +8,11 @@ shutting down or has no routable backend: load balancers and Kubernetes take it 
 from __future__ import annotations
 
 from gateway.http import Request, Response, json_response
-from gateway.keys import LIFECYCLE, ROUTER, SETTINGS
-from gateway.request.rollout import ROLLOUT
+from gateway.request.services import Services
 
 
-async def list_models(request: Request) -> Response:
-    names = set(request.app[ROUTER].pool.models()) | set(request.app[ROLLOUT].names())
+async def list_models(request: Request, svc: Services) -> Response:
+    names = set(svc.pool.models()) | set(svc.rollout.names())
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": "llm-gateway"} for m in sorted(names)
     ]
@@ -24,16 +23,15 @@ async def health(request: Request) -> Response:
     return json_response({"status": "ok"})
 
 
-async def ready(request: Request) -> Response:
-    settings = request.app[SETTINGS]
-    if request.app[LIFECYCLE].stopping:
+async def ready(request: Request, svc: Services) -> Response:
+    if svc.lifecycle.stopping:
         reason = "shutting down"
-    elif not request.app[ROUTER].pool.ready():
+    elif not svc.pool.ready():
         reason = "no routable backend"
     else:
         return json_response({"status": "ready"})
     return json_response(
         {"status": "not ready", "reason": reason},
         status=503,
-        headers={"Retry-After": str(settings.retry_after_seconds)},
+        headers={"Retry-After": str(svc.settings.retry_after_seconds)},
     )

@@ -9,9 +9,10 @@ import structlog
 
 from backends.errors import GatewayError, ShuttingDown
 from gateway.http import Handler, Request, Response, Routes, StreamResponse, json_response
-from gateway.keys import LIFECYCLE, REQUEST_ID_KEY
+from gateway.keys import REQUEST_ID_KEY
 from gateway.request.dialects import OPENAI, Dialect, dialect_of
 from gateway.request.headers import REQUEST_ID, valid_request_id
+from gateway.request.services import Lifecycle
 
 log = structlog.get_logger("backends.errors")
 
@@ -26,8 +27,9 @@ def refusal_body(status: int, message: str, path: str | None) -> bytes:
     return (OPENAI if path is None else dialect_of(path)).refusal(status, message)
 
 
-def entry(routes: Routes) -> Handler:
-    """The whole request path as the server calls it: it always answers, never raises."""
+def entry(routes: Routes, lifecycle: Lifecycle) -> Handler:
+    """The whole request path as the server calls it: it always answers, never raises
+    (``/v1/`` refused once ``lifecycle`` says the gateway is stopping)."""
 
     async def handle(request: Request) -> Response | StreamResponse:
         request_id = valid_request_id(request.headers.get(REQUEST_ID)) or uuid.uuid4().hex
@@ -37,7 +39,7 @@ def entry(routes: Routes) -> Handler:
         # not ``bound_contextvars``, which copies the whole context to save and restore.
         bound = structlog.contextvars.bind_contextvars(request_id=request_id)
         try:
-            resp = await _answer(request, routes)
+            resp = await _answer(request, routes, lifecycle)
         finally:
             structlog.contextvars.reset_contextvars(**bound)
         if not resp.prepared:
@@ -47,10 +49,12 @@ def entry(routes: Routes) -> Handler:
     return handle
 
 
-async def _answer(request: Request, routes: Routes) -> Response | StreamResponse:
+async def _answer(
+    request: Request, routes: Routes, lifecycle: Lifecycle
+) -> Response | StreamResponse:
     try:
         handler, request.match_info = routes.resolve(request.method, request.path)
-        if request.app[LIFECYCLE].stopping and request.path.startswith("/v1/"):
+        if lifecycle.stopping and request.path.startswith("/v1/"):
             raise ShuttingDown("The gateway is shutting down; retry on another replica.")
         return await handler(request)
     except GatewayError as err:

@@ -66,7 +66,7 @@ from gateway.request.record import Outcome, RequestRecord, finish
 from gateway.request.resume import resume
 from gateway.request.rollout import Choice
 from gateway.request.router import Route, Step
-from gateway.request.services import SERVICES, Services
+from gateway.request.services import Services
 from gateway.request.slo import meet_slo, parse_slo
 
 _NO_USAGE_PLAN: Final = UsagePlan(inject=False, strip=False)
@@ -344,10 +344,10 @@ async def _answered(call: Call, step: Step, span: Span | None) -> Answered:
         return await resume(call, step, span, broken)
 
 
-def route_endpoint(endpoint: Endpoint) -> Handler:
+def route_endpoint(endpoint: Endpoint, svc: Services) -> Handler:
     """The request handler of one of ``gateway.request.endpoints``' JSON endpoints."""
 
     async def handler(request: Request) -> StreamResponse:
-        return await forward(request, endpoint, request.app[SERVICES])
+        return await forward(request, endpoint, svc)
 
     return handler

@@ -265,7 +265,6 @@ async def relay_stream(
     usage: UsageFilter,
     result: RelayResult,
     rename: Rename | None = None,
-    fast: bool = True,
     keep: Keep[Any] | None = None,
 ) -> StreamResponse:
     """Relay an event stream chunk by chunk, until either side ends it.
@@ -273,7 +272,6 @@ async def relay_stream(
     ``result`` is filled in as the stream goes (first token, events), so it tells what was
     relayed even when the handler is cancelled mid-stream; ``result.ending`` says how it ended.
     Raises ``UpstreamError`` if the backend fails before its first chunk (nothing sent yet).
-    ``fast`` False keeps to plain reads (``create_app``'s ``relay_check`` can force it).
     With ``keep`` (the stream may be continued elsewhere), a stream that breaks is left open:
     the caller continues it or ends it (``end_stream``).
     """
@@ -288,7 +286,7 @@ async def relay_stream(
     resp = StreamResponse(status=upstream.status, headers=headers)  # head with 1st chunk
     result.ending = Ending.COMPLETE
     chunks = Chunks(upstream.watch, result, usage, now, rename, keep=keep)
-    fast_path_tried = not fast
+    fast_path_tried = False
     try:
         await resp.prepare(request)
         while chunk:

@@ -15,10 +15,9 @@ import json
 import random
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import structlog
-from aiohttp import web
 
 from backends.errors import InvalidRequest, NoBackendAvailable, NotFound
 from gateway.config.settings import Settings
@@ -247,6 +246,3 @@ class Rollout:
         self.pools, self.aliases, self.previous = fresh.pools, fresh.aliases, fresh.previous
         self.drained = fresh.drained
         self.sticky_header, self.expose_pools = fresh.sticky_header, fresh.expose_pools
-
-
-ROLLOUT: Final = web.AppKey("rollout", Rollout)

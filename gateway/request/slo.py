@@ -22,8 +22,6 @@ import asyncio
 import math
 from typing import TYPE_CHECKING, Final, Protocol
 
-from aiohttp import web
-
 from backends.errors import AdmissionRejected, InvalidRequest, NoBackendAvailable
 from gateway.request.router import Step
 from policies.latency import prompt_size
@@ -63,9 +61,6 @@ class ChangeSignal:
             await f
         finally:
             self._waiters.discard(f)
-
-
-CHANGES: Final = web.AppKey("slo_changes", ChangeSignal)
 
 
 def parse_slo(value: str | None) -> float | None:

@@ -25,7 +25,7 @@ from gateway.http import Request, Response
 from gateway.keys import REQUEST_ID_KEY
 from gateway.request.headers import upstream_headers
 from gateway.request.record import Ending, Outcome, RequestRecord, finish
-from gateway.request.services import SERVICES, Services
+from gateway.request.services import Services
 
 _TRUE = frozenset({"true", "1", "True"})
 
@@ -62,8 +62,7 @@ def _reachable(svc: Services, backend: str, response_id: str) -> BackendState:
     return b
 
 
-async def _to_home(request: Request, *, cancel: bool) -> Response:
-    svc = request.app[SERVICES]
+async def _to_home(request: Request, svc: Services, *, cancel: bool) -> Response:
     record = RequestRecord(request[REQUEST_ID_KEY], started=time.monotonic(), endpoint="responses")
     limiter, grant = svc.limiter, None
     outcome: Outcome  # how it ended (``finish``)
@@ -106,11 +105,11 @@ async def _to_home(request: Request, *, cancel: bool) -> Response:
         finish(svc, record, outcome)
 
 
-async def get_response(request: Request) -> Response:
+async def get_response(request: Request, svc: Services) -> Response:
     """``GET /v1/responses/{id}``, answered by the backend that stored it."""
-    return await _to_home(request, cancel=False)
+    return await _to_home(request, svc, cancel=False)
 
 
-async def cancel_response(request: Request) -> Response:
+async def cancel_response(request: Request, svc: Services) -> Response:
     """``POST /v1/responses/{id}/cancel``, sent to the backend that runs it."""
-    return await _to_home(request, cancel=True)
+    return await _to_home(request, svc, cancel=True)

@@ -9,7 +9,6 @@ from typing import Any
 from structlog.testing import capture_logs
 
 from backends.supervise import Supervisor
-from gateway.keys import POOL
 from tests.helpers import FakeBackend, gateway_for, wait_for
 
 
@@ -54,7 +53,7 @@ async def test_the_gateways_scrape_loop_survives_a_crash_and_says_so() -> None:
     """Issue 16.11: a loop that raised ended silently, and routing ran on frozen figures."""
     fake = FakeBackend()
     async with gateway_for(fake, scrape={"interval": 0.02}) as (gw, s):
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         real = pool.record_load
         crashed: list[bool] = []
 

@@ -21,7 +21,6 @@ from typing import Any, Final
 
 import httpx
 
-from gateway.keys import POOL
 from tests.helpers import RunningGateway, running_gateway, wait_for
 
 ROOT: Final = Path(__file__).resolve().parents[2]
@@ -336,7 +335,7 @@ async def gateway_for(
     async with running_gateway(
         [s.url for s in servers], scrape=E2E_SCRAPE, health=E2E_HEALTH, **overrides
     ) as gw:
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         await wait_for(
             lambda: all(pool.routable(b, pool.now()) for b in pool.all()),
             within=30.0,

@@ -19,7 +19,6 @@ import openai
 import pytest
 
 from backends.state import BackendSpec
-from gateway.keys import MONITOR, POOL
 from tests.e2e.servers import SERVED_MODEL, START_DEADLINE, VllmServer, kill, restart
 from tests.helpers import RunningGateway, sample, wait_for
 
@@ -43,7 +42,7 @@ def extra(obj: Any, name: str) -> Any:
 
 def serving(gw: RunningGateway, servers: list[VllmServer]) -> VllmServer:
     """The server the gateway has a request in flight to (there is one request)."""
-    busy = [b.spec.url for b in gw.app[POOL].all() if b.in_flight]
+    busy = [b.spec.url for b in gw.svc.pool.all() if b.in_flight]
     assert len(busy) == 1, busy
     return next(s for s in servers if s.url == busy[0])
 
@@ -75,7 +74,7 @@ class Killer:
         async for chunk in chunks:
             n += 1
             if n == KILL_AFTER:
-                busy = [b.spec.url for b in self.gw.app[POOL].all() if b.in_flight]
+                busy = [b.spec.url for b in self.gw.svc.pool.all() if b.in_flight]
                 if not busy:  # the whole answer is already at the gateway: nothing to cut
                     raise TooLate(n)
                 self.victim = serving(self.gw, self.servers)
@@ -99,7 +98,7 @@ async def killing(gw: RunningGateway, servers: list[VllmServer]) -> AsyncIterato
         if killer.victim is not None:
             old = killer.victim
             fresh = await asyncio.to_thread(restart, servers, old)
-            pool, monitor = gw.app[POOL], gw.app[MONITOR]
+            pool, monitor = gw.svc.pool, gw.svc.monitor
             gone = next(b.id for b in pool.all() if b.spec.url == old.url)
             pool.remove(gone)
             monitor.unwatch(gone)

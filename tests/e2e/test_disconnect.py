@@ -22,7 +22,6 @@ import httpx
 import openai
 import pytest
 
-from gateway.keys import METRICS
 from tests.e2e.observe import GENERATED, RUNNING, fleet_total, log_lines, poll_until
 from tests.e2e.servers import SERVED_MODEL, VllmServer
 from tests.helpers import RunningGateway, wait_for
@@ -38,7 +37,7 @@ def upstream_aborts(gateway: RunningGateway) -> float:
     family = "llm_gateway_upstream_aborts"
     return sum(
         s.value
-        for m in gateway.app[METRICS].registry.collect()
+        for m in gateway.svc.metrics.registry.collect()
         if m.name == family
         for s in m.samples
         if s.name == f"{family}_total"

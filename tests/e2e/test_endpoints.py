@@ -21,7 +21,6 @@ import httpx
 import openai
 import pytest
 
-from gateway.keys import POOL
 from tests.e2e.servers import (
     SERVED_MODEL,
     START_DEADLINE,
@@ -90,7 +89,7 @@ async def test_embeddings_and_chat_share_one_model_name_and_go_where_they_are_se
                 max_tokens=4,
             )
             assert chat.choices[0].message.content is not None
-        pool = mixed.app[POOL]
+        pool = mixed.svc.pool
         generate = pool.get(servers[0].url[7:])
         pooling = pool.get(pooling_server.url[7:])
         assert generate is not None
@@ -206,7 +205,7 @@ async def test_an_adapter_served_by_one_of_two_servers_is_routed_only_there_and_
         [servers[0], lora_server], policy="round_robin", admin={"token": ADMIN}
     ) as gw:
         assert gw.admin_url is not None
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         plain, with_lora = pool.get(servers[0].url[7:]), pool.get(lora_server.url[7:])
         assert plain is not None
         assert with_lora is not None

@@ -20,7 +20,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gateway.keys import KV_FEEDS, KV_INDEX, POOL, ROUTER, TOKENIZERS
 from gateway.request.messages import chat_view
 from policies import PrecisePrefix
 from tests.e2e.servers import (
@@ -78,14 +77,14 @@ def hits(server: VllmServer) -> float:
 
 
 def policy_of(gw: RunningGateway) -> PrecisePrefix:
-    policy = gw.app[ROUTER].policy
+    policy = gw.svc.router.policy
     assert isinstance(policy, PrecisePrefix)
     return policy
 
 
 async def quiet(gw: RunningGateway, for_s: float = 0.5) -> None:
     """Until no KV-event batch has arrived for ``for_s``: the index has what vLLM published."""
-    feeds = gw.app[KV_FEEDS]
+    feeds = gw.svc.kv_feeds
     assert feeds is not None
 
     def batches() -> int:
@@ -113,7 +112,7 @@ async def through(
     client: httpx.AsyncClient, gw: RunningGateway, servers: list[VllmServer], prompt: str
 ) -> tuple[int, float]:
     """Send ``prompt`` through the gateway: which server served it, and vLLM's hits for it."""
-    pool = gw.app[POOL]
+    pool = gw.svc.pool
     ids = [b.id for b in pool.all()]
     sent = {b.id: b.sent_total for b in pool.all()}
     before = [hits(s) for s in servers]
@@ -129,9 +128,9 @@ async def following(servers: list[VllmServer]) -> AsyncIterator[RunningGateway]:
     every server's KV events."""
     settings = {"policy": "precise_prefix", "tokenizers": {SERVED_MODEL: str(MODEL_DIR)}}
     async with gateway_for(servers, **settings) as gw:
-        index = gw.app[KV_INDEX]
+        index = gw.svc.kv_index
         await wait_for(
-            lambda: all(index.exact(b.id) for b in gw.app[POOL].all()),
+            lambda: all(index.exact(b.id) for b in gw.svc.pool.all()),
             within=30.0,
             what="every publisher followed",
         )
@@ -139,7 +138,7 @@ async def following(servers: list[VllmServer]) -> AsyncIterator[RunningGateway]:
 
 
 def backend_of(gw: RunningGateway, server: VllmServer) -> str:
-    return next(b.id for b in gw.app[POOL].all() if b.spec.url == server.url)
+    return next(b.id for b in gw.svc.pool.all() if b.spec.url == server.url)
 
 
 async def test_the_predicted_prefix_is_what_vllm_reuses_before_and_after_evictions(
@@ -148,12 +147,12 @@ async def test_the_predicted_prefix_is_what_vllm_reuses_before_and_after_evictio
     servers = kv_vllm_servers
     rng = random.Random(19)
     async with following(servers) as gw, httpx.AsyncClient() as client:
-        index = gw.app[KV_INDEX]
+        index = gw.svc.kv_index
         contexts = [text(rng, 100) for _ in range(3)]  # ~430 tokens: three 128-token blocks
         for ctx in contexts:
             await complete(client, gw.url, ctx + " " + text(rng, 20))
         await quiet(gw)
-        tok = gw.app[TOKENIZERS].get(SERVED_MODEL)
+        tok = gw.svc.tokenizers.get(SERVED_MODEL)
         assert tok is not None
         policy = policy_of(gw)
         checked = 0
@@ -161,7 +160,7 @@ async def test_the_predicted_prefix_is_what_vllm_reuses_before_and_after_evictio
             probe = ctx + " " + text(rng, 20)
             tokens = tok.prompt_tokens("completions", {"prompt": probe})
             assert tokens is not None
-            predicted = {b.id: policy.predicted(tokens, b.id) for b in gw.app[POOL].all()}
+            predicted = {b.id: policy.predicted(tokens, b.id) for b in gw.svc.pool.all()}
             served_by, reused = await through(client, gw, servers, probe)
             assert reused == predicted[backend_of(gw, servers[served_by])], (predicted, reused)
             assert reused == max(predicted.values())  # it went where the most was cached
@@ -207,12 +206,12 @@ async def test_chat_prompts_are_keyed_as_vllm_keys_them(
         assert r.status_code == 200, r.text
         await quiet(gw)
         again = {**body, "messages": [*body["messages"][:1], {"role": "user", "content": "yo"}]}
-        tok = gw.app[TOKENIZERS].get(SERVED_MODEL)
+        tok = gw.svc.tokenizers.get(SERVED_MODEL)
         assert tok is not None
         tokens = tok.prompt_tokens("chat", again)
         assert tokens is not None
         policy = policy_of(gw)
-        predicted = max(policy.predicted(tokens, b.id) for b in gw.app[POOL].all())
+        predicted = max(policy.predicted(tokens, b.id) for b in gw.svc.pool.all())
         assert predicted >= 128
         before = sum(hits(s) for s in servers)
         r = await client.post(f"{gw.url}/v1/chat/completions", json=again, timeout=120)
@@ -240,12 +239,12 @@ async def test_messages_prompts_are_keyed_as_vllm_keys_them(
         assert r.status_code == 200, r.text
         await quiet(gw)
         again = {**body, "messages": [{"role": "user", "content": "yo"}]}
-        tok = gw.app[TOKENIZERS].get(SERVED_MODEL)
+        tok = gw.svc.tokenizers.get(SERVED_MODEL)
         assert tok is not None
         tokens = tok.prompt_tokens("chat", chat_view(again))
         assert tokens is not None
         policy = policy_of(gw)
-        predicted = max(policy.predicted(tokens, b.id) for b in gw.app[POOL].all())
+        predicted = max(policy.predicted(tokens, b.id) for b in gw.svc.pool.all())
         assert predicted >= 128
         decided = policy.decisions["prefix"]
         before = sum(hits(s) for s in servers)

@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 
-from gateway.keys import POOL
 from tests.e2e.observe import KV_USAGE, RUNNING, WAITING, log_lines, poll_until, server_metrics
 from tests.e2e.servers import MAX_NUM_SEQS, SERVED_MODEL, VllmServer, gateway_for
 from tests.helpers import RunningGateway
@@ -48,7 +47,7 @@ async def test_scraped_queue_depth_and_kv_usage_match_the_servers_metrics(
     """One server runs its max_num_seqs requests and queues one more; the other is idle. The
     gateway's scraped load for each agrees with what each server's own /metrics says."""
     busy, idle = servers
-    pool = gateway.app[POOL]
+    pool = gateway.svc.pool
     by_url = {b.spec.url: b for b in pool.all()}
     busy_state, idle_state = by_url[busy.url], by_url[idle.url]
     n = MAX_NUM_SEQS + 1

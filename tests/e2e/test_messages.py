@@ -16,7 +16,6 @@ import anthropic
 import httpx
 import pytest
 
-from gateway.keys import POOL, TOKENIZERS
 from gateway.limits.keys import hash_key
 from gateway.request.messages import chat_view
 from tests.anthropic_stream import read_stream
@@ -89,7 +88,7 @@ async def test_messages_streams_and_token_counts_through_the_sdk(
                 status="200",
                 endpoint="messages",
             )
-            for b in gateway.app[POOL].all()
+            for b in gateway.svc.pool.all()
         )
 
     await wait_for(lambda: answered() == 2, what="both counted as messages, 200")
@@ -200,11 +199,11 @@ async def test_the_gateway_renders_a_messages_body_as_vllm_does(
             r = await http.post(f"{gw.url}/v1/messages/render", json=body)
             assert r.status_code == 200, r.text
             rendered = r.json()["token_ids"]
-        tok = gw.app[TOKENIZERS].get(SERVED_MODEL)
+        tok = gw.svc.tokenizers.get(SERVED_MODEL)
         assert tok is not None
         assert tok.prompt_tokens("chat", chat_view(body)) == rendered
         without = next(s for s in servers if s.name != SCALE_OUT)
-        state = next(b for b in gw.app[POOL].all() if b.spec.url == without.url)
+        state = next(b for b in gw.svc.pool.all() if b.spec.url == without.url)
         # Learned from its 403 if the policy tried it first (it may not have): never served it.
         assert (
             sample(
@@ -241,9 +240,9 @@ async def test_a_messages_stream_survives_its_server_being_killed(
                     raw += chunk
                     events += chunk.count(b"\n\n")
                     if killer.victim is None and events >= KILL_AFTER:
-                        if not any(b.in_flight for b in gateway.app[POOL].all()):
+                        if not any(b.in_flight for b in gateway.svc.pool.all()):
                             break  # the whole answer is already at the gateway
-                        busy = next(b.spec.url for b in gateway.app[POOL].all() if b.in_flight)
+                        busy = next(b.spec.url for b in gateway.svc.pool.all() if b.in_flight)
                         killer.victim = next(s for s in servers if s.url == busy)
                         await asyncio.to_thread(kill, killer.victim)
         if killer.victim is None or continued(gateway) == before:

@@ -17,7 +17,6 @@ import openai
 import pytest
 
 from backends.sleep import Rest
-from gateway.keys import METRICS, POOL
 from tests.e2e.servers import SERVED_MODEL, VllmServer, gateway_for
 from tests.helpers import RunningGateway, wait_for
 
@@ -47,7 +46,7 @@ async def managed(
 
 
 def holds(gw: RunningGateway, outcome: str) -> float:
-    value = gw.app[METRICS].registry.get_sample_value(
+    value = gw.svc.metrics.registry.get_sample_value(
         "llm_gateway_capacity_holds_total", {"model": SERVED_MODEL, "outcome": outcome}
     )
     return value or 0.0
@@ -57,7 +56,7 @@ async def test_an_idle_server_sleeps_and_requests_meanwhile_are_held_then_served
     managed: tuple[RunningGateway, VllmServer], http: httpx.AsyncClient
 ) -> None:
     gw, server = managed
-    backend = gw.app[POOL].all()[0]
+    backend = gw.svc.pool.all()[0]
     await wait_for(lambda: backend.rest is Rest.ASLEEP, within=60, what="the idle server asleep")
     assert await is_sleeping(http, server)  # the server says so, not only the gateway
     async with openai.AsyncOpenAI(

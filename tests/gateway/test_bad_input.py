@@ -21,7 +21,6 @@ import redis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.keys import ADMISSION, POOL
 from tests.gateway.production import ALIAS, KEYS, Production, auth, running_production
 
 FIELDS = (
@@ -184,13 +183,13 @@ def test_after_the_onslaught_nothing_is_held_and_metric_series_are_bounded(
         last = c.get(hosted.prod.url + "/metrics")
         assert last.status_code == 200
         text = last.text
-    app = hosted.prod.gateway.app
+    svc = hosted.prod.gateway.svc
 
     async def settled() -> tuple[dict[str, int], int, int]:
-        admission = app[ADMISSION]
+        admission = svc.admission
         assert admission is not None
         for _ in range(500):
-            flights = {b.id: b.in_flight for b in app[POOL].all()}
+            flights = {b.id: b.in_flight for b in svc.pool.all()}
             if not any(flights.values()) and admission.holding == 0 and admission.waiting == 0:
                 break
             await asyncio.sleep(0.01)  # sleep-ok: polling with a bound of 5 s

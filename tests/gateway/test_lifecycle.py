@@ -13,7 +13,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.keys import LIFECYCLE, POOL
 from gateway.server import stop_gracefully
 from tests.helpers import (
     FakeBackend,
@@ -60,7 +59,7 @@ async def test_dns_changes_add_and_remove_backends_without_dropping_streams() ->
         ) as gw,
         aiohttp.ClientSession() as s,
     ):
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         a_id, b_id = f"127.0.0.2:{port}", f"127.0.0.3:{port}"
         await wait_for(gw.ready, what="discovered backend routable")
         held = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
@@ -152,8 +151,8 @@ async def test_shutdown_lets_in_flight_streams_finish_and_refuses_new_work() -> 
         aiohttp.ClientSession() as s,
     ):
         streams = [await s.post(gw.url + "/v1/chat/completions", json=CHAT) for _ in range(3)]
-        stopping = asyncio.create_task(stop_gracefully(gw.app, gw.server, []))
-        await wait_for(lambda: gw.app[LIFECYCLE].stopping, what="stopping")
+        stopping = asyncio.create_task(stop_gracefully(gw.svc, gw.server, []))
+        await wait_for(lambda: gw.svc.lifecycle.stopping, what="stopping")
         with pytest.raises(aiohttp.ClientConnectionError):
             async with aiohttp.ClientSession() as fresh:
                 await fresh.get(gw.url + "/ready")
@@ -177,8 +176,8 @@ async def test_shutdown_closes_idle_kept_alive_connections_while_streams_finish(
         assert head.startswith(b"HTTP/1.1 200")
         async with aiohttp.ClientSession() as s:
             stream = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
-            stopping = asyncio.create_task(stop_gracefully(gw.app, gw.server, []))
-            await wait_for(lambda: gw.app[LIFECYCLE].stopping, what="stopping")
+            stopping = asyncio.create_task(stop_gracefully(gw.svc, gw.server, []))
+            await wait_for(lambda: gw.svc.lifecycle.stopping, what="stopping")
             length = int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])
             await reader.readexactly(length)  # the first answer's body
             rest = await asyncio.wait_for(reader.read(), 5)  # the server closes the idle one
@@ -201,7 +200,7 @@ async def test_shutdown_cuts_streams_that_outlive_the_grace_period() -> None:
     ):
         r = await s.post(gw.url + "/v1/chat/completions", json=CHAT)
         await wait_for(lambda: fake.active() == 1, what="stream running")
-        await stop_gracefully(gw.app, gw.server, [])
+        await stop_gracefully(gw.svc, gw.server, [])
         assert not fake.release.is_set()
         with pytest.raises(aiohttp.ClientPayloadError):
             await r.read()

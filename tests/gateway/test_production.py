@@ -10,7 +10,6 @@ import aiohttp
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.keys import ADMISSION, KV_INDEX, POOL, ROUTER
 from gateway.observe.metrics import QUEUE_DEPTH_METRIC
 from policies import PrecisePrefix
 from tests.gateway.production import ADMIN, ALIAS, auth, running_production
@@ -94,7 +93,7 @@ async def test_streams_cut_by_a_dying_backend_go_on_with_every_feature_on(
         continued = sample(
             gw, "llm_gateway_stream_continuations_total", reason="unreachable", outcome="continued"
         )
-        admission = gw.app[ADMISSION]
+        admission = gw.svc.admission
         assert admission is not None
         await wait_for(lambda: admission.holding == 0, what="admission slots given back")
     for evs in streams:
@@ -139,16 +138,16 @@ async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix
         aiohttp.ClientSession() as s,
     ):
         gw = prod.gateway
-        index = gw.app[KV_INDEX]
+        index = gw.svc.kv_index
         await wait_for(
-            lambda: all(index.exact(b.id) for b in gw.app[POOL].all()),
+            lambda: all(index.exact(b.id) for b in gw.svc.pool.all()),
             within=10.0,
             what="every publisher followed",
         )
         contexts = [" ".join(f"ctx{g}w{i}" for i in range(200)) for g in range(3)]
 
         def indexed_blocks() -> int:
-            return sum(index.blocks(b.id) for b in gw.app[POOL].all())
+            return sum(index.blocks(b.id) for b in gw.svc.pool.all())
 
         for turn in range(3):
             for g, ctx in enumerate(contexts):
@@ -176,7 +175,7 @@ async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix
                         lambda i=indexed: indexed_blocks() > i,
                         what="the context's blocks indexed",
                     )
-        policy = gw.app[ROUTER].policy
+        policy = gw.svc.router.policy
         assert isinstance(policy, PrecisePrefix)
         assert policy.decisions["prefix"] >= 4  # repeats found their context (most of 6)
         assert policy.decisions["fallback_not_live"] == 0
@@ -188,7 +187,7 @@ async def test_precise_prefix_with_every_feature_on(redis_url: str, redis_prefix
             view = await r.json()
         assert all(b["state"] == "live" for b in view["backends"].values())
         assert sum(b["blocks"] for b in view["backends"].values()) > 0
-        victim = next(b for b in gw.app[POOL].all() if index.blocks(b.id))
+        victim = next(b for b in gw.svc.pool.all() if index.blocks(b.id))
         sim = next(x for x in prod.sims if x.url == victim.spec.url)
         await sim.kill()
         await wait_for(lambda: index.blocks(victim.id) == 0, within=10.0, what="entries dropped")

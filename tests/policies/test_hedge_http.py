@@ -11,7 +11,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.keys import HEDGES, LATENCY, ROUTER
 from gateway.request import call
 from policies import PredictedLatency
 from tests.helpers import (
@@ -69,7 +68,7 @@ async def learned(
             async with s.post(gw.url + "/v1/chat/completions", json=BODY) as r:
                 assert r.status == 200
                 await r.read()
-        assert gw.app[LATENCY].weight("a") >= 4
+        assert gw.svc.latency.weight("a") >= 4
         await wait_for(lambda: served(gw, "a") + served(gw, "b") == 12, what="all recorded")
         # One stall of this machine during the warm-up (an answer of "a" taking 360 ms was
         # seen in CI) can leave "b" predicted first: learn on until a request goes to "a".
@@ -108,7 +107,7 @@ def client_aborts(gw: RunningGateway) -> float:
 
 
 def in_flight(gw: RunningGateway) -> list[int]:
-    pool = gw.app[ROUTER].pool
+    pool = gw.svc.router.pool
     return [pool.in_flight(pool.get(b)) for b in ("a", "b")]
 
 
@@ -133,8 +132,8 @@ async def test_a_late_stream_is_answered_by_its_hedge_and_the_first_request_clos
         assert rescued == 0  # raced, not moved
         await wait_for(lambda: a.running == 0, what="the first request closed on its backend")
         await wait_for(lambda: in_flight(gw) == [0, 0], what="both leases released")
-        assert gw.app[ROUTER].pool.get("a").circuit.state.value == "closed"
-        assert gw.app[HEDGES].running == 0  # its place in the budget given back
+        assert gw.svc.router.pool.get("a").circuit.state.value == "closed"
+        assert gw.svc.hedges.running == 0  # its place in the budget given back
 
 
 async def test_the_first_backend_answers_when_its_token_comes_before_the_hedges() -> None:
@@ -197,20 +196,20 @@ async def test_a_late_stream_over_the_hedge_budget_waits_where_it_is() -> None:
         declined = sample(gw, "llm_gateway_rescues_declined_total", reason="hedge_budget")
         assert declined == 1
         assert sum(hedges(gw, won) for won in ("first", "hedge", "neither")) == 0
-        assert gw.app[HEDGES].running == 0
+        assert gw.svc.hedges.running == 0
 
 
 async def test_the_mode_changes_live_and_a_bad_one_is_refused() -> None:
     async with learned() as (_a, _b, gw), aiohttp.ClientSession() as s:
-        policy = gw.app[ROUTER].policy
+        policy = gw.svc.router.policy
         assert isinstance(policy, PredictedLatency)
         assert policy.hedges
         change = {"latency": {"rescue_mode": "sideways"}}
         async with s.put(gw.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
             assert r.status == 400
             assert (await r.json())["error"]["type"] == "invalid_request_error"
-        assert gw.app[ROUTER].policy.hedges  # type: ignore[attr-defined]
+        assert gw.svc.router.policy.hedges  # type: ignore[attr-defined]
         change = {"latency": {"rescue_mode": "move"}}
         async with s.put(gw.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
             assert r.status == 200, await r.text()
-        assert not gw.app[ROUTER].policy.hedges  # type: ignore[attr-defined]
+        assert not gw.svc.router.policy.hedges  # type: ignore[attr-defined]

@@ -13,7 +13,6 @@ from typing import Any
 
 import aiohttp
 
-from gateway.keys import KV_FEEDS, KV_INDEX, POOL, ROUTER, TOKENIZERS
 from policies import PrecisePrefix
 from policies.kv_index import chain_keys
 from tests.helpers import RunningGateway, running_gateway, sample, wait_for
@@ -69,10 +68,10 @@ async def fleet(
             running_gateway([s.url for s in sims], **gateway_settings(**overrides))
         )
         await wait_for(gw.ready, what="gateway ready")
-        index = gw.app[KV_INDEX]
+        index = gw.svc.kv_index
         await wait_for(
             lambda: all(
-                index.exact(b.id) for b, ok in zip(gw.app[POOL].all(), on, strict=True) if ok
+                index.exact(b.id) for b, ok in zip(gw.svc.pool.all(), on, strict=True) if ok
             ),
             within=10.0,
             what="every publisher followed",
@@ -93,13 +92,13 @@ async def send(
 
 
 def policy_of(gw: RunningGateway) -> PrecisePrefix:
-    policy = gw.app[ROUTER].policy
+    policy = gw.svc.router.policy
     assert isinstance(policy, PrecisePrefix)
     return policy
 
 
 def tokens_of(gw: RunningGateway, body: dict[str, Any]) -> list[int]:
-    tok = gw.app[TOKENIZERS].get(MODEL)
+    tok = gw.svc.tokenizers.get(MODEL)
     assert tok is not None
     tokens = tok.prompt_tokens("chat", body)
     assert tokens is not None
@@ -107,14 +106,14 @@ def tokens_of(gw: RunningGateway, body: dict[str, Any]) -> list[int]:
 
 
 def backend_ids(gw: RunningGateway) -> list[str]:
-    return [b.id for b in gw.app[POOL].all()]
+    return [b.id for b in gw.svc.pool.all()]
 
 
 async def settled(gw: RunningGateway, sims: list[RunningSim], body: dict[str, Any]) -> None:
     """Wait until the index holds what the engines hold of ``body``'s prompt (events are
     published after each engine step, and applied a moment later)."""
     tokens = tokens_of(gw, body)
-    index = gw.app[KV_INDEX]
+    index = gw.svc.kv_index
     ids = backend_ids(gw)
 
     def agree() -> bool:
@@ -181,7 +180,7 @@ async def test_two_gateways_hold_the_same_index_without_talking() -> None:
         other = await stack.enter_async_context(
             running_gateway([x.url for x in sims], **gateway_settings())
         )
-        index2 = other.app[KV_INDEX]
+        index2 = other.svc.kv_index
         await wait_for(
             lambda: all(index2.exact(b) for b in backend_ids(other)), within=10.0, what="live"
         )
@@ -192,7 +191,7 @@ async def test_two_gateways_hold_the_same_index_without_talking() -> None:
             for body in bodies:
                 await settled(gw, sims, body)
                 await settled(other, sims, body)
-            one, two = gw.app[KV_INDEX].stats(), index2.stats()
+            one, two = gw.svc.kv_index.stats(), index2.stats()
             assert {b: st.blocks for b, st in one.items()} == {
                 b: st.blocks for b, st in two.items()
             }
@@ -207,7 +206,7 @@ async def test_two_gateways_hold_the_same_index_without_talking() -> None:
 
 async def test_a_backend_without_events_falls_back_and_says_so() -> None:
     async with fleet(events=[True, True, False]) as (sims, gw), aiohttp.ClientSession() as s:
-        feeds = gw.app[KV_FEEDS]
+        feeds = gw.svc.kv_feeds
         assert feeds is not None
         off = backend_ids(gw)[2]
         await wait_for(lambda: feeds.status[off].state == "off", what="the feed off")

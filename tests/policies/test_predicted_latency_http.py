@@ -13,7 +13,6 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gateway.keys import LATENCY, ROUTER
 from policies import Outcome, PredictedLatency
 from policies.latency import TTFT_TERMS, Load, Prediction
 from tests.helpers import (
@@ -93,7 +92,7 @@ async def learned(
     backend predicted less than about twice as slow is tried again now and then, by design)."""
     await one_at_a_time(session, gw, sims, 20)
     probe = Load(uncached=5)
-    tracker = gw.app[LATENCY]
+    tracker = gw.svc.latency
     assert tracker.predict("fast", probe).ttft < tracker.predict("slow", probe).ttft
     change = {"latency": {"explore": 0}}
     async with session.put(gw.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
@@ -102,7 +101,7 @@ async def learned(
     # the next scrape: on a loaded machine the next decision could see "fast" behind and go to
     # "slow" (CI saw it: candidates {'fast': 3.0, 'slow': 0.0}). Wait until the gateway sees
     # both idle.
-    pool = gw.app[ROUTER].pool
+    pool = gw.svc.router.pool
 
     def idle() -> bool:
         for name in ("fast", "slow"):
@@ -124,7 +123,7 @@ async def test_idle_backends_tie_under_least_load_but_the_faster_one_wins_when_l
         # than its steps say, and a backend predicted less than about twice as slow is tried
         # again now and then by design (``explore``), which is not what this test is about.
         async with fleet("predicted_latency", slowdown=30.0) as (sims, gw):
-            tracker = gw.app[LATENCY]
+            tracker = gw.svc.latency
             refreshes: list[float] = []
             refresh = tracker.refresh
 
@@ -144,7 +143,7 @@ async def test_idle_backends_tie_under_least_load_but_the_faster_one_wins_when_l
             # fleet's).
             this = Load(uncached=5)
             assert tracker.predict("slow", this).ttft > 2 * tracker.predict("fast", this).ttft
-            policy = gw.app[ROUTER].policy
+            policy = gw.svc.router.policy
             assert isinstance(policy, PredictedLatency)
             # One decision per request, and one more per request moved for a late first token
             # (the rescue: a try of the 30x slower backend can be one)
@@ -185,7 +184,7 @@ async def test_the_objective_and_half_life_change_live_and_bad_values_change_not
         assert doc["policy"] == "predicted_latency"
         assert doc["latency"]["objective"] == "e2e"
         assert doc["latency"]["half_life"] == 2
-        assert gw.app[LATENCY].config.half_life == 2
+        assert gw.svc.latency.config.half_life == 2
         for bad in ({"objective": "fastest"}, {"half_life": 0}, {"prefix": "psychic"}):
             async with s.put(
                 gw.admin_url + "/admin/policy", json={"latency": bad}, headers=AUTH
@@ -196,7 +195,7 @@ async def test_the_objective_and_half_life_change_live_and_bad_values_change_not
                 assert "latency" in err["message"]
         async with s.get(gw.admin_url + "/admin/policy", headers=AUTH) as r:
             assert (await r.json())["latency"]["objective"] == "e2e"
-        assert gw.app[LATENCY].config.half_life == 2
+        assert gw.svc.latency.config.half_life == 2
         # Without KV events followed, the precise prefix source is refused.
         precise = {"latency": {"prefix": "precise"}}
         async with s.put(gw.admin_url + "/admin/policy", json=precise, headers=AUTH) as r:
@@ -225,7 +224,7 @@ async def test_a_key_tiers_objective_is_what_the_policy_minimises_for_its_reques
                 await stream(s, gw, Authorization="Bearer k-chat")
             for _ in range(2):
                 await stream(s, gw, Authorization="Bearer k-batch")
-        policy = gw.app[ROUTER].policy
+        policy = gw.svc.router.policy
         assert isinstance(policy, PredictedLatency)
         assert (policy.decisions["ttft"], policy.decisions["e2e"]) == (3, 2)
 
@@ -243,7 +242,7 @@ async def test_a_stream_whose_first_token_is_late_goes_to_another_backend_once()
     async with fleet("predicted_latency", slowdown=8.0) as (sims, gw), aiohttp.ClientSession() as s:
         fast, _slow = sims
         await learned(s, gw, sims)
-        tracker = gw.app[LATENCY]
+        tracker = gw.svc.latency
         seen: list[tuple[str, Load, Outcome, Prediction | None]] = []
         observe = tracker.observe
 
@@ -265,7 +264,7 @@ async def test_a_stream_whose_first_token_is_late_goes_to_another_backend_once()
             lambda: sum(fast.engine.stats.aborted.values()) == aborted + 1,
             what="the late request aborted on the slowed engine",
         )
-        assert gw.app[ROUTER].pool.get("fast").circuit.state.value == "closed"
+        assert gw.svc.router.pool.get("fast").circuit.state.value == "closed"
         # The wait was learned as its TTFT, and what is predicted under the load it was chosen
         # under rose (fits are solved again at most every 0.25 s). That load, not an idle
         # probe: the fit may put the surprise on a term (queued, running) idle leaves out.
@@ -307,7 +306,7 @@ async def test_a_bad_rescue_factor_is_refused_and_changes_nothing() -> None:
             async with s.put(gw.admin_url + "/admin/policy", json=change, headers=AUTH) as r:
                 assert r.status == 400
                 assert (await r.json())["error"]["type"] == "invalid_request_error"
-        policy = gw.app[ROUTER].policy
+        policy = gw.svc.router.policy
         assert isinstance(policy, PredictedLatency)
         assert policy.prediction.rescue_factor == 3.0
 
@@ -328,7 +327,7 @@ async def test_a_late_response_head_is_rescued_too() -> None:
     ):
         for _ in range(12):  # learned: "a" answers at once, "b" after 20 ms
             await stream(s, gw)
-        assert gw.app[LATENCY].weight("a") >= 4
+        assert gw.svc.latency.weight("a") >= 4
         a.behaviour = hang_before_headers
         async with s.post(gw.url + "/v1/chat/completions", json=BODY) as r:
             assert r.status == 200
@@ -366,7 +365,7 @@ async def test_no_rescue_when_the_gateway_or_the_fleet_is_behind_or_no_backend_i
 
             for task in [asyncio.create_task(hold()) for _ in range(3)]:
                 held.callback(task.cancel)
-            pool = gw.app[ROUTER].pool
+            pool = gw.svc.router.pool
 
             def queued() -> bool:
                 b = pool.get("slow")
@@ -386,7 +385,7 @@ async def test_no_rescue_when_the_gateway_or_the_fleet_is_behind_or_no_backend_i
         if why == "gateway_lag":
             time.sleep(0.3)  # noqa: ASYNC251 sleep-ok: blocks the gateway's loop (this one) past it
         elif why == "no_other_backend":
-            gw.app[ROUTER].pool.set_draining("slow", True)  # before the deadline (0.1 s)
+            gw.svc.router.pool.set_draining("slow", True)  # before the deadline (0.1 s)
         await waiting  # a whole answer, from the slowed one
         grew = {k: v - before[k] for k, v in counts().items()}
         assert grew.pop("") == 0  # not rescued

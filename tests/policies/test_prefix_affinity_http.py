@@ -8,7 +8,6 @@ from typing import Any
 
 import aiohttp
 
-from gateway.keys import ROUTER
 from policies import PrefixAffinity
 from tests.helpers import RunningGateway, running_gateway, wait_for
 from tools.sim import FAST, running_sim
@@ -73,7 +72,7 @@ async def test_requests_sharing_a_long_prefix_land_on_the_same_backend() -> None
                 assert all(n == 0 for n in gw.in_flight().values())
                 landed[g].add(await send(s, gw, sims, chat(system, f"question {turn}")))
         assert all(len(backends) == 1 for backends in landed.values()), landed
-        policy = gw.app[ROUTER].policy
+        policy = gw.svc.router.policy
         assert isinstance(policy, PrefixAffinity)
         assert policy.decisions["load"] + policy.decisions["prefix"] == 12
         # The backends' own prefix caches agree: each of the 9 repeats reused the system
@@ -130,7 +129,7 @@ async def test_weights_and_thresholds_are_tuned_live_without_forgetting_prefixes
     async with fleet(admin={"token": TOKEN}) as (sims, gw), aiohttp.ClientSession() as s:
         assert gw.admin_url is not None
         await send(s, gw, sims, chat("a long shared system prompt " * 20, "hi"))
-        before = gw.app[ROUTER].policy
+        before = gw.svc.router.policy
         assert isinstance(before, PrefixAffinity)
         assert len(before.index) > 0
         change = {
@@ -144,7 +143,7 @@ async def test_weights_and_thresholds_are_tuned_live_without_forgetting_prefixes
         assert doc["affinity"]["balance_abs"] == 2
         assert doc["affinity"]["placement"] == "hash"
         assert doc["affinity"]["balance_rel"] == 1.5
-        after = gw.app[ROUTER].policy
+        after = gw.svc.router.policy
         assert isinstance(after, PrefixAffinity)
         assert after is not before
         assert after.index is before.index
@@ -156,4 +155,4 @@ async def test_weights_and_thresholds_are_tuned_live_without_forgetting_prefixes
         ):
             async with s.put(gw.admin_url + "/admin/policy", json=bad, headers=AUTH) as r:
                 assert r.status == 400, await r.text()
-            assert gw.app[ROUTER].policy is after
+            assert gw.svc.router.policy is after

@@ -83,7 +83,7 @@ async def test_top_shows_the_retries_taken_and_refused_and_the_request_shed_live
         assert gw.admin_url is not None
         statuses = await budget_and_shed.retried(s, gw.url)
         retried = len(a.seen) + len(b.seen) - sum(statuses.values())  # beyond first attempts
-        await budget_and_shed.shed_one(s, gw.url, gw.app, a, b)
+        await budget_and_shed.shed_one(s, gw.url, gw.svc, a, b)
         text = shown(await TopClient(s, gw.admin_url, TOKEN).next_frame())
     assert f"retry {retried} taken, {statuses[503]} refused" in text
     assert retried >= 1

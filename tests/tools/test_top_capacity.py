@@ -10,7 +10,6 @@ from typing import Any
 
 from rich.console import Console
 
-from gateway.keys import POOL
 from tests.helpers import gateway_for, wait_for
 from tools.sim import FAST, RunningSim
 from tools.top import MetricsSample, TopClient, capacity_line, engine_states, frame, render
@@ -126,7 +125,7 @@ async def test_top_shows_idle_engines_asleep_on_a_live_gateway() -> None:
         assert gw.admin_url is not None
 
         def two_asleep() -> bool:
-            return sorted(b.rest.value for b in gw.app[POOL].all()) == ["asleep", "asleep", "awake"]
+            return sorted(b.rest.value for b in gw.svc.pool.all()) == ["asleep", "asleep", "awake"]
 
         await wait_for(two_asleep, within=30, what="two of three engines asleep")
         text = shown(await TopClient(s, gw.admin_url, TOKEN).next_frame())

@@ -8,7 +8,6 @@ from typing import Any
 import aiohttp
 
 from gateway.config.settings import Settings
-from gateway.keys import ROUTER
 from tests.helpers import FakeBackend, gateway_for, running_fake, running_gateway, wait_for
 
 TOKEN = "t0ken"
@@ -56,7 +55,7 @@ async def test_invalid_policy_change_is_a_400_and_changes_nothing() -> None:
     fake = FakeBackend()
     async with gateway_for(fake, admin={"token": TOKEN}) as (gw, s):
         assert gw.admin_url is not None
-        before = gw.app[ROUTER].policy
+        before = gw.svc.router.policy
         bad: list[Any] = [
             {"policy": "fastest"},
             {"policy": "precise_prefix"},  # this gateway does not follow KV events
@@ -72,7 +71,7 @@ async def test_invalid_policy_change_is_a_400_and_changes_nothing() -> None:
                 assert err["type"] == "invalid_request_error"
         async with s.put(gw.admin_url + "/admin/policy", data=b"{", headers=AUTH) as r:
             assert r.status == 400
-        assert gw.app[ROUTER].policy is before
+        assert gw.svc.router.policy is before
         async with s.put(gw.admin_url + "/admin/policy", json={"policy": "random"}) as r:
             assert r.status == 401  # and never without the token
         # No such call, or not with that method: an error in the same shape, not plain text.
@@ -110,7 +109,7 @@ async def test_reload_applies_live_settings_and_refuses_a_bad_config() -> None:
                 result = await r.json()
             assert sorted(result["applied"]) == ["backends", "policy"]
             assert "port" in result["restart_required"]
-            assert gw.app[ROUTER].policy.name == "round_robin"
+            assert gw.svc.router.policy.name == "round_robin"
             async with s.get(gw.admin_url + "/admin/backends", headers=AUTH) as r:
                 ids = {x["id"] for x in (await r.json())["backends"]}
             assert ids == {a.url[7:], b.url[7:]}
@@ -119,7 +118,7 @@ async def test_reload_applies_live_settings_and_refuses_a_bad_config() -> None:
             async with s.post(gw.admin_url + "/admin/reload", headers=AUTH) as r:
                 assert r.status == 400
                 assert "fastest" in (await r.json())["error"]["message"]
-            assert gw.app[ROUTER].policy.name == "round_robin"
+            assert gw.svc.router.policy.name == "round_robin"
 
 
 async def test_reload_that_changes_a_named_backends_url_and_key_takes_effect() -> None:

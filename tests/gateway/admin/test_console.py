@@ -176,7 +176,7 @@ async def test_stats_carry_the_retry_budget_and_the_requests_the_admission_queue
     async with gateway_for(a, b, names=budget_and_shed.NAMES, **settings) as (gw, s):
         assert gw.admin_url is not None
         statuses = await budget_and_shed.retried(s, gw.url)
-        await budget_and_shed.shed_one(s, gw.url, gw.app, a, b)
+        await budget_and_shed.shed_one(s, gw.url, gw.svc, a, b)
         async with s.get(gw.admin_url + "/admin/stats", headers=AUTH) as r:
             doc = await r.json()
 

@@ -9,7 +9,6 @@ from typing import Any
 import aiohttp
 
 from gateway.admin.lora import place
-from gateway.keys import POOL
 from tests.helpers import RunningGateway, gateway_for, wait_for
 from tools.sim import RunningSim, SimConfig
 
@@ -31,7 +30,7 @@ async def answered_by(
         async with s.post(gw.url + "/v1/completions", json=body) as r:
             assert r.status == 200, await r.text()
             assert (await r.json())["model"] == model
-    pool = gw.app[POOL]
+    pool = gw.svc.pool
     for b in pool.all():
         seen[b.id] = b.sent_total
     return seen
@@ -74,7 +73,7 @@ async def test_adapters_load_packed_onto_few_backends_and_unload_everywhere() ->
         assert status == 200
         assert set(doc["already"]) == holders
         assert doc["loaded"] == []
-        before = {b.id: b.sent_total for b in gw.app[POOL].all()}
+        before = {b.id: b.sent_total for b in gw.svc.pool.all()}
         after = await answered_by(s, gw, "chat-lora", 6)
         assert {i for i in after if after[i] > before[i]} == holders
         # Unloaded from every backend holding it: the name is unknown again.
@@ -87,14 +86,14 @@ async def test_adapters_load_packed_onto_few_backends_and_unload_everywhere() ->
             assert (await r.json())["error"]["code"] == "model_not_found"
         # Loaded on all of them when no number is given.
         status, doc = await admin(s, gw, "/admin/lora/load", load)
-        assert sorted(doc["loaded"]) == sorted(b.id for b in gw.app[POOL].all())
+        assert sorted(doc["loaded"]) == sorted(b.id for b in gw.svc.pool.all())
 
 
 async def test_bad_adapter_requests_are_refused_and_backend_refusals_reported() -> None:
     a = RunningSim(LORA)
     plain = RunningSim(FAST)  # no --enable-lora: vLLM has no load route then
     async with gateway_for(a, plain, admin={"token": TOKEN}) as (gw, s):
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         await wait_for(lambda: all(b.models for b in pool.all()))
         good = {"lora_name": "x-lora", "lora_path": "/p", "model": MODEL}
         for bad, status in (

@@ -13,10 +13,8 @@ from typing import Any
 import aiohttp
 
 from backends.sleep import Rest
-from gateway.admin.reload import CONFIG
 from gateway.capacity.settings import CapacitySettings
 from gateway.config.settings import Settings
-from gateway.keys import MANAGER, POOL
 from tests.helpers import Rig, gateway_for, sample, wait_for
 from tools.sim import FAST, RunningSim
 
@@ -46,7 +44,7 @@ async def is_sleeping(session: aiohttp.ClientSession, sim: RunningSim) -> bool:
 
 
 def rests(rig: Rig) -> list[Rest]:
-    return [b.rest for b in rig.gw.app[POOL].all()]
+    return [b.rest for b in rig.gw.svc.pool.all()]
 
 
 async def chat(rig: Rig) -> tuple[int, str]:
@@ -93,7 +91,7 @@ async def test_an_operator_sleeps_and_wakes_an_engine_and_sees_it_in_the_capacit
     # the manager keeps both awake (min_awake 2): only the operator's hand moves one
     async with managed(engines, {"min_awake": 2}) as rig:
         admin, s = rig.gw.admin_url, rig.session
-        backend = rig.gw.app[POOL].all()[1].id
+        backend = rig.gw.svc.pool.all()[1].id
         async with s.post(f"{admin}/admin/backends/{backend}/sleep", headers=AUTH) as r:
             assert r.status == 200, await r.text()
             assert (await r.json())["sleep_wanted"] is True
@@ -149,7 +147,7 @@ async def test_a_reload_applies_the_files_rules_and_says_the_rest_needs_a_restar
 
     async with managed(engines, {"min_awake": 2}, loader=loader) as rig:
         admin, s = rig.gw.admin_url, rig.session
-        current = rig.gw.app[CONFIG].current
+        current = rig.gw.svc.config.current
         capacity = current.capacity.model_dump()
         capacity["models"] = {MODEL: {"min_awake": 1, "idle_before_sleep": 0.1}}
         loaded.append(current.model_copy(update={"capacity": CapacitySettings(**capacity)}))
@@ -170,7 +168,7 @@ async def test_a_reload_applies_the_files_rules_and_says_the_rest_needs_a_restar
 async def test_engines_without_dev_mode_are_never_put_to_sleep() -> None:
     engines = [RunningSim(FAST), RunningSim(FAST)]  # no /is_sleeping: vLLM without dev mode
     async with managed(engines, {"min_awake": 0, "idle_before_sleep": 0.05}) as rig:
-        manager = rig.gw.app[MANAGER]
+        manager = rig.gw.svc.manager
         assert manager is not None
         turns = manager.turns
         await wait_for(lambda: manager.turns >= turns + 10, within=30, what="ten turns")

@@ -11,7 +11,6 @@ from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
 from multidict import CIMultiDict
 
 from backends.errors import GatewayError
@@ -51,7 +50,6 @@ def bound_socket() -> socket.socket:
 async def serving(
     handler: Handler,
     *,
-    app: web.Application | None = None,
     sampler: LogSampler | None = None,
     tls: ssl.SSLContext | None = None,
     grace: float = 1.0,
@@ -59,8 +57,7 @@ async def serving(
 ) -> AsyncIterator[Served]:
     """``handler`` served on 127.0.0.1 (a port of its own) until the block ends."""
     config.setdefault("max_body_bytes", 1 << 20)
-    server = Server(app or web.Application(), handler, ServerConfig(**config), sampler=sampler)
-    await server.setup()
+    server = Server(handler, ServerConfig(**config), sampler=sampler)
     sock = bound_socket()
     await server.start(sock=sock, ssl=tls)
     try:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from backends.errors import BodyTooLarge
@@ -41,7 +40,6 @@ def request(body: Body, *, headers: dict[str, str] | None = None, limit: int = 1
         headers=CIMultiDictProxy(CIMultiDict(headers or {})),
         version=(1, 1),
         content=body,
-        app=web.Application(),
         max_body_bytes=limit,
     )
 

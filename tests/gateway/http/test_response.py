@@ -6,7 +6,6 @@ import asyncio
 import json
 
 import pytest
-from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from gateway.http import Body, Request, Response, StreamResponse, json_response
@@ -54,7 +53,6 @@ def on(writer: Writer, method: str = "GET", version: tuple[int, int] = (1, 1)) -
         headers=CIMultiDictProxy(CIMultiDict()),
         version=version,
         content=body,
-        app=web.Application(),
         channel=writer,
     )
 

@@ -437,7 +437,6 @@ async def test_unknown_paths_are_404_and_wrong_methods_405_with_allow() -> None:
 
 async def test_the_request_as_the_handler_sees_it() -> None:
     key = web.RequestKey("k", str)
-    name = web.AppKey("name", str)
     seen: dict[str, Any] = {}
 
     async def look(request: Request) -> Response:
@@ -454,15 +453,12 @@ async def test_the_request_as_the_handler_sees_it() -> None:
             info=request.match_info,
             remote=request.remote,
             state=(request[key], request.get(key), request.get("missing", 0), request["plain"]),
-            app=request.app[name],
         )
         return Response()
 
     router = Router()
     router.add("POST", "/v1/responses/{response_id}/cancel", look)
-    app = web.Application()
-    app[name] = "container"
-    async with serving(routed(router), app=app) as srv, await RawClient.open(srv.port) as c:
+    async with serving(routed(router)) as srv, await RawClient.open(srv.port) as c:
         await c.send(
             b"POST /v1/responses/r%201/cancel?a=1&b=&a=2 HTTP/1.1\r\n"
             b"X-Agent: t\r\nContent-Length: 2\r\n\r\nhi"
@@ -479,7 +475,6 @@ async def test_the_request_as_the_handler_sees_it() -> None:
         "info": {"response_id": "r 1"},
         "remote": "127.0.0.1",
         "state": ("v", "v", 0, 1),
-        "app": "container",
     }
 
 
@@ -581,15 +576,7 @@ async def test_a_graceful_stop_finishes_streams_closes_idle_connections_refuses_
     router = Router()
     router.add("GET", "/idle", handler)
     router.add("GET", "/stream", handler)
-    cleaned: list[bool] = []
-
-    async def resources(app: web.Application) -> AsyncIterator[None]:
-        yield
-        cleaned.append(True)
-
-    app = web.Application()
-    app.cleanup_ctx.append(resources)
-    async with serving(routed(router), app=app, grace=10) as srv:
+    async with serving(routed(router), grace=10) as srv:
         idle = await RawClient.open(srv.port)
         await idle.send(b"GET /idle HTTP/1.1\r\n\r\n")
         assert (await idle.reply()).status == 200
@@ -606,7 +593,6 @@ async def test_a_graceful_stop_finishes_streams_closes_idle_connections_refuses_
         assert reply.body == b"onetwo"
         assert await busy.rest() == b""
         await asyncio.wait_for(stopping, 5)
-        assert cleaned == [True]
         idle.close()
         busy.close()
 

@@ -11,7 +11,6 @@ import pytest
 from redis.asyncio import Redis
 
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
-from gateway.keys import ROUTER
 from gateway.limits.retry_budget import LocalBudget, RetryBudgetPolicy, Window, allows
 from gateway.limits.retry_budget_redis import RedisBudget
 from tests.helpers import running_gateway, sample
@@ -82,7 +81,7 @@ async def refused_backend_then_good(budget: dict[str, float]) -> tuple[int, list
     transport = MockTransport(Fleet({"a": refused, "b": streaming}))
     retry = {"backoff_base": 0, **budget}
     async with running_gateway(BACKENDS, transport=transport, retry=retry) as gw:
-        gw.app[ROUTER].policy = InOrder()
+        gw.svc.router.policy = InOrder()
         async with (
             aiohttp.ClientSession() as s,
             s.post(gw.url + "/v1/chat/completions", json=CHAT) as r,
@@ -208,7 +207,7 @@ async def test_a_broken_stream_is_continued_only_within_the_budget() -> None:
         transport = MockTransport(Fleet({"a": cut, "b": streaming}))
         retry = {"backoff_base": 0, **budget}
         async with running_gateway(BACKENDS, transport=transport, retry=retry) as gw:
-            gw.app[ROUTER].policy = InOrder()
+            gw.svc.router.policy = InOrder()
             async with (
                 aiohttp.ClientSession() as s,
                 s.post(gw.url + "/v1/chat/completions", json=CHAT) as r,

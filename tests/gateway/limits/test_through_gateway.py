@@ -15,7 +15,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.keys import ADMISSION, LIMITER, POOL
 from gateway.limits.keys import hash_key
 from tests.helpers import (
     FakeBackend,
@@ -280,7 +279,7 @@ async def test_queue_serves_a_quiet_key_before_a_bursting_one_and_times_out() ->
                 return r.status
 
         alice = [asyncio.create_task(one(ALICE, "alice")) for _ in range(6)]
-        queue = gw.app[ADMISSION]
+        queue = gw.svc.admission
         assert queue is not None
         await wait_for(lambda: queue.waiting >= 4, what="alice's burst queued")
         bob = asyncio.create_task(one(BOB, "bob"))
@@ -304,7 +303,7 @@ async def test_disconnect_while_queued_leaves_at_once_and_max_wait_is_honoured()
         running_gateway([fake.url], limits=config) as gw,
         aiohttp.ClientSession() as s,
     ):
-        queue = gw.app[ADMISSION]
+        queue = gw.svc.admission
         assert queue is not None
         held = await s.post(gw.url + "/v1/chat/completions", json=body, headers=auth(ALICE))
         await wait_for(lambda: fake.active() == 1, what="the backend busy")
@@ -323,7 +322,7 @@ async def test_disconnect_while_queued_leaves_at_once_and_max_wait_is_honoured()
         fake.release.set()
         await held.read()
         await wait_for(lambda: queue.holding == 0, what="tickets released")
-        limiter = gw.app[LIMITER]
+        limiter = gw.svc.limiter
         await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="leases released")
     assert len(fake.seen) == 1  # neither of bob's requests reached the backend
     assert limiter.rejections == Counter()
@@ -342,9 +341,9 @@ async def test_a_scrape_that_shows_room_wakes_the_queue() -> None:
         running_gateway([fake.url], limits=config) as gw,
         aiohttp.ClientSession() as s,
     ):
-        queue = gw.app[ADMISSION]
+        queue = gw.svc.admission
         assert queue is not None
-        await wait_for(lambda: gw.app[POOL].all()[0].load is not None, what="a first scrape")
+        await wait_for(lambda: gw.svc.pool.all()[0].load is not None, what="a first scrape")
         request = asyncio.create_task(
             s.post(gw.url + "/v1/chat/completions", json=CHAT, headers=auth(ALICE))
         )

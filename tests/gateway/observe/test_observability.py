@@ -17,7 +17,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from prometheus_client.parser import text_string_to_metric_families
 from structlog.testing import LogCapture, capture_logs
 
-from gateway.keys import POOL, ROUTER
 from gateway.observe.logs import redact_secrets
 from gateway.observe.metrics import QUEUE_DEPTH_METRIC
 from policies import NO_NEEDS
@@ -239,7 +238,7 @@ async def test_each_ending_is_told_truthfully_an_internal_failure_is_not_a_clien
 
     fake = FakeBackend(behaviour=hang_before_headers)
     async with gateway_for(fake, log_level="info") as (gw, s):
-        router = gw.app[ROUTER]
+        router = gw.svc.router
         with capture_logs() as logs:
             # Left while the backend had not answered yet.
             left = asyncio.create_task(s.post(gw.url + "/v1/chat/completions", json=CHAT))
@@ -358,8 +357,8 @@ async def test_routable_backends_counts_those_a_request_could_reach() -> None:
             return value(await scrape(s, gw.url), "llm_gateway_routable_backends")
 
         assert await routable() == 2
-        gw.app[POOL].set_draining(a.url[7:], True)
+        gw.svc.pool.set_draining(a.url[7:], True)
         assert await routable() == 1
         await kill(b)
-        await wait_for(lambda: not gw.app[POOL].ready(), what="the dead backend ejected")
+        await wait_for(lambda: not gw.svc.pool.ready(), what="the dead backend ejected")
         assert await routable() == 0

@@ -21,7 +21,6 @@ import aiohttp
 import pytest
 
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
-from gateway.keys import ROUTER
 from gateway.request import call
 from policies import PrefixAffinity
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
@@ -129,7 +128,7 @@ class Run:
 
     async def no_leaks(self) -> None:
         """Every lease released: the pool's snapshots show nothing in flight."""
-        pool = self.gw.app[ROUTER].pool
+        pool = self.gw.svc.router.pool
 
         def idle() -> bool:
             return all(pool.snapshot(b, 0.0).in_flight == 0 for b in pool.all())
@@ -143,7 +142,7 @@ async def gateway(
 ) -> AsyncIterator[Run]:
     transport = MockTransport(fleet)
     async with running_gateway(BACKENDS, transport=transport, **settings) as gw:
-        gw.app[ROUTER].policy = policy or InOrder()
+        gw.svc.router.policy = policy or InOrder()
         yield Run(gw, transport)
 
 
@@ -363,14 +362,14 @@ async def test_prefix_affinity_learns_only_what_the_backend_really_took() -> Non
     async with running_gateway(
         BACKENDS[:2], transport=MockTransport(fleet), policy="prefix_affinity"
     ) as gw:
-        policy = gw.app[ROUTER].policy
+        policy = gw.svc.router.policy
         assert isinstance(policy, PrefixAffinity)
         async with aiohttp.ClientSession() as s:
             for _ in range(3):
                 async with s.post(gw.url + "/v1/chat/completions", json=LONG) as r:
                     assert r.status == 200
                     await r.read()
-        facts = gw.app[ROUTER].route("m", LONG, {}).serve.facts
+        facts = gw.svc.router.route("m", LONG, {}).serve.facts
         held = policy.index.match(facts.prefix_hashes, ["a", "b"])
     assert held["a"] == 0  # a refused every time it was tried: it holds nothing
     assert held["b"] == len(facts.prefix_hashes) > 0

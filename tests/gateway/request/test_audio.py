@@ -20,7 +20,6 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 from openai import AsyncOpenAI
 
-from gateway.keys import METRICS, POOL
 from gateway.request import form
 from gateway.request.headers import upstream_headers
 from tests.helpers import RunningGateway, fronting, gateway_for, wait_for
@@ -35,7 +34,7 @@ def requests(gw: RunningGateway, **labels: str) -> float:
     """``llm_gateway_requests_total`` summed over the series that have ``labels``."""
     return sum(
         s.value
-        for f in gw.app[METRICS].registry.collect()
+        for f in gw.svc.metrics.registry.collect()
         for s in f.samples
         if s.name == "llm_gateway_requests_total"
         and all(s.labels.get(k) == v for k, v in labels.items())
@@ -96,7 +95,7 @@ async def test_transcription_and_translation_with_the_openai_sdk_go_only_where_s
         assert set(translated) == {"text"}  # no usage for translations
         assert translated["text"].strip()
         # The text server answered "no such route" once at most, and was then left alone.
-        assert gw.app[POOL].get(text_sim.url[7:]).lacks <= {"transcriptions", "translations"}  # type: ignore[union-attr]
+        assert gw.svc.pool.get(text_sim.url[7:]).lacks <= {"transcriptions", "translations"}  # type: ignore[union-attr]
         assert audio_sim.state.audio_bytes >= 6 * len(speech)
         assert requests(gw, endpoint="transcriptions", status="200") == 5
         assert requests(gw, endpoint="translations", status="200") == 1

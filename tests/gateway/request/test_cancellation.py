@@ -11,7 +11,6 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gateway.keys import ADMISSION, LIMITER
 from gateway.limits.memory import MemoryLimitStore
 from tests.helpers import (
     FakeBackend,
@@ -173,11 +172,11 @@ async def test_no_lease_or_connection_leaks_after_hundreds_of_mixed_requests() -
 
         await wait_for(lambda: set(gw.in_flight().values()) == {0}, what="every lease released")
         await wait_for(lambda: a.active() + b.active() == 0, what="every upstream closed")
-        queue = gw.app[ADMISSION]
+        queue = gw.svc.admission
         assert queue is not None
         await wait_for(lambda: queue.holding == 0 and queue.waiting == 0, what="queue empty")
         # Every concurrency slot came back.
-        store = gw.app[LIMITER].store
+        store = gw.svc.limiter.store
         assert isinstance(store, MemoryLimitStore)
         await wait_for(lambda: store.slots_in_use("anonymous") == 0, what="slots released")
     assert outcomes.get("error:500", 0) > 0

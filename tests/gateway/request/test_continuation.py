@@ -17,7 +17,6 @@ import aiohttp
 from aiohttp import web
 
 from backends.health import Health
-from gateway.keys import POOL
 from loadtest.counting import counting
 from tests.helpers import (
     FakeBackend,
@@ -214,10 +213,10 @@ async def test_a_stalled_backend_is_taken_out_and_its_streams_finish_elsewhere()
     slow = counting(delay=0.01, hang_after=5)
     health = {"stall_after": 0.4, "rise": 2}
     async with fleet(slow, counting(delay=0.01), health=health) as (gw, (a, _)):
-        state = gw.app[POOL].get(a.url[7:])
+        state = gw.svc.pool.get(a.url[7:])
         assert state is not None
         seen: list[Health] = []
-        gw.app[POOL].on_change(lambda: seen.append(state.health.state))
+        gw.svc.pool.on_change(lambda: seen.append(state.health.state))
         # Round robin: two of the four streams on a, which stops after five tokens. Both are
         # cut at the stall limit (well before the idle timeout) and finish on b.
         results = await asyncio.gather(*(post(gw, "/v1/completions", COMPLETION) for _ in range(4)))

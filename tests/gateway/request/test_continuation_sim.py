@@ -19,7 +19,6 @@ from typing import Any
 import aiohttp
 
 from backends.health import Health
-from gateway.keys import METRICS, POOL
 from gateway.request.messages import chat_view
 from tests.anthropic_stream import read_stream
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
@@ -139,7 +138,7 @@ class Load:
 def continuations(gw: RunningGateway) -> dict[tuple[str, str], float]:
     """``(reason, outcome)`` to count, for every continuation series that is not zero."""
     out: dict[tuple[str, str], float] = {}
-    for family in gw.app[METRICS].registry.collect():
+    for family in gw.svc.metrics.registry.collect():
         for s in family.samples:
             if s.name == CONTINUATIONS and s.value:
                 out[(s.labels["reason"], s.labels["outcome"])] = s.value
@@ -150,7 +149,7 @@ def retries_from(gw: RunningGateway, backend: str) -> float:
     """Attempts on ``backend`` that failed before their first byte and went elsewhere."""
     return sum(
         s.value
-        for family in gw.app[METRICS].registry.collect()
+        for family in gw.svc.metrics.registry.collect()
         for s in family.samples
         if s.name == "llm_gateway_retries_total" and s.labels["backend"] == backend
     )
@@ -167,7 +166,7 @@ async def fleet(
         sims = [await stack.enter_async_context(running_sim(c, f)) for c, f in configs]
         backends = [{"url": s.url, "name": f"sim{i}"} for i, s in enumerate(sims)]
         gw = await stack.enter_async_context(running_gateway(backends, **overrides))
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         await wait_for(
             lambda: all(pool.routable(b, pool.now()) for b in pool.all()), what="backends up"
         )

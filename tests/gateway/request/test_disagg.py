@@ -17,7 +17,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from backends.pool import BackendPool
 from backends.state import BackendSpec
-from gateway.keys import POOL
 from gateway.request.disagg import PREFILL_KV_PARAMS, prefill_body
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
 from tools.sim import FAST, Faults, RunningSim, SimConfig, running_sim
@@ -41,7 +40,7 @@ async def fleet(
         backends = [{"url": s.url, "name": f"p{i}", "role": "prefill"} for i, s in enumerate(ps)]
         backends += [{"url": s.url, "name": f"d{i}", "role": "decode"} for i, s in enumerate(ds)]
         gw = await stack.enter_async_context(running_gateway(backends, **overrides))
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         await wait_for(
             lambda: all(pool.routable(b, pool.now()) for b in pool.all()), what="backends up"
         )
@@ -315,7 +314,7 @@ async def test_each_step_gets_a_span() -> None:
 async def test_no_decode_backend_up_is_a_503_before_any_prefill() -> None:
     async with fleet([PREFILL], [DECODE]) as (ps, ds, gw), aiohttp.ClientSession() as client:
         ds[0].faults = Faults(unhealthy=True)
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         decode = pool.get("d0")
         assert decode is not None
         await wait_for(lambda: not pool.routable(decode, pool.now()), what="decode down")

@@ -10,9 +10,8 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.keys import POOL
 from gateway.limits.tokens import reservation
-from gateway.request.endpoints import FORM_ENDPOINTS, JSON_ENDPOINTS, RESPONSES
+from gateway.request.endpoints import ENDPOINTS
 from tests.helpers import gateway_for
 from tools.sim import RunningSim, SimConfig
 
@@ -55,7 +54,7 @@ async def test_each_endpoint_goes_to_a_backend_that_has_it_and_is_learned() -> N
             )
             assert status == 200, doc
             assert doc["object"] == "chat.completion"
-        state = gw.app[POOL]
+        state = gw.svc.pool
         chats = 4
         while "chat" not in state.get(pool_id).lacks:  # type: ignore[union-attr]
             assert chats < 12, "the pooling server was never offered a chat request"
@@ -108,7 +107,7 @@ async def test_an_endpoint_no_backend_has_is_a_404_in_openai_shape_without_retry
             text = await r.text()
         assert requests_by(text, endpoint="embeddings", backend=gen.url[7:]) == 1
         assert requests_by(text, endpoint="embeddings", backend="none") == 1
-        assert gw.app[POOL].get(gen.url[7:]).lacks == {"embeddings"}  # type: ignore[union-attr]
+        assert gw.svc.pool.get(gen.url[7:]).lacks == {"embeddings"}  # type: ignore[union-attr]
         # Its chat still works; a model nobody serves is the gateway's own 404.
         status, _ = await post(
             s,
@@ -149,7 +148,7 @@ def test_endpoints_that_generate_nothing_reserve_no_completion_budget() -> None:
 def test_the_readmes_endpoint_table_names_every_route_the_gateway_serves() -> None:
     readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
     table = readme.split("## Endpoints", 1)[1].split("\n## ", 1)[0]
-    routed = [p for e in (*JSON_ENDPOINTS, *FORM_ENDPOINTS, RESPONSES) for p in e.paths]
+    routed = [p for e in ENDPOINTS for p in e.paths]
     derendered = [p for p in routed if p.endswith("/derender")]  # written as /v1/*/derender
     missing = [p for p in routed if f"`{p}`" not in table and p not in derendered]
     assert missing == []

@@ -10,7 +10,6 @@ from aiohttp import web
 
 from backends.circuit import Circuit
 from backends.health import Health
-from gateway.keys import POOL
 from loadtest.counting import counting
 from tests.helpers import (
     FakeBackend,
@@ -41,7 +40,7 @@ async def stream(s: aiohttp.ClientSession, url: str) -> tuple[int, bytes]:
 
 
 def backend_state(gw: Any, fake_url: str) -> Any:
-    b = gw.app[POOL].get(fake_url[7:])
+    b = gw.svc.pool.get(fake_url[7:])
     assert b is not None
     return b
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import aiohttp
 
-from gateway.keys import GENERATIONS, POOL
 from gateway.limits.keys import hash_key
 from tests.helpers import RunningGateway, running_gateway, sample, wait_for
 from tools.sim import FAST, Faults, RunningSim, running_sim
@@ -91,7 +90,7 @@ async def test_servers_without_scale_out_are_passed_over() -> None:
                 assert r.status == 200, await r.text()
         assert sims[1].engine.stats.generation_tokens == 16
         assert sims[0].engine.stats.generation_tokens == 0
-        lacking = gw.app[POOL].get("sim0")
+        lacking = gw.svc.pool.get("sim0")
         assert lacking is not None
         assert "generate" in lacking.lacks  # learned from its 403, if it was ever tried
         assert (
@@ -122,7 +121,7 @@ async def test_an_abort_by_the_clients_id_reaches_the_engine_running_it() -> Non
             ids, finishes, _ = stream_ids(await r.read())
         assert finishes == ["abort"]
         assert len(ids) < 500
-        await wait_for(lambda: len(gw.app[GENERATIONS]) == 0, what="the generation forgotten")
+        await wait_for(lambda: len(gw.svc.generations) == 0, what="the generation forgotten")
 
 
 async def test_no_key_aborts_another_keys_generation() -> None:

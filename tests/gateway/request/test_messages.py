@@ -15,7 +15,6 @@ import aiohttp
 import anthropic
 import pytest
 
-from gateway.keys import LIMITER, METRICS
 from gateway.limits.keys import hash_key
 from tests.anthropic_stream import read_stream
 from tests.helpers import RunningGateway, running_gateway, wait_for
@@ -44,7 +43,7 @@ def answered(gw: RunningGateway, endpoint: str) -> float:
     """Requests to ``endpoint`` answered 200, over every backend."""
     return sum(
         s.value
-        for family in gw.app[METRICS].registry.collect()
+        for family in gw.svc.metrics.registry.collect()
         for s in family.samples
         if s.name == "llm_gateway_requests_total"
         and s.labels["endpoint"] == endpoint
@@ -225,7 +224,7 @@ async def test_a_budget_is_charged_what_anthropics_usage_says(stream: bool) -> N
                 m = await s.get_final_message()
         else:
             m = await c.messages.create(model=MODEL, max_tokens=9, messages=USER)
-        usage = await gw.app[LIMITER].usage("tester", days=1)
+        usage = await gw.svc.limiter.usage("tester", days=1)
     assert m.usage.output_tokens == 9
     assert usage["days"][0]["tokens"] == m.usage.input_tokens + 9
 

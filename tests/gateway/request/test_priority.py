@@ -10,7 +10,6 @@ import aiohttp
 import pytest
 
 from backends.upstream.mock import MockRequest, MockResponse, MockTransport
-from gateway.keys import ROUTER
 from gateway.limits.keys import Principal
 from gateway.limits.memory import Limits
 from gateway.request.priority import VLLM_PRIORITY, engine_priority
@@ -72,7 +71,7 @@ async def sent_priorities(headers: dict[str, str], *, own: bool = False) -> dict
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     async with running_gateway(backends, transport=transport, limits={"tiers": tiers}) as gw:
         policy = Named()
-        gw.app[ROUTER].policy = policy
+        gw.svc.router.policy = policy
         async with aiohttp.ClientSession() as s:
             for first in ("a", "b"):
                 policy.first = first
@@ -108,7 +107,7 @@ async def test_where_vllm_reads_only_the_body_the_gateway_sets_the_field() -> No
     body = {"model": "m", "input": "hi", "priority": -40}  # its own, not allowed
     async with running_gateway(backends, transport=transport, limits={"tiers": tiers}) as gw:
         policy = Named()
-        gw.app[ROUTER].policy = policy
+        gw.svc.router.policy = policy
         async with aiohttp.ClientSession() as s:
             for first in ("a", "b"):
                 policy.first = first

@@ -13,7 +13,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.keys import POOL
 from gateway.request.responses import with_response_id
 from tests.helpers import RunningGateway, running_gateway
 from tools.sim import SimConfig
@@ -115,7 +114,7 @@ async def test_unknown_lost_and_unstored_responses_are_openai_errors() -> None:
         kept = await client.responses.create(model=MODEL, input="x", max_output_tokens=2)
         # Its backend leaves the fleet: the response is lost, and the gateway says so.
         [home] = holders(sims, kept.id)
-        gw.app[POOL].remove(home)
+        gw.svc.pool.remove(home)
         with pytest.raises(openai.NotFoundError) as nf:
             await client.responses.retrieve(kept.id)
         assert nf.value.body["code"] == "response_backend_gone"  # type: ignore[index]

@@ -17,8 +17,7 @@ import pytest
 from pydantic import ValidationError
 
 from gateway.config.settings import Settings, load_settings
-from gateway.keys import METRICS, POOL
-from gateway.request.rollout import ROLLOUT, Rollout
+from gateway.request.rollout import Rollout
 from tests.helpers import (
     FakeBackend,
     RunningGateway,
@@ -43,7 +42,7 @@ def pools(v1: str = "v1a", v2: str = "v2a") -> list[dict[str, Any]]:
 
 
 async def all_up(gw: RunningGateway) -> None:
-    pool = gw.app[POOL]
+    pool = gw.svc.pool
     await wait_for(
         lambda: all(pool.routable(b, pool.now()) for b in pool.all()), what="backends up"
     )
@@ -82,7 +81,7 @@ def chat(stream: bool, model: str = ALIAS, max_tokens: int = 3) -> dict[str, Any
 def served(gw: RunningGateway) -> dict[str, float]:
     """Requests counted per pool so far (all statuses)."""
     out: dict[str, float] = {}
-    for family in gw.app[METRICS].pool_requests.collect():
+    for family in gw.svc.metrics.pool_requests.collect():
         for s in family.samples:
             if s.name.endswith("_total"):
                 pool = s.labels["pool"]
@@ -254,7 +253,7 @@ async def test_a_drained_pool_gets_no_new_requests() -> None:
         assert {await pool_of(http, gw) for _ in range(20)} == {"v1"}
         async with admin.post(f"{gw.admin_url}/admin/pools/v2/undrain") as r:
             assert r.status == 200
-        assert gw.app[ROLLOUT].drained == set()
+        assert gw.svc.rollout.drained == set()
 
 
 async def test_reload_applies_weights_live_and_refuses_a_bad_file(tmp_path: Path) -> None:
@@ -310,7 +309,7 @@ backends = ["v2a"]
             write("{v1 = 5, v9 = 1}")
             async with admin.post(f"{gw.admin_url}/admin/reload") as r:
                 assert r.status == 400
-            assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 0, "v2": 100}
+            assert gw.svc.rollout.aliases[ALIAS] == {"v1": 0, "v2": 100}
             async with admin.post(f"{gw.admin_url}/admin/aliases/{ALIAS}/rollback") as r:
                 assert (await r.json())["weights"] == {"v1": 100}
 
@@ -371,7 +370,7 @@ async def test_a_pool_whose_backends_are_all_down_passes_its_share_to_the_others
     """Found by the soak: with its canary's one backend dead, an alias's canary share got
     502/503 while the stable pool was healthy. A pool nobody can serve is passed over."""
     async with fleet({"v1": 50, "v2": 50}) as gw, aiohttp.ClientSession() as http:
-        pool = gw.app[POOL]
+        pool = gw.svc.pool
         pool.set_draining("v2a", True)  # its only backend takes no request: as if it died
         pools_used = [await pool_of(http, gw) for _ in range(20)]
         pool.set_draining("v2a", False)
@@ -414,7 +413,7 @@ async def test_a_pool_lost_while_the_request_waited_for_its_limits_is_chosen_aga
                 )
                 await wait_for(lambda: own_redis.unread() > 0, what="the limit script sent")
                 s2.faults = replace(s2.faults, unhealthy=True)
-                pool = gw.app[POOL]
+                pool = gw.svc.pool
                 await wait_for(lambda: not pool.get("v2a").up, what="the canary's backend down")  # type: ignore[union-attr]
             finally:
                 own_redis.resume()

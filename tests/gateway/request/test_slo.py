@@ -10,7 +10,6 @@ from typing import Any
 
 import aiohttp
 
-from gateway.keys import LATENCY, POOL, SETTINGS
 from policies import Outcome
 from policies.latency import Load
 from tests.helpers import RunningGateway, fronting, sample, wait_for
@@ -49,7 +48,7 @@ async def post(
 async def learn(s: aiohttp.ClientSession, gw: RunningGateway, n: int = 10) -> None:
     for _ in range(n):
         assert (await post(s, gw)).status == 200
-    assert gw.app[LATENCY].view(gw.app[LATENCY].backends()[0]).observed == n
+    assert gw.svc.latency.view(gw.svc.latency.backends()[0]).observed == n
 
 
 def slo(gw: RunningGateway, outcome: str) -> float:
@@ -99,14 +98,14 @@ async def test_a_malformed_objective_is_a_400_and_nothing_is_counted() -> None:
                 assert err["type"] == "invalid_request_error"
                 assert "milliseconds" in err["message"]
         assert sum(slo(gw, o) for o in ("met", "unmet", "waited", "late", "shed")) == 0
-        assert gw.app[LATENCY].backends() == []  # no request reached a backend
+        assert gw.svc.latency.backends() == []  # no request reached a backend
 
 
 async def test_a_request_waits_for_the_fleet_to_change_until_its_objective_is_predicted_met() -> (
     None
 ):
     async with gateway(queue=True) as gw, aiohttp.ClientSession() as s:
-        gw.app[SETTINGS].limits.admission.max_wait = 5.0
+        gw.svc.settings.limits.admission.max_wait = 5.0
         await learn(s, gw)
         call = asyncio.ensure_future(post(s, gw, **{"x-ttft-slo-ms": "20"}))
         await asyncio.sleep(0.2)  # sleep-ok: it is waiting (nothing reached the backend)
@@ -114,12 +113,12 @@ async def test_a_request_waits_for_the_fleet_to_change_until_its_objective_is_pr
         assert slo(gw, "waited") == 0
         # The backend turns out fast (as if its recent answers had come in 1 ms), and the
         # pool says capacity may have changed: the waiter predicts again and goes.
-        tracker = gw.app[LATENCY]
+        tracker = gw.svc.latency
         backend = tracker.backends()[0]
         fast = Outcome(ok=True, status=200, first_token_s=0.001, tokens=2, duration_s=0.002)
         for _ in range(200):
             tracker.observe(backend, Load(uncached=4), fast)
-        gw.app[POOL].changed()
+        gw.svc.pool.changed()
         r = await asyncio.wait_for(call, 2.0)
         assert r.status == 200
         assert slo(gw, "waited") == 1

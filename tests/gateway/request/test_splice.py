@@ -15,7 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from gateway.http import Server
-from gateway.keys import METRICS, POOL, UPSTREAM
+from gateway.request.services import Services
 from tests.helpers import (
     FakeBackend,
     Seen,
@@ -44,10 +44,10 @@ def in_gateway_for_clients(server: Server) -> int:
     return held
 
 
-async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> web.Application:
+async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> Services:
     """A client that reads nothing until the gateway has stopped reading the backend (which
     is then held back), waits ``hold`` seconds more, then reads the whole stream; checks the
-    gateway's buffering stayed bounded and the stream arrived whole. Returns the gateway's app.
+    gateway's buffering stayed bounded and the stream arrived whole. Returns the gateway's services.
     """
     progress: dict[str, Any] = {"written": 0, "transport": None}
 
@@ -64,7 +64,7 @@ async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> web.A
 
     def gateway_paused() -> bool:
         over = progress["written"] == N_EVENTS or in_gateway_for_clients(gw.server) > BOUND
-        return over or any(t.paused for t in gw.app[UPSTREAM].pool.tapped())
+        return over or any(t.paused for t in gw.svc.upstream.pool.tapped())
 
     def backend_held_back() -> bool:
         transport = progress["transport"]
@@ -101,7 +101,7 @@ async def stop_reading_then_read_all(hold: float = 0.0, **gateway: Any) -> web.A
     assert received.count(b"data: x") == N_EVENTS
     assert received.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
     assert fake.seen[0].ending == "complete"
-    return gw.app
+    return gw.svc
 
 
 async def test_a_client_that_stops_reading_pauses_the_upstream_and_then_completes() -> None:
@@ -111,18 +111,18 @@ async def test_a_client_that_stops_reading_pauses_the_upstream_and_then_complete
 async def test_a_client_that_stops_reading_longer_than_the_stall_limit_stalls_no_backend() -> None:
     # Its stream stands still for 3 s, longer than both the stall limit and the idle timeout:
     # that is the client's doing, so the backend is not taken out and the stream is not cut.
-    app = await stop_reading_then_read_all(
+    svc = await stop_reading_then_read_all(
         hold=3.0, health={"stall_after": 1.0}, upstream={"idle_timeout": 2.0}
     )
-    assert total(app, "llm_gateway_backend_stalls_total") == 0
-    assert total(app, "llm_gateway_stream_continuations_total") == 0
-    assert all(b.health.state.value == "up" for b in app[POOL].all())
+    assert total(svc, "llm_gateway_backend_stalls_total") == 0
+    assert total(svc, "llm_gateway_stream_continuations_total") == 0
+    assert all(b.health.state.value == "up" for b in svc.pool.all())
 
 
-def total(app: web.Application, sample: str) -> float:
+def total(svc: Services, sample: str) -> float:
     """A metric's value summed over its label sets."""
     return sum(
-        s.value for m in app[METRICS].registry.collect() for s in m.samples if s.name == sample
+        s.value for m in svc.metrics.registry.collect() for s in m.samples if s.name == sample
     )
 
 

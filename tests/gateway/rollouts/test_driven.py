@@ -14,8 +14,6 @@ from typing import Any
 import aiohttp
 
 from gateway.config.settings import Settings, load_settings
-from gateway.keys import METRICS, ROLLOUTS
-from gateway.request.rollout import ROLLOUT
 from tests.helpers import RunningGateway, running_gateway, wait_for
 from tools.sim import FAST, RunningSim, running_sim
 from tools.sim.faults import Faults
@@ -85,7 +83,7 @@ async def traffic(gw: RunningGateway) -> AsyncIterator[list[int]]:
 
 
 def status(gw: RunningGateway) -> str | None:
-    run = gw.app[ROLLOUTS].now.get(ALIAS)
+    run = gw.svc.rollouts.now.get(ALIAS)
     return None if run is None else run.status
 
 
@@ -99,11 +97,11 @@ async def test_a_healthy_canary_is_promoted_through_every_step_once() -> None:
     async with fleet() as (gw, _s1, _s2), aiohttp.ClientSession() as http:
         started = await start(http, gw, PLAN)
         assert started["weights"] == {"v1": 90.0, "v2": 10.0}
-        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
+        assert gw.svc.rollout.aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
         async with traffic(gw) as statuses:
             await wait_for(lambda: status(gw) == "promoted", within=60, what="promoted")
         assert set(statuses) == {200}
-        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        run = gw.svc.rollouts.now.get(ALIAS)
         assert run is not None
         assert [(e.action, e.step) for e in run.history] == [
             ("start", 0),
@@ -114,8 +112,8 @@ async def test_a_healthy_canary_is_promoted_through_every_step_once() -> None:
         last = run.history[-1]
         assert all(r["passed"] for r in last.readings)
         assert {r["gate"] for r in last.readings} >= {"errors", "ttft_p99", "itl_p50"}
-        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v2": 100.0}
-        assert gw.app[METRICS].rollout_share.labels(ALIAS)._value.get() == 100.0
+        assert gw.svc.rollout.aliases[ALIAS] == {"v2": 100.0}
+        assert gw.svc.metrics.rollout_share.labels(ALIAS)._value.get() == 100.0
         async with http.get(f"{gw.admin_url}/admin/rollouts/{ALIAS}", headers=AUTH) as r:
             view = await r.json()
         assert view["status"] == "promoted"
@@ -128,7 +126,7 @@ async def test_a_canary_that_errs_is_rolled_back_and_drained_at_once() -> None:
         await start(http, gw, PLAN)
         async with traffic(gw):
             await wait_for(lambda: status(gw) == "aborted", within=60, what="aborted")
-        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        run = gw.svc.rollouts.now.get(ALIAS)
         assert run is not None
         assert run.step == 0  # it never left the first step
         abort = run.history[-1]
@@ -137,9 +135,9 @@ async def test_a_canary_that_errs_is_rolled_back_and_drained_at_once() -> None:
         [errors] = [r for r in abort.readings if r["gate"] == "errors"]
         assert not errors["passed"]
         assert errors["canary"] > errors["limit"]
-        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
-        assert "v2" in gw.app[ROLLOUT].drained  # until someone acts
-        aborts = gw.app[METRICS].rollout_aborts.labels(ALIAS, "errors")._value.get()
+        assert gw.svc.rollout.aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
+        assert "v2" in gw.svc.rollout.drained  # until someone acts
+        aborts = gw.svc.metrics.rollout_aborts.labels(ALIAS, "errors")._value.get()
         assert aborts == 1
         async with traffic(gw) as statuses:  # the alias is the stable pool's alone again
             await wait_for(lambda: len(statuses) >= 10, what="ten requests")
@@ -160,7 +158,7 @@ async def test_a_canary_that_answers_differently_is_rolled_back_by_the_probes() 
         async with traffic(gw) as statuses:
             await wait_for(lambda: status(gw) == "aborted", within=60, what="aborted")
         assert set(statuses) == {200}  # fast and without an error: only the probes tell
-        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        run = gw.svc.rollouts.now.get(ALIAS)
         assert run is not None
         abort = run.history[-1]
         assert abort.why == "gate(s) failed: probes"
@@ -174,7 +172,7 @@ async def test_a_canary_that_answers_alike_passes_the_probes() -> None:
         await start(http, gw, PROBED)
         async with traffic(gw):
             await wait_for(lambda: status(gw) == "promoted", within=60, what="promoted")
-        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        run = gw.svc.rollouts.now.get(ALIAS)
         assert run is not None
         for event in run.history[1:]:  # every step judged on the probes too, and passed
             [probes] = [r for r in event.readings if r["gate"] == "probes"]
@@ -189,7 +187,7 @@ async def test_a_paused_rollout_holds_its_step_and_goes_on_when_resumed() -> Non
             assert r.status == 200, await r.text()
         async with traffic(gw) as statuses:
             await wait_for(lambda: len(statuses) >= 60, within=30, what="sixty requests")
-            run = gw.app[ROLLOUTS].now.get(ALIAS)
+            run = gw.svc.rollouts.now.get(ALIAS)
             assert run is not None
             assert (run.status, run.step) == ("paused", 0)  # enough requests, held anyway
             async with http.post(
@@ -213,8 +211,8 @@ async def test_bad_rollouts_are_refused_and_change_nothing() -> None:
                 assert says in (await r.json())["error"]["message"]
         async with http.post(f"{gw.admin_url}/admin/rollouts/nope", json=PLAN, headers=AUTH) as r:
             assert r.status == 404
-        assert gw.app[ROLLOUTS].now.get(ALIAS) is None
-        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
+        assert gw.svc.rollouts.now.get(ALIAS) is None
+        assert gw.svc.rollout.aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
         await start(http, gw, {**PLAN, "hold_s": 3600})
         async with http.post(url, json=PLAN, headers=AUTH) as r:
             assert r.status == 409  # one under way already
@@ -224,7 +222,7 @@ async def test_bad_rollouts_are_refused_and_change_nothing() -> None:
             assert r.status in (404, 405)  # the driver's alone: not an admin route
         async with http.post(url, json=PLAN) as r:
             assert r.status == 401  # admin functions are never open
-        run = gw.app[ROLLOUTS].now.get(ALIAS)
+        run = gw.svc.rollouts.now.get(ALIAS)
         assert run is not None
         assert (run.status, run.step) == ("running", 0)
 
@@ -248,7 +246,7 @@ async def test_a_rollback_after_a_promotion_goes_back_to_the_split_before_the_ro
             assert r.status == 200, await r.text()
             doc = await r.json()
         assert (doc["weights"], doc["previous"]) == ({"v1": 100.0, "v2": 0.0}, {"v2": 100.0})
-        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
+        assert gw.svc.rollout.aliases[ALIAS] == {"v1": 100.0, "v2": 0.0}
         async with http.post(f"{alias}/rollback") as r:
             assert (await r.json())["weights"] == {"v2": 100.0}
 
@@ -263,8 +261,8 @@ async def test_a_rollback_is_refused_while_a_rollout_is_under_way() -> None:
         async with http.post(f"{alias}/rollback") as r:
             assert r.status == 409
             assert "abort it" in (await r.json())["error"]["message"]
-        assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
-        assert gw.app[ROLLOUT].previous[ALIAS] == {"v1": 100.0, "v2": 0.0}
+        assert gw.svc.rollout.aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
+        assert gw.svc.rollout.previous[ALIAS] == {"v1": 100.0, "v2": 0.0}
         async with http.post(f"{gw.admin_url}/admin/rollouts/{ALIAS}/abort") as r:
             assert r.status == 200, await r.text()
         async with http.post(f"{alias}/rollback") as r:
@@ -346,28 +344,28 @@ gates = {{ {gates} }}
             aiohttp.ClientSession(headers=AUTH) as admin,
         ):
             await wait_for(lambda: status(gw) == "running", within=30, what="started by itself")
-            assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
+            assert gw.svc.rollout.aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
             changed = {**slow, "steps": [20, 100]}
             write("{ v1 = 50, v2 = 50 }", changed)
             async with admin.post(f"{gw.admin_url}/admin/reload") as r:
                 assert r.status == 200, await r.text()
                 assert {"aliases", "rollout"} <= set((await r.json())["applied"])
             # The rollout owns the alias's weights while it runs; its plan is the one started.
-            assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
-            run = gw.app[ROLLOUTS].now.get(ALIAS)
+            assert gw.svc.rollout.aliases[ALIAS] == {"v1": 90.0, "v2": 10.0}
+            run = gw.svc.rollouts.now.get(ALIAS)
             assert run is not None
             assert run.plan.steps == (10.0, 50.0, 100.0)
             async with admin.post(f"{gw.admin_url}/admin/rollouts/{ALIAS}/abort") as r:
                 assert r.status == 200, await r.text()
             await wait_for(
                 lambda: (
-                    (r := gw.app[ROLLOUTS].now.get(ALIAS)) is not None
+                    (r := gw.svc.rollouts.now.get(ALIAS)) is not None
                     and r.plan.steps == (20.0, 100.0)
                 ),
                 within=30,
                 what="the changed plan started once the first ended",
             )
-            assert gw.app[ROLLOUT].aliases[ALIAS] == {"v1": 80.0, "v2": 20.0}
-            run = gw.app[ROLLOUTS].now.get(ALIAS)
+            assert gw.svc.rollout.aliases[ALIAS] == {"v1": 80.0, "v2": 20.0}
+            run = gw.svc.rollouts.now.get(ALIAS)
             assert run is not None
             assert [(e.action, e.by) for e in run.history] == [("start", "configuration")]

@@ -20,6 +20,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
+from gateway.request.services import Services
 from tests import budget_and_shed
 from tests.gateway.admin.console.page import opened, sign_in
 from tests.helpers import gateway_for
@@ -38,7 +39,7 @@ class Budgeted:
     url: str
     admin_url: str
     token: str
-    app: Any
+    svc: Services
     session: aiohttp.ClientSession
     backends: tuple[FakeBackend, FakeBackend]
     loop: asyncio.AbstractEventLoop
@@ -74,7 +75,7 @@ def budgeted_gateway(redis_url: str, prefix: str) -> Iterator[Budgeted]:
         try:
             async with gateway_for(a, b, names=budget_and_shed.NAMES, **settings) as (gw, s):
                 assert gw.admin_url is not None
-                started.set_result(Budgeted(gw.url, gw.admin_url, token, gw.app, s, (a, b), loop))
+                started.set_result(Budgeted(gw.url, gw.admin_url, token, gw.svc, s, (a, b), loop))
                 await stop.wait()
         except BaseException as exc:
             if not started.done():
@@ -101,7 +102,7 @@ def test_the_page_shows_the_retry_budget_its_state_and_the_requests_shed(
     with budgeted_gateway(own_redis.url, redis_prefix) as gateway:
         a, b = gateway.backends
         statuses = gateway.run(budget_and_shed.retried(gateway.session, gateway.url))
-        gateway.run(budget_and_shed.shed_one(gateway.session, gateway.url, gateway.app, a, b))
+        gateway.run(budget_and_shed.shed_one(gateway.session, gateway.url, gateway.svc, a, b))
         retry = gateway.stats()["retry_budget"]["attempts"]["retry"]
         assert retry["refused"] == statuses[503] >= 1
         assert retry["taken"] >= 1

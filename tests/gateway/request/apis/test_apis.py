@@ -20,9 +20,8 @@ from gateway.request.endpoints import (
     COMPLETIONS,
     COUNT_TOKENS,
     EMBEDDINGS,
-    FORM_ENDPOINTS,
+    ENDPOINTS,
     GENERATE,
-    JSON_ENDPOINTS,
     MESSAGES,
     RESPONSES,
     TOKENIZE,
@@ -76,7 +75,7 @@ def svc(s: _Svc) -> Services:
 
 
 def test_the_table_names_an_api_and_a_dialect_for_every_endpoint() -> None:
-    by_api = {e.name: e.api for e in (*JSON_ENDPOINTS, *FORM_ENDPOINTS)}
+    by_api = {e.name: e.api for e in ENDPOINTS}
     assert by_api["chat"] is CHAT_API
     assert by_api["completions"] is COMPLETIONS_API
     assert by_api["generate"] is GENERATE_API
@@ -84,7 +83,7 @@ def test_the_table_names_an_api_and_a_dialect_for_every_endpoint() -> None:
     assert by_api["count_tokens"] is MESSAGES_SIDE_API
     assert by_api["embeddings"] is PLAIN
     assert by_api["transcriptions"] is PLAIN
-    assert {e.dialect for e in (*JSON_ENDPOINTS, *FORM_ENDPOINTS)} == {OPENAI, ANTHROPIC}
+    assert {e.dialect for e in ENDPOINTS} == {OPENAI, ANTHROPIC}
     assert MESSAGES.dialect is ANTHROPIC
     assert COUNT_TOKENS.dialect is ANTHROPIC
     assert CHAT.dialect is OPENAI

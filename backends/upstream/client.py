@@ -81,8 +81,8 @@ def translate(exc: BaseException, backend: BackendSpec) -> UpstreamError:
 CLIENT_ERRORS = (Broken, TimeoutError, OSError)
 
 
-class Body(Protocol):
-    """What the relay reads of a response body (``h1.Response`` is one)."""
+class UpstreamBody(Protocol):
+    """What the relay reads of a response body (``h1.UpstreamResponse`` is one)."""
 
     async def readany(self) -> bytes: ...
 
@@ -103,7 +103,7 @@ class Replayable(Protocol):
 RequestBody = bytes | Replayable
 
 
-class Claim(Protocol):
+class HedgeRace(Protocol):
     """Attempts racing for one client (a hedge): the first to claim it answers."""
 
     def claim(self, interrupt: Interrupt) -> bool:
@@ -124,9 +124,9 @@ class Interrupt:
 
     __slots__ = ("_body", "_timer", "_wait", "armed", "cause", "race")
 
-    def __init__(self, race: Claim | None = None) -> None:
+    def __init__(self, race: HedgeRace | None = None) -> None:
         self._wait: HeadWait | None = None
-        self._body: Body | None = None
+        self._body: UpstreamBody | None = None
         self._timer: asyncio.TimerHandle | None = None
         self.armed = True
         self.cause: Ended | None = None  # set once ended
@@ -169,7 +169,7 @@ class Interrupt:
             self._timer.cancel()
             self._timer = None
 
-    def watch(self, body: Body) -> None:
+    def watch(self, body: UpstreamBody) -> None:
         """The head has arrived: from now on an interrupt fails the body's reads."""
         self._body = body
         if self.cause is not None:  # ended as the head arrived: nothing was read yet
@@ -249,10 +249,10 @@ class Upstream:
     status: int
     headers: CIMultiDictProxy[str]
     content_type: str
-    content: Body
+    content: UpstreamBody
     watch: IdleWatch
     interrupt: Interrupt | None = None
-    response: h1.Response | None = None
+    response: h1.UpstreamResponse | None = None
 
 
 class Transport(Protocol):
@@ -292,7 +292,7 @@ class UpstreamClient:
         supervisor: Supervisor | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.pool = h1.Pool(
+        self.pool = h1.ConnectionPool(
             connect_timeout=connect_timeout,
             # Shorter than the backend's own (vLLM's uvicorn closes idle connections after 5 s):
             # reusing a connection the server is closing fails a request for nothing.
@@ -325,7 +325,7 @@ class UpstreamClient:
             headers = CIMultiDict(headers)
             headers["Authorization"] = f"Bearer {backend.api_key}"
         wait = HeadWait(backend, interrupt)
-        resp: h1.Response | None = None
+        resp: h1.UpstreamResponse | None = None
 
         def on_idle() -> None:  # the idle watchdog bounds the head's wait as the body's
             stalled = watch.stalled

@@ -123,7 +123,7 @@ def request_head(
     return "".join(lines).encode("utf-8", "surrogateescape")
 
 
-class Response:
+class UpstreamResponse:
     """A response on one connection: its head once ``ready``, then its body.
 
     The body is read with ``readany``/``read`` (buffered) or handed to a sink (``tap``); a
@@ -150,7 +150,7 @@ class Response:
         "until_close",
     )
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: UpstreamConnection) -> None:
         self._conn = conn
         self.parser = httptools.HttpResponseParser(self)
         self._head: asyncio.Future[None] = conn.loop.create_future()
@@ -189,7 +189,7 @@ class Response:
             return "application/octet-stream"
         return raw.partition(";")[0].strip().lower()
 
-    # -- httptools' callbacks (inside Connection.data_received) ------------------------
+    # -- httptools' callbacks (inside UpstreamConnection.data_received) ----------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.add(name.decode("latin-1"), value.decode("latin-1"))
@@ -278,7 +278,7 @@ class Response:
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
-    # -- the reader's side (backends.upstream.client.Body) -------------------------------------
+    # -- the reader's side (backends.upstream.client.UpstreamBody) -----------------------------
 
     def set_exception(self, exc: BaseException) -> None:
         """Fail the body (and the wait for the head, if it is still on)."""
@@ -329,7 +329,7 @@ class Response:
 
     # -- the tap: the body straight to a sink --------------------------------------------
 
-    def tap(self, sink: StreamSink) -> Response | None:
+    def tap(self, sink: StreamSink) -> UpstreamResponse | None:
         """Hand the rest of the body to ``sink``, from the read callback; None if it has
         failed already (the caller reads it the usual way, and meets the error)."""
         if self._exc is not None:
@@ -371,7 +371,7 @@ class Response:
         self._sink = None
 
 
-class Connection(asyncio.Protocol):
+class UpstreamConnection(asyncio.Protocol):
     """One keep-alive connection to a backend; one response on it at a time."""
 
     __slots__ = (
@@ -388,12 +388,12 @@ class Connection(asyncio.Protocol):
         "transport",
     )
 
-    def __init__(self, pool: Pool, key: Origin) -> None:
+    def __init__(self, pool: ConnectionPool, key: Origin) -> None:
         self.pool = pool
         self.key = key
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
-        self.response: Response | None = None
+        self.response: UpstreamResponse | None = None
         self.reusable = True
         self.lost = False
         self.idle_since = 0.0  # when it went back to the pool (loop time)
@@ -484,15 +484,15 @@ class Connection(asyncio.Protocol):
         self.close()
 
 
-class Pool:
+class ConnectionPool:
     """Keep-alive connections per origin; at most ``limit`` open at once (0: no limit)."""
 
     def __init__(self, *, connect_timeout: float, keepalive_timeout: float, limit: int = 0) -> None:
         self.connect_timeout = connect_timeout
         self.keepalive_timeout = keepalive_timeout
         self.limit = limit
-        self._idle: dict[Origin, list[Connection]] = {}
-        self._open: set[Connection] = set()
+        self._idle: dict[Origin, list[UpstreamConnection]] = {}
+        self._open: set[UpstreamConnection] = set()
         self._connecting = 0
         self._waiters: list[asyncio.Future[None]] = []
         self._tls: ssl.SSLContext | None = None
@@ -512,7 +512,7 @@ class Pool:
         backends discovered and gone, the origins seen would otherwise only grow)."""
         return len(self._idle)
 
-    def tapped(self) -> list[Response]:
+    def tapped(self) -> list[UpstreamResponse]:
         """The responses now read by a sink (for tests and debugging)."""
         return [c.response for c in self._open if c.response is not None and c.response.tapped]
 
@@ -526,7 +526,7 @@ class Pool:
         body: bytes | None = None,
         stream: AsyncIterator[bytes] | None = None,
         length: int | None = None,
-    ) -> Response:
+    ) -> UpstreamResponse:
         """Send a request; return its response once the head has come. ``stream`` sends a body
         of ``length`` bytes as it is read. Raises ``Broken`` (and the caller's cancellation)."""
         key = origin(url)
@@ -534,7 +534,7 @@ class Pool:
             length = len(body)
         head = request_head(method, key, path, headers, length)
         conn = await self._acquire(key)
-        resp = Response(conn)
+        resp = UpstreamResponse(conn)
         conn.response = resp
         transport = conn.transport
         assert transport is not None
@@ -552,7 +552,7 @@ class Pool:
             raise
         return resp
 
-    def release(self, resp: Response, *, complete: bool) -> None:
+    def release(self, resp: UpstreamResponse, *, complete: bool) -> None:
         """The caller is done with ``resp``: its connection goes back to the pool if the body
         was read to its end and both sides allow it; else it is closed (which is how a backend
         learns that nobody waits for the rest)."""
@@ -591,7 +591,7 @@ class Pool:
 
     # -- connections -----------------------------------------------------------------
 
-    async def _acquire(self, key: Origin) -> Connection:
+    async def _acquire(self, key: Origin) -> UpstreamConnection:
         idle = self._idle.get(key)
         while idle:
             conn = idle.pop()  # the most recent: the least likely to be closing
@@ -616,9 +616,9 @@ class Pool:
                     return await self._acquire(key)
         return await self._connect(key)
 
-    async def _connect(self, key: Origin) -> Connection:
+    async def _connect(self, key: Origin) -> UpstreamConnection:
         loop = asyncio.get_running_loop()
-        conn = Connection(self, key)
+        conn = UpstreamConnection(self, key)
         self._connecting += 1
         try:
             async with asyncio.timeout(self.connect_timeout or None):
@@ -672,14 +672,14 @@ class Pool:
         if nearest is not None:
             self._sweep = loop.call_at(nearest + ttl, self._expire_idle)
 
-    def _drop_idle(self, conn: Connection) -> None:
+    def _drop_idle(self, conn: UpstreamConnection) -> None:
         conns = self._idle.get(conn.key)
         if conns and conn in conns:
             conns.remove(conn)
             if not conns:
                 del self._idle[conn.key]
 
-    def _gone(self, conn: Connection) -> None:
+    def _gone(self, conn: UpstreamConnection) -> None:
         self._open.discard(conn)
         self._drop_idle(conn)
         self._wake_one()

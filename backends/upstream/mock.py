@@ -66,7 +66,7 @@ class MockResponse:
         return cls(status, chunks, {"Content-Type": "text/event-stream"})
 
 
-Handler = Callable[[MockRequest], Awaitable[MockResponse]]
+MockHandler = Callable[[MockRequest], Awaitable[MockResponse]]
 
 
 class _Body:
@@ -116,7 +116,7 @@ async def _once(body: bytes) -> AsyncIterator[bytes]:
 class MockTransport:
     """Answers every request with ``handler``; records what was sent and how it ended."""
 
-    def __init__(self, handler: Handler, *, idle_timeout: float = 5.0) -> None:
+    def __init__(self, handler: MockHandler, *, idle_timeout: float = 5.0) -> None:
         self.handler = handler
         self.idle_timeout = idle_timeout
         self.requests: list[MockRequest] = []  # the POSTs (the request path's), in order

@@ -6,8 +6,9 @@ the answer ended. It reads the first chunk before sending anything to the client
 that fails before its first byte raises, and the caller may still try another backend.
 
 After the first chunk, the rest of the stream takes the fast path when it can: a ``Splice``
-fed by a tap on the upstream body (``backends.upstream.h1.Response.tap``) writes each read to the
-client's transport from the upstream read callback, so a token costs no task wake-up at all.
+fed by a tap on the upstream body (``backends.upstream.h1.UpstreamResponse.tap``) writes each
+read to the client's transport from the upstream read callback, so a token costs no task
+wake-up at all.
 The slow path (``readany`` / ``write`` in the handler task) remains for what cannot be tapped.
 The splice writes to the client's transport under the gateway's own server's flow control
 (``gateway.http.StreamResponse``: ``writing_paused``, ``drain``).

@@ -13,7 +13,7 @@ from aiohttp import web
 
 from backends.upstream import h1
 
-POOL = web.AppKey("pool", h1.Pool)
+POOL = web.AppKey("pool", h1.ConnectionPool)
 PORTS = web.AppKey("ports", itertools.cycle)
 
 
@@ -40,7 +40,7 @@ async def relay(request: web.Request) -> web.StreamResponse:
 
 def app(backends: list[int]) -> web.Application:
     application = web.Application()
-    application[POOL] = h1.Pool(connect_timeout=5, keepalive_timeout=4)
+    application[POOL] = h1.ConnectionPool(connect_timeout=5, keepalive_timeout=4)
     application[PORTS] = itertools.cycle(backends)
     application.router.add_post("/v1/chat/completions", relay)
     application.router.add_post("/v1/completions", relay)

@@ -24,7 +24,7 @@ _HEAD = b"HTTP/1.1 %d OK\r\nContent-Type: %b\r\nTransfer-Encoding: chunked\r\n\r
 
 
 class Conn(asyncio.Protocol):
-    def __init__(self, pool: h1.Pool, ports: Iterator[int]) -> None:
+    def __init__(self, pool: h1.ConnectionPool, ports: Iterator[int]) -> None:
         self._pool = pool
         self._ports = ports
         self._parser = httptools.HttpRequestParser(self)
@@ -103,7 +103,7 @@ class Conn(asyncio.Protocol):
 
 
 async def main(port: int, backends: list[int]) -> None:
-    pool = h1.Pool(connect_timeout=5, keepalive_timeout=4)
+    pool = h1.ConnectionPool(connect_timeout=5, keepalive_timeout=4)
     ports = itertools.cycle(backends)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(lambda: Conn(pool, ports), "127.0.0.1", port, backlog=4096)

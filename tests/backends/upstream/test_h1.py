@@ -69,8 +69,8 @@ class Server:
         self.bodies.append(await reader.readexactly(length))
 
 
-def pool(**kw: Any) -> h1.Pool:
-    return h1.Pool(connect_timeout=2.0, keepalive_timeout=kw.pop("keepalive", 2.0), **kw)
+def pool(**kw: Any) -> h1.ConnectionPool:
+    return h1.ConnectionPool(connect_timeout=2.0, keepalive_timeout=kw.pop("keepalive", 2.0), **kw)
 
 
 class Sink:
@@ -444,7 +444,7 @@ def test_a_connection_not_made_in_time_times_out(run: Any) -> None:
         fillers.append(s)
 
     async def test() -> None:
-        p = h1.Pool(connect_timeout=0.3, keepalive_timeout=1.0)
+        p = h1.ConnectionPool(connect_timeout=0.3, keepalive_timeout=1.0)
         with pytest.raises(h1.ConnectTimeout):
             await p.request("GET", f"http://127.0.0.1:{port}", "/", {})
         assert len(p) == 0
@@ -493,7 +493,7 @@ def test_idle_connections_each_expire_after_the_keepalive_timeout_on_one_timer(r
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
             await writer.drain()
 
-    async def fetch(p: h1.Pool, url: str) -> h1.Response:
+    async def fetch(p: h1.ConnectionPool, url: str) -> h1.UpstreamResponse:
         resp = await p.request("GET", url, "/", {})
         assert await resp.read() == b"ok"
         return resp

@@ -21,10 +21,10 @@ from prometheus_client.core import Metric
 
 from gateway.observe.metrics import ADMISSION_QUEUE_METRIC, QUEUE_DEPTH_METRIC
 
-Buckets = dict[float, float]
+HistogramBuckets = dict[float, float]
 
 
-def _bucket_list(buckets: Buckets) -> list[list[float | None]]:
+def _bucket_list(buckets: HistogramBuckets) -> list[list[float | None]]:
     """Sorted ``[le, cumulative]`` pairs; ``le`` +Inf becomes null (JSON has no infinity)."""
     return [[None if math.isinf(le) else le, n] for le, n in sorted(buckets.items())]
 
@@ -59,7 +59,7 @@ _GAUGES: Final = (
 def stats_document(families: Iterable[Metric], at: float) -> dict[str, Any]:
     """Regroup one collection of the gateway's registry; ``at`` is the wall time of it."""
     backends: dict[str, dict[str, Any]] = {}
-    histograms: dict[str, dict[str, Buckets]] = {kind: {} for kind in _HISTOGRAMS.values()}
+    histograms: dict[str, dict[str, HistogramBuckets]] = {kind: {} for kind in _HISTOGRAMS.values()}
     rejections: dict[tuple[str, str], float] = {}
     aliases: dict[str, dict[str, dict[str, float]]] = {}
     counters: dict[str, dict[str, float]] = {field: {} for field, _ in _COUNTERS.values()}

@@ -9,15 +9,15 @@ from gateway.limits.fairqueue import SaturationThresholds, fleet_saturated, pars
 from gateway.limits.keys import Authenticator, Principal, hash_key
 from gateway.limits.limiter import Grant, Limiter, make_store, open_limiter
 from gateway.limits.settings import LimitsSettings
-from gateway.limits.store import Decision, Limits, LimitStore, Ticket
+from gateway.limits.store import LimitDecision, Limits, LimitStore, Ticket
 from gateway.limits.tokens import UsageFilter, usage_from_body, usage_plan, with_include_usage
 
 __all__ = [
     "AdmissionQueue",
     "AdmissionTicket",
     "Authenticator",
-    "Decision",
     "Grant",
+    "LimitDecision",
     "LimitStore",
     "Limiter",
     "Limits",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gateway.limits.store import Decision, Limits, Reason, Window
+from gateway.limits.store import LimitDecision, LimitFigures, Limits, Reason
 
 _CONCURRENCY_RETRY_S = 1.0  # no way to know when a slot frees; suggest a short wait
 
@@ -42,15 +42,17 @@ def refill(b: Buckets, limits: Limits, now: float) -> Buckets:
     return Buckets(r, t, max(now, b.at))
 
 
-def _window(level: float, cap: int | None) -> Window | None:
+def _window(level: float, cap: int | None) -> LimitFigures | None:
     if cap is None:
         return None
-    return Window(limit=cap, remaining=max(0, math.floor(level)), reset=(cap - level) * 60.0 / cap)
+    return LimitFigures(
+        limit=cap, remaining=max(0, math.floor(level)), reset=(cap - level) * 60.0 / cap
+    )
 
 
 def admit(
     state: Buckets | None, limits: Limits, cost: int, now: float, in_use: int
-) -> tuple[Decision, Buckets | None]:
+) -> tuple[LimitDecision, Buckets | None]:
     """Decide one admission; returns the decision (ticket unset) and the state to store.
 
     ``in_use`` is the number of concurrency slots currently held by the key. The state to store
@@ -70,7 +72,7 @@ def admit(
         reason, retry = "tokens", (cost - b.tokens) * 60.0 / tpm
     if reason is not None:
         return (
-            Decision(
+            LimitDecision(
                 allowed=False,
                 reason=reason,
                 retry_after=retry,
@@ -85,7 +87,7 @@ def admit(
         at=b.at,
     )
     return (
-        Decision(
+        LimitDecision(
             allowed=True, requests=_window(after.requests, rpm), tokens=_window(after.tokens, tpm)
         ),
         after,

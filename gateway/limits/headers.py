@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from backends.errors import RateLimited
-from gateway.limits.store import Decision, Window
+from gateway.limits.store import LimitDecision, LimitFigures
 
 _WHAT = {
     "requests": "requests per min (RPM)",
@@ -38,7 +38,7 @@ def format_duration(seconds: float) -> str:
     return s
 
 
-def _trio(w: Window, kind: str) -> dict[str, str]:
+def _trio(w: LimitFigures, kind: str) -> dict[str, str]:
     return {
         f"x-ratelimit-limit-{kind}": str(w.limit),
         f"x-ratelimit-remaining-{kind}": str(w.remaining),
@@ -46,7 +46,7 @@ def _trio(w: Window, kind: str) -> dict[str, str]:
     }
 
 
-def rate_limit_headers(decision: Decision) -> dict[str, str]:
+def rate_limit_headers(decision: LimitDecision) -> dict[str, str]:
     """The ``x-ratelimit-*`` headers for any response (only the limits the key has)."""
     out: dict[str, str] = {}
     if decision.requests is not None:
@@ -61,7 +61,7 @@ def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
-def rate_limited(decision: Decision, *, key_name: str, requested_tokens: int) -> RateLimited:
+def rate_limited(decision: LimitDecision, *, key_name: str, requested_tokens: int) -> RateLimited:
     """The 429 for a refused decision."""
     reason = decision.reason or "requests"
     headers = rate_limit_headers(decision)

@@ -22,7 +22,7 @@ from gateway.limits.keys import Authenticator, Principal
 from gateway.limits.memory import MemoryLimitStore
 from gateway.limits.redis_store import RedisLimitStore
 from gateway.limits.settings import LimitsSettings
-from gateway.limits.store import Decision, LimitStore, Ticket, Used, finish
+from gateway.limits.store import LimitDecision, LimitStore, Ticket, Used, finish
 from gateway.limits.tokens import Usage, reservation
 
 _MODEL_CHARS: Final = 128
@@ -34,7 +34,7 @@ class Grant:
 
     principal: Principal
     ticket: Ticket
-    decision: Decision
+    decision: LimitDecision
     reserved: int
     finished: bool = False
     charged: tuple[str, ...] = ()  # the budget counts this request was charged to

@@ -13,7 +13,7 @@ from gateway.limits.bucket import Buckets, refill, seconds_to_full
 from gateway.limits.bucket import admit as admit_buckets
 from gateway.limits.bucket import settle as settle_buckets
 from gateway.limits.budget import Counted
-from gateway.limits.store import Decision, Limits, Ticket, Used
+from gateway.limits.store import LimitDecision, Limits, Ticket, Used
 
 # Bounds on what budgets keep per owner (owners are keys: the operator's, not the clients'):
 _COUNTS_KEPT: Final = 4  # this and the last period of each kind
@@ -32,10 +32,12 @@ class MemoryLimitStore:
         self._spent: dict[str, OrderedDict[str, int]] = {}
         self._usage: dict[str, OrderedDict[str, dict[str, int]]] = {}
 
-    def admit_now(self, key: str, limits: Limits, cost_tokens: int) -> Decision:
+    def admit_now(self, key: str, limits: Limits, cost_tokens: int) -> LimitDecision:
         """``admit`` without the coroutine, for callers (and tests) that are not async."""
         if limits.unlimited:
-            return Decision(allowed=True, ticket=Ticket(key, limits, cost_tokens, accounted=False))
+            return LimitDecision(
+                allowed=True, ticket=Ticket(key, limits, cost_tokens, accounted=False)
+            )
         now = self._clock()
         self._forget_full(now)
         held = self._buckets.get(key)
@@ -72,7 +74,7 @@ class MemoryLimitStore:
             if not slots:
                 del self._slots[ticket.key]
 
-    async def admit(self, key: str, limits: Limits, cost_tokens: int) -> Decision:
+    async def admit(self, key: str, limits: Limits, cost_tokens: int) -> LimitDecision:
         return self.admit_now(key, limits, cost_tokens)
 
     async def settle(self, ticket: Ticket, actual_tokens: int) -> None:

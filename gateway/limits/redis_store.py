@@ -46,7 +46,7 @@ from backends.errors import LimitsUnavailable
 from backends.supervise import Supervisor
 from gateway.limits.budget import Counted
 from gateway.limits.settings import RedisSettings
-from gateway.limits.store import Decision, Limits, Reason, Ticket, Used, Window
+from gateway.limits.store import LimitDecision, LimitFigures, Limits, Reason, Ticket, Used
 
 log = structlog.get_logger("gateway.limits")
 
@@ -307,9 +307,11 @@ class RedisLimitStore:
         base = f"{self._prefix}{{{key}}}"
         return f"{base}:b", f"{base}:c"
 
-    async def admit(self, key: str, limits: Limits, cost_tokens: int) -> Decision:
+    async def admit(self, key: str, limits: Limits, cost_tokens: int) -> LimitDecision:
         if limits.unlimited:
-            return Decision(allowed=True, ticket=Ticket(key, limits, cost_tokens, accounted=False))
+            return LimitDecision(
+                allowed=True, ticket=Ticket(key, limits, cost_tokens, accounted=False)
+            )
         ticket = Ticket(key, limits, cost_tokens)
         args = (
             limits.requests_per_minute or 0,
@@ -331,17 +333,17 @@ class RedisLimitStore:
             raise
         reason_code, r_left, t_left, retry_ms, r_reset, t_reset = (int(x) for x in res)
         rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
-        requests = None if rpm is None else Window(rpm, max(0, r_left), r_reset / 1000)
-        tokens = None if tpm is None else Window(tpm, max(0, t_left), t_reset / 1000)
+        requests = None if rpm is None else LimitFigures(rpm, max(0, r_left), r_reset / 1000)
+        tokens = None if tpm is None else LimitFigures(tpm, max(0, t_left), t_reset / 1000)
         if reason_code:
-            return Decision(
+            return LimitDecision(
                 allowed=False,
                 reason=_REASONS[reason_code],
                 retry_after=retry_ms / 1000,
                 requests=requests,
                 tokens=tokens,
             )
-        return Decision(allowed=True, ticket=ticket, requests=requests, tokens=tokens)
+        return LimitDecision(allowed=True, ticket=ticket, requests=requests, tokens=tokens)
 
     def budget_key(self, owner: str, name: str) -> str:
         """One of ``owner``'s counts (``day:...``, ``month:...``, ``usage:<day>``); an owner's
@@ -556,7 +558,7 @@ class RedisLimitStore:
             await self._client.connection_pool.disconnect(inuse_connections=False)
             raise
 
-    def _unavailable(self, ticket: Ticket, exc: BaseException) -> Decision:
+    def _unavailable(self, ticket: Ticket, exc: BaseException) -> LimitDecision:
         self._note_failure(exc)
         if ticket.limits.max_concurrent is not None and not isinstance(exc, _InRetryWindow):
             # The script may have run after we stopped waiting (a slow Redis answers late):
@@ -567,7 +569,7 @@ class RedisLimitStore:
                 "Rate limits cannot be checked right now; please retry shortly.",
                 retry_after=self._retry_after,
             ) from exc
-        return Decision(
+        return LimitDecision(
             allowed=True,
             ticket=Ticket(ticket.key, ticket.limits, ticket.reserved, accounted=False),
             degraded=True,

@@ -69,7 +69,7 @@ class Window:
         return sum(n for s, n in self._buckets.items() if s > oldest)
 
 
-class Budget(Protocol):
+class RetryBudget(Protocol):
     """What the request path holds: a deposit per request, a draw per extra attempt."""
 
     def deposit(self) -> None: ...

@@ -61,7 +61,7 @@ class Limits:
 
 
 @dataclass(frozen=True, slots=True)
-class Window:
+class LimitFigures:
     """One limit's figures after a decision, for the ``x-ratelimit-*`` headers."""
 
     limit: int
@@ -107,20 +107,20 @@ class Ticket:
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class LimitDecision:
     allowed: bool
     ticket: Ticket | None = None
     reason: Reason | None = None
     retry_after: float = 0.0  # seconds, when refused
-    requests: Window | None = None
-    tokens: Window | None = None
+    requests: LimitFigures | None = None
+    tokens: LimitFigures | None = None
     degraded: bool = False  # admitted without limits because the store was unavailable
 
 
 class LimitStore(Protocol):
     """Where limit state lives: one process (memory) or shared by replicas (Redis)."""
 
-    async def admit(self, key: str, limits: Limits, cost_tokens: int) -> Decision:
+    async def admit(self, key: str, limits: Limits, cost_tokens: int) -> LimitDecision:
         """Check and take one request, ``cost_tokens`` and a concurrency slot, atomically."""
         ...
 

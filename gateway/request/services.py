@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # names for the type checker only: ZMQ, tokenizers and Jinja 
     from gateway.fleet.member import Member
     from gateway.limits.admission import AdmissionQueue
     from gateway.limits.limiter import Limiter
-    from gateway.limits.retry_budget import Budget
+    from gateway.limits.retry_budget import RetryBudget
     from gateway.observe.metrics import GatewayMetrics
     from gateway.request.generate import Generations
     from gateway.request.hedge import HedgeBudget
@@ -71,7 +71,7 @@ class Services:
     router: Router
     rollout: Rollout  # model pools and aliases
     retry: RetryPolicy
-    retry_budget: Budget  # what retries, hedges and continuations draw on
+    retry_budget: RetryBudget  # what retries, hedges and continuations draw on
     hedges: HedgeBudget  # predicted_latency's hedges running now
     changes: ChangeSignal  # wakes requests waiting for their TTFT objective
     # admission

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gateway.limits.headers import format_duration, rate_limit_headers, rate_limited
-from gateway.limits.store import Decision, Window
+from gateway.limits.store import LimitDecision, LimitFigures
 
 
 @pytest.mark.parametrize(
@@ -27,13 +27,13 @@ def test_durations_are_formatted_like_openai(seconds: float, text: str) -> None:
     assert format_duration(seconds) == text
 
 
-def refused(reason: str, retry: float) -> Decision:
-    return Decision(
+def refused(reason: str, retry: float) -> LimitDecision:
+    return LimitDecision(
         allowed=False,
         reason=reason,  # type: ignore[arg-type]
         retry_after=retry,
-        requests=Window(limit=60, remaining=0, reset=1.0),
-        tokens=Window(limit=1000, remaining=120, reset=52.8),
+        requests=LimitFigures(limit=60, remaining=0, reset=1.0),
+        tokens=LimitFigures(limit=1000, remaining=120, reset=52.8),
     )
 
 
@@ -49,7 +49,7 @@ def test_headers_carry_both_trios() -> None:
 
 
 def test_only_configured_limits_get_headers() -> None:
-    assert rate_limit_headers(Decision(allowed=True)) == {}
+    assert rate_limit_headers(LimitDecision(allowed=True)) == {}
 
 
 def test_requests_429_has_openai_shape_and_retry_after_rounded_up() -> None:

@@ -33,7 +33,7 @@ from gateway.admin.reload import (
 from gateway.admin.state import reload_plan
 from gateway.admin.views import backend_view
 from gateway.fleet.changes import Change, Position, Snapshot
-from gateway.fleet.follower import Outcome
+from gateway.fleet.follower import ChangeOutcome
 from gateway.limits.budget import FIELDS, Budget, iso
 from gateway.limits.keys import Authenticator, check_labels, check_limits, hash_key
 from gateway.request.services import Services
@@ -437,13 +437,13 @@ def find(method: str, path: str) -> tuple[Action, dict[str, str]] | None:
     return None
 
 
-def run(svc: Services, action: Action, params: Params, raw: bytes) -> Outcome:
+def run(svc: Services, action: Action, params: Params, raw: bytes) -> ChangeOutcome:
     """Apply ``action``; its answer as a status and a JSON body, refusals in our error shape."""
     try:
         doc = action.apply(svc, params, parse_body(action, raw))
     except GatewayError as err:
-        return Outcome(err.status, json.dumps(err.envelope()).encode())
-    return Outcome(200, json.dumps(doc).encode())
+        return ChangeOutcome(err.status, json.dumps(err.envelope()).encode())
+    return ChangeOutcome(200, json.dumps(doc).encode())
 
 
 def state(svc: Services) -> dict[str, Any]:
@@ -498,10 +498,12 @@ class ActionApplier:
     def __init__(self, services: Callable[[], Services]) -> None:
         self._services = services
 
-    async def apply(self, position: Position, change: Change) -> Outcome:
+    async def apply(self, position: Position, change: Change) -> ChangeOutcome:
         found = find(change.method, change.path)
         if found is None:  # written by a newer version: said, and passed over
-            return Outcome(404, f"no such change here: {change.method} {change.path}".encode())
+            return ChangeOutcome(
+                404, f"no such change here: {change.method} {change.path}".encode()
+            )
         action, params = found
         return run(self._services(), action, {**params, CALLER: change.caller}, change.body)
 

@@ -39,7 +39,7 @@ from backends.state import BackendSpec, BackendState
 from backends.upstream.client import Transport
 from gateway.capacity.book import CapacityBook
 from gateway.capacity.demand import Trend, smoothing
-from gateway.capacity.plan import Demand, Engine, Need, Rule, Step, Turn, decide
+from gateway.capacity.plan import Demand, Engine, EngineStep, Need, Rule, Turn, decide
 from gateway.capacity.settings import rule_doc
 from gateway.rollouts.driver import Claim
 
@@ -125,7 +125,7 @@ class Manager:
         if any(b.rest is Rest.WAKING for b in serving):
             for b in serving:
                 if b.rest is Rest.WAKING and b.id not in self._calls:
-                    step = Step("wake_up", b.id, f"{model}: a request held")
+                    step = EngineStep("wake_up", b.id, f"{model}: a request held")
                     self._calls[b.id] = _detached(self._call(b, step))
             return
         sleepers = [b for b in serving if b.rest in (Rest.ASLEEP, Rest.GOING_TO_SLEEP)]
@@ -145,7 +145,7 @@ class Manager:
             self.decisions["wake", "made"] += 1
             log.info("capacity_waking", backend=b.id, why=why, term=None)
             if b.asleep:  # the same task: no other call to it meanwhile
-                await self._call(b, Step("wake_up", b.id, why))
+                await self._call(b, EngineStep("wake_up", b.id, why))
         finally:
             if self._calls.get(b.id) is asyncio.current_task():
                 del self._calls[b.id]
@@ -269,7 +269,7 @@ class Manager:
 
     # -- acting ----------------------------------------------------------------------------
 
-    async def _carry_out(self, step: Step, token: int) -> None:
+    async def _carry_out(self, step: EngineStep, token: int) -> None:
         b = self._pool.get(step.engine)
         if b is None:
             return
@@ -297,14 +297,14 @@ class Manager:
             if not asleep and b.asleep and b.id not in self._calls:
                 # woken now, not at the next turn: the forecast looked one wake time ahead
                 self._calls[b.id] = asyncio.create_task(
-                    self._call(b, Step("wake_up", b.id, step.why))
+                    self._call(b, EngineStep("wake_up", b.id, step.why))
                 )
             return
         if b.id in self._calls:  # a call under way: its answer first
             return
         self._calls[b.id] = asyncio.create_task(self._call(b, step))
 
-    async def _call(self, b: BackendState, step: Step) -> None:
+    async def _call(self, b: BackendState, step: EngineStep) -> None:
         try:
             try:
                 if step.action == "put_to_sleep":
@@ -332,7 +332,7 @@ class Manager:
             if self._calls.get(b.id) is asyncio.current_task():
                 del self._calls[b.id]
 
-    async def _still_managing(self, b: BackendState, step: Step) -> bool:
+    async def _still_managing(self, b: BackendState, step: EngineStep) -> bool:
         """Right before a ``/sleep``: this replica still holds the lease under its token, and
         the engine is still wanted asleep (a manager that stalled past its lease, and came
         back, puts nothing to sleep that its successor took back)."""

@@ -35,7 +35,7 @@ from typing import Final, Literal
 from backends.sleep import Rest
 
 SleepMode = Literal["abort", "wait", "keep"]
-Action = Literal["wake", "sleep", "put_to_sleep", "wake_up"]
+EngineAction = Literal["wake", "sleep", "put_to_sleep", "wake_up"]
 _EPS: Final = 1e-9
 
 
@@ -101,8 +101,8 @@ class Need:
 
 
 @dataclass(frozen=True, slots=True)
-class Step:
-    action: Action
+class EngineStep:
+    action: EngineAction
     engine: str
     why: str
     level: int = 1
@@ -111,7 +111,7 @@ class Step:
 
 @dataclass(slots=True)
 class Turn:
-    steps: list[Step] = field(default_factory=list)
+    steps: list[EngineStep] = field(default_factory=list)
     needs: dict[str, Need] = field(default_factory=dict)
     low_since: dict[str, float] = field(default_factory=dict)  # carried to the next turn
 
@@ -175,7 +175,7 @@ def decide(
             cold = sorted(by[Rest.ASLEEP], key=lambda e: e.id)
             for e in [e for e in (*warm, *cold) if e.id not in woken][: n.engines - ready]:
                 woken.add(e.id)
-                turn.steps.append(Step("wake", e.id, f"{model}: needs {n.engines}: {n.why}"))
+                turn.steps.append(EngineStep("wake", e.id, f"{model}: needs {n.engines}: {n.why}"))
             continue
         if n.engines >= len(by[Rest.AWAKE]):
             continue  # the spell of low demand, if any, is over
@@ -190,7 +190,7 @@ def decide(
             for m in pick.models & awake.keys():
                 awake[m] -= 1
             turn.steps.append(
-                Step(
+                EngineStep(
                     "sleep",
                     pick.id,
                     f"{model}: needs {n.engines} of {len(by[Rest.AWAKE])} awake for"
@@ -225,22 +225,26 @@ def _reconcile(
     woken: set[str],
     default: Rule,
     settle: float,
-) -> list[Step]:
+) -> list[EngineStep]:
     """Each engine's real state moved towards the one wanted: one going to sleep and done (or
     out of time) put to sleep; one wanted awake and still asleep woken."""
-    steps: list[Step] = []
+    steps: list[EngineStep] = []
     for e in engines:
         rule = next((rules[m] for m in sorted(e.models) if m in rules), default)
         if e.rest is Rest.WAKING:
-            steps.append(Step("wake_up", e.id, "wanted awake, still asleep"))
+            steps.append(EngineStep("wake_up", e.id, "wanted awake, still asleep"))
         elif e.rest is Rest.GOING_TO_SLEEP and not e.can_sleep:
             # wanted asleep by hand, or before it lost its dev mode: it would take no work
-            steps.append(Step("wake", e.id, "it cannot sleep (no /is_sleeping: not in dev mode)"))
+            steps.append(
+                EngineStep("wake", e.id, "it cannot sleep (no /is_sleeping: not in dev mode)")
+            )
         elif e.rest is Rest.GOING_TO_SLEEP and e.id not in woken:
             waited = now - e.since
             if waited >= settle and (e.load <= 0 or waited >= rule.drain_timeout):
                 why = "idle" if e.load <= 0 else f"{e.load:g} requests left after {waited:.0f} s"
                 steps.append(
-                    Step("put_to_sleep", e.id, why, level=rule.sleep_level, mode=rule.sleep_mode)
+                    EngineStep(
+                        "put_to_sleep", e.id, why, level=rule.sleep_level, mode=rule.sleep_mode
+                    )
                 )
     return steps

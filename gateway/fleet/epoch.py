@@ -33,7 +33,7 @@ from typing import Literal
 
 from gateway.fleet.changes import Position
 
-Verdict = Literal["ok", "adopt", "lost", "claim"]
+EpochVerdict = Literal["ok", "adopt", "lost", "claim"]
 
 
 def new_epoch(now: float | None = None) -> str:
@@ -53,7 +53,7 @@ def judge(
     applied: Position | None,
     seen: str | None,
     head: Position | None,
-) -> Verdict:
+) -> EpochVerdict:
     """What a replica that follows ``known`` and applied up to ``applied`` makes of a log whose
     epoch is ``seen`` and whose head is ``head`` (None: it holds nothing)."""
     if seen is None:

@@ -19,7 +19,7 @@ import structlog
 from redis.exceptions import RedisError
 
 from gateway.fleet.changes import Change, Known, Position
-from gateway.fleet.follower import Follower, Outcome
+from gateway.fleet.follower import ChangeOutcome, Follower
 from gateway.fleet.log import ChangeLog
 
 log = structlog.get_logger("gateway.fleet")
@@ -40,7 +40,7 @@ class Fate:
     id: str
     state: FateState
     position: Position | None = None
-    outcome: Outcome | None = None
+    outcome: ChangeOutcome | None = None
 
 
 class Fates:

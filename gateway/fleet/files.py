@@ -36,7 +36,7 @@ from typing import Final
 from urllib.parse import quote
 
 from gateway.fleet.changes import Batch, Change, Known, Position, Snapshot, behind
-from gateway.fleet.log import Appended, FateUnknown, IdState, NotAppended, Refused
+from gateway.fleet.log import Appended, AppendRefused, FateUnknown, IdState, NotAppended
 from gateway.fleet.registry import Report, check_ttl
 
 POLL_S: Final = 0.02
@@ -113,11 +113,11 @@ class FileLog:
             entries.append((Position.parse(doc["position"]), Change.decode(doc)))
         return _Read(snapshot, entries, whole, epoch)
 
-    def _append(self, change: Change, epoch: str) -> Appended | Refused:
+    def _append(self, change: Change, epoch: str) -> Appended | AppendRefused:
         with self._locked(exclusive=True):
             read = self._read()
             if read.epoch != epoch:
-                return Refused(epoch=read.epoch)
+                return AppendRefused(epoch=read.epoch)
             if change.id and (known := read.known(change.id)) is not None:
                 return Appended(known, new=False)
             now, last = Position(time.time_ns() // 1_000_000), read.head
@@ -192,7 +192,9 @@ class FileLog:
 
     # -- ChangeLog ------------------------------------------------------------------------
 
-    async def append(self, change: Change, *, epoch: str, attempt: int = 0) -> Appended | Refused:
+    async def append(
+        self, change: Change, *, epoch: str, attempt: int = 0
+    ) -> Appended | AppendRefused:
         try:
             return await asyncio.to_thread(self._append, change, epoch)
         except OSError as exc:  # before anything was written (``FateUnknown`` after)

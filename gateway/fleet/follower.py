@@ -44,7 +44,7 @@ _KEPT_OUTCOMES: Final = 256  # the answers of the last changes applied, for thei
 
 
 @dataclass(frozen=True, slots=True)
-class Outcome:
+class ChangeOutcome:
     """What applying a change answered here (the status and body its handler gave)."""
 
     status: int
@@ -69,7 +69,7 @@ class LogLost(Exception):
 class Applier(Protocol):
     """How a replica applies changes and starts from a snapshot."""
 
-    async def apply(self, position: Position, change: Change) -> Outcome: ...
+    async def apply(self, position: Position, change: Change) -> ChangeOutcome: ...
 
     async def restore(self, snapshot: Snapshot) -> None: ...
 
@@ -100,7 +100,7 @@ class Follower:
         self.reachable = True  # False while Redis does not answer
         self.lost: LogLost | None = None  # while the log it followed is lost, not yet healed
         self.ids: OrderedDict[str, Known] = OrderedDict()  # the last changes' ids
-        self._outcomes: OrderedDict[Position, Outcome] = OrderedDict()
+        self._outcomes: OrderedDict[Position, ChangeOutcome] = OrderedDict()
         self._initial: dict[str, Any] | None = None  # the state before any change
         self._dropping: Position | None = None  # applied before a log was adopted
         self._advanced = asyncio.Event()
@@ -198,16 +198,16 @@ class Follower:
         while len(self.ids) > KEPT_IDS:
             self.ids.popitem(last=False)
 
-    def outcome(self, position: Position) -> Outcome | None:
+    def outcome(self, position: Position) -> ChangeOutcome | None:
         """What applying ``position`` answered here, while it is remembered."""
         return self._outcomes.get(position)
 
-    async def _apply(self, position: Position, change: Change) -> Outcome:
+    async def _apply(self, position: Position, change: Change) -> ChangeOutcome:
         try:
             outcome = await self.applier.apply(position, change)
         except Exception as exc:  # one change that breaks must not stop the ones after it
             log.exception("fleet_change_failed", position=str(position), path=change.path)
-            return Outcome(500, f"applying failed: {exc}".encode())
+            return ChangeOutcome(500, f"applying failed: {exc}".encode())
         if outcome.applied:
             log.info(
                 "fleet_change_applied",
@@ -269,7 +269,7 @@ class Follower:
                     log.warning("fleet_log_unreachable", error=str(exc) or type(exc).__name__)
                 await asyncio.sleep(self.retry)  # sleep-ok: retry interval while Redis is down
 
-    async def reached(self, position: Position, within: float) -> Outcome | None:
+    async def reached(self, position: Position, within: float) -> ChangeOutcome | None:
         """Wait until this replica applied ``position`` (at most ``within`` s); what applying it
         answered (a plain 200 where it came in a snapshot, or so long ago it is forgotten), or
         None if it was not applied in time."""
@@ -286,5 +286,5 @@ class Follower:
         outcome = self._outcomes.get(position)
         if outcome is None:  # in the state, but not applied one by one here
             note = {"position": str(position), "applied": "with the state of the log's snapshot"}
-            outcome = Outcome(200, json.dumps(note).encode())
+            outcome = ChangeOutcome(200, json.dumps(note).encode())
         return outcome

@@ -53,7 +53,7 @@ return 0
 """
 
 
-class Lease:
+class DutyLease:
     """``holder``'s claim on the duty ``key`` names, for ``ttl`` seconds at a time."""
 
     def __init__(self, redis: Redis, key: str, holder: str, ttl: float) -> None:

@@ -123,7 +123,7 @@ class Appended:
 
 
 @dataclass(frozen=True, slots=True)
-class Refused:
+class AppendRefused:
     """Not appended, certainly: the log's epoch is not the one named (``epoch``: the one in
     force, None for none), or the id was fenced since its generation was read (``fenced``)."""
 
@@ -177,7 +177,9 @@ class ChangeLog(Protocol):
     ``TimeoutError`` or Redis's errors (an append: ``NotAppended`` or ``FateUnknown``); the
     caller decides (refuse a change, retry)."""
 
-    async def append(self, change: Change, *, epoch: str, attempt: int = 0) -> Appended | Refused:
+    async def append(
+        self, change: Change, *, epoch: str, attempt: int = 0
+    ) -> Appended | AppendRefused:
         """Add ``change`` at the end of the log of ``epoch``, unless its id is there already
         or was fenced past ``attempt``."""
         ...
@@ -266,7 +268,9 @@ class RedisLog:
         self._fence = redis.register_script(_FENCE_LUA)
         self._heal = redis.register_script(_HEAL_LUA)
 
-    async def append(self, change: Change, *, epoch: str, attempt: int = 0) -> Appended | Refused:
+    async def append(
+        self, change: Change, *, epoch: str, attempt: int = 0
+    ) -> Appended | AppendRefused:
         """Add ``change`` at the end of the log of ``epoch``, unless its id is there already
         (``Appended.new`` False: the earlier one) or was fenced past ``attempt``. Sent once:
         ``NotAppended`` or ``FateUnknown`` when Redis does not answer."""
@@ -284,8 +288,8 @@ class RedisLog:
         if kind == "dup":
             return Appended(Known.decode(value), new=False)
         if kind == "fenced":
-            return Refused(fenced=int(value))
-        return Refused(epoch=value or None)
+            return AppendRefused(fenced=int(value))
+        return AppendRefused(epoch=value or None)
 
     async def find(self, change_id: str) -> IdState:
         return IdState.parse(await self.redis.get(self.keys.id(change_id)))

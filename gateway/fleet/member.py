@@ -47,7 +47,7 @@ from gateway.fleet.changes import Change, Position, change_id
 from gateway.fleet.epoch import leader, new_epoch
 from gateway.fleet.fates import Fates
 from gateway.fleet.figures import Figures
-from gateway.fleet.follower import Applier, Follower, LogLost, Outcome
+from gateway.fleet.follower import Applier, ChangeOutcome, Follower, LogLost
 from gateway.fleet.log import Appended, ChangeLog, FateUnknown, NotAppended
 from gateway.fleet.registry import Registry, Report, applied_by
 
@@ -76,7 +76,7 @@ class Submitted:
 
     id: str
     position: Position | None
-    outcome: Outcome | None  # None: not applied here within the wait
+    outcome: ChangeOutcome | None  # None: not applied here within the wait
     spread: Spread
     replayed: bool = False  # an earlier call with the same id made it
 
@@ -237,7 +237,7 @@ class Member:
             return Submitted(change.id, None, None, Spread(0, 0))
         return await self._answered(change.id, appended, change.fingerprint)
 
-    async def append(self, change: Change) -> Outcome | None:
+    async def append(self, change: Change) -> ChangeOutcome | None:
         """Append ``change`` and wait until it is applied here only (None: not within the
         wait, or its fate unknown): for a change the gateway makes itself, which waits for no
         other replica."""

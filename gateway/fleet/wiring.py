@@ -18,7 +18,7 @@ from gateway.fleet.epoch import new_epoch
 from gateway.fleet.figures import Figures
 from gateway.fleet.figures import read as read_figures
 from gateway.fleet.files import FileLog, FileRegistry
-from gateway.fleet.lease import Lease
+from gateway.fleet.lease import DutyLease
 from gateway.fleet.log import ChangeLog, LogKeys, RedisLog
 from gateway.fleet.member import Description, MemberSettings, replica_id
 from gateway.fleet.registry import RedisRegistry, Registry
@@ -62,8 +62,8 @@ async def open_store(s: Settings, worker: Worker | None) -> AsyncIterator[Store]
             yield Store(
                 RedisLog(redis, LogKeys.of(r.key_prefix, f.name), timeout=f.log_timeout),
                 RedisRegistry(redis, r.key_prefix, f.name, f.report_ttl),
-                lambda alias: Lease(redis, leases + alias, holder, ttl),
-                Lease(
+                lambda alias: DutyLease(redis, leases + alias, holder, ttl),
+                DutyLease(
                     redis, f"{r.key_prefix}{f.name}:capacity-lease", holder, s.capacity.lease_ttl
                 ),
             )

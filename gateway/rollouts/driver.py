@@ -30,7 +30,7 @@ log = structlog.get_logger("gateway.rollouts")
 
 
 class Claim(Protocol):
-    """A duty's lease (``gateway.fleet.lease.Lease``: a rollout's, the capacity manager's), or
+    """A duty's lease (``gateway.fleet.lease.DutyLease``: a rollout's, the capacity manager's), or
     what stands for one. ``at_least``: the least fencing token a new holder gets."""
 
     async def acquire(self, at_least: int = 0) -> int | None: ...
@@ -63,7 +63,7 @@ Probe = Callable[[Plan], Awaitable[float]]
 
 # A decision for ``alias`` (the body of POST /admin/rollouts/{alias}/decision), appended to the
 # fleet's log and applied; raises if it could not be.
-Submit = Callable[[str, dict[str, Any]], Awaitable[None]]
+SubmitDecision = Callable[[str, dict[str, Any]], Awaitable[None]]
 
 
 def window(counted: Baseline, began: Baseline, pool: str) -> PoolCounts:
@@ -81,7 +81,7 @@ class Driver:
         self,
         book: RolloutBook,
         figures: Callable[[], Awaitable[dict[str, Figures]]],  # each replica's
-        submit: Submit,
+        submit: SubmitDecision,
         claim: Callable[[str], Claim],
         *,
         every: float,

@@ -55,7 +55,7 @@ class Gates:
 
 
 @dataclass(frozen=True, slots=True)
-class Reading:
+class GateReading:
     """One gate's figures: the canary's, the stable pool's (relative gates), the limit the
     canary was held to (None: nothing to judge), and whether it passed."""
 
@@ -79,9 +79,11 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 6)
 
 
-def _at_most(gate: str, canary: float | None, stable: float | None, limit: float | None) -> Reading:
+def _at_most(
+    gate: str, canary: float | None, stable: float | None, limit: float | None
+) -> GateReading:
     passed = canary is None or limit is None or canary <= limit
-    return Reading(gate, canary, stable, limit, passed)
+    return GateReading(gate, canary, stable, limit, passed)
 
 
 def judge(
@@ -89,7 +91,7 @@ def judge(
     stable: PoolCounts,
     gates: Gates,
     agreement: float | None = None,
-) -> tuple[Reading, ...]:
+) -> tuple[GateReading, ...]:
     """Every gate's reading for one window (``agreement``: the probes', if any were sent)."""
     c_err, s_err = canary.error_rate, stable.error_rate
     err_limit = None if s_err is None else s_err + gates.error_margin
@@ -106,7 +108,7 @@ def judge(
         readings.append(_at_most("itl_p50_slo", c_itl, None, gates.itl_p50_slo))
     if gates.min_agreement is not None:
         passed = agreement is None or agreement >= gates.min_agreement
-        readings.append(Reading("probes", agreement, None, gates.min_agreement, passed))
+        readings.append(GateReading("probes", agreement, None, gates.min_agreement, passed))
     return tuple(readings)
 
 

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from gateway.fleet.figures import PoolCounts
-from gateway.rollouts.gates import Gates, Reading, certain_error_breach, judge
+from gateway.rollouts.gates import GateReading, Gates, certain_error_breach, judge
 
-Action = Literal["hold", "advance", "promote", "abort"]
+RolloutAction = Literal["hold", "advance", "promote", "abort"]
 DEFAULT_STEPS = (1.0, 5.0, 25.0, 50.0, 100.0)
 MAX_PROBES = 16
 MAX_PROBE_CHARS = 4000
@@ -105,15 +105,15 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    action: Action
+    action: RolloutAction
     step: int  # the step the rollout is at after acting (an index into the plan's steps)
-    readings: tuple[Reading, ...]
+    readings: tuple[GateReading, ...]
     why: str
     hold_left_s: float = 0.0
     requests: tuple[int, int] = (0, 0)  # the canary's and the stable pool's in the window
 
     @property
-    def breaches(self) -> tuple[Reading, ...]:
+    def breaches(self) -> tuple[GateReading, ...]:
         return tuple(r for r in self.readings if not r.passed)
 
     def doc(self) -> dict[str, Any]:
@@ -144,7 +144,7 @@ def decide(
     readings = judge(canary, stable, plan.gates, agreement)
     counted = (canary.requests, stable.requests)
 
-    def verdict(action: Action, at: int, why: str, left: float = 0.0) -> Verdict:
+    def verdict(action: RolloutAction, at: int, why: str, left: float = 0.0) -> Verdict:
         return Verdict(action, at, readings, why, left, counted)
 
     failed = [r.gate for r in readings if not r.passed]

@@ -40,7 +40,7 @@ class RolloutError(ValueError):
 
 
 @dataclass(frozen=True, slots=True)
-class Event:
+class RolloutEvent:
     """One thing that happened to a rollout: ``action`` is ``start``, ``advance``, ``promote``,
     ``abort``, ``pause`` or ``resume``; ``readings``: the gates' figures it was decided on."""
 
@@ -62,7 +62,7 @@ class Event:
         }
 
     @classmethod
-    def parse(cls, doc: Mapping[str, Any]) -> Event:
+    def parse(cls, doc: Mapping[str, Any]) -> RolloutEvent:
         return cls(
             at=float(doc["at"]),
             step=int(doc["step"]),
@@ -82,7 +82,7 @@ class Run:
     step: int  # an index into the plan's steps
     step_began: float  # Unix time (of the change that began it)
     token: int = 0  # the highest driver token heard
-    history: tuple[Event, ...] = ()
+    history: tuple[RolloutEvent, ...] = ()
     # Each replica's counts of both pools when the step's window began (None: not yet taken)
     baseline: Baseline | None = None
 
@@ -99,7 +99,7 @@ class Run:
     def active(self) -> bool:
         return self.status in ("running", "paused")
 
-    def _then(self, event: Event, **changes: Any) -> Run:
+    def _then(self, event: RolloutEvent, **changes: Any) -> Run:
         return replace(self, history=(*self.history, event)[-HISTORY:], **changes)
 
     def doc(self) -> dict[str, Any]:
@@ -126,7 +126,7 @@ class Run:
             step=int(doc["step"]),
             step_began=float(doc["step_began"]),
             token=int(doc.get("token", 0)),
-            history=tuple(Event.parse(e) for e in doc.get("history", ())),
+            history=tuple(RolloutEvent.parse(e) for e in doc.get("history", ())),
             baseline=parse_baseline(doc.get("baseline")),
         )
 
@@ -269,7 +269,7 @@ class Rollouts:
         run = self.runs.get(plan.alias)
         if run is not None and run.active:
             raise RolloutError(f"A rollout of {plan.alias!r} is under way already.")
-        started = self._with(Run(plan, "running", 0, at, 0, (Event(at, 0, "start", by=by),)))
+        started = self._with(Run(plan, "running", 0, at, 0, (RolloutEvent(at, 0, "start", by=by),)))
         if not configured:
             return started
         fingerprint, before = plan_fingerprint(plan), self.configured.get(plan.alias, ())
@@ -303,7 +303,7 @@ class Rollouts:
                 f"Step {to + 1} does not follow {run.plan.step_name(run.step)} of {alias!r}'s"
                 " rollout."
             )
-        event = Event(at, to, "advance", why, f"driver {token}", readings)
+        event = RolloutEvent(at, to, "advance", why, f"driver {token}", readings)
         changed = run._then(event, step=to, step_began=at, token=token, baseline=baseline)
         return self._with(changed)
 
@@ -331,7 +331,7 @@ class Rollouts:
             raise RolloutError(
                 f"{alias!r}'s rollout is at {run.plan.step_name(run.step)}, not its last."
             )
-        event = Event(at, run.step, "promote", why, f"driver {token}", readings)
+        event = RolloutEvent(at, run.step, "promote", why, f"driver {token}", readings)
         return self._with(run._then(event, status="promoted", token=token))
 
     def abort(
@@ -350,18 +350,18 @@ class Rollouts:
         else:
             run = self._check_driver(alias, token, paused_too=True)
         by = f"driver {token}" if token is not None else by
-        event = Event(at, run.step, "abort", why, by, readings)
+        event = RolloutEvent(at, run.step, "abort", why, by, readings)
         return self._with(run._then(event, status="aborted", token=max(run.token, token or 0)))
 
     def pause(self, alias: str, at: float, by: str = "") -> Rollouts:
         run = self._running(alias)
-        return self._with(run._then(Event(at, run.step, "pause", by=by), status="paused"))
+        return self._with(run._then(RolloutEvent(at, run.step, "pause", by=by), status="paused"))
 
     def resume(self, alias: str, at: float, by: str = "") -> Rollouts:
         run = self._running(alias, paused_too=True)
         if run.status != "paused":
             raise RolloutError(f"The rollout of {alias!r} is not paused.")
-        return self._with(run._then(Event(at, run.step, "resume", by=by), status="running"))
+        return self._with(run._then(RolloutEvent(at, run.step, "resume", by=by), status="running"))
 
     def _check_driver(self, alias: str, token: int, *, paused_too: bool = False) -> Run:
         run = self._running(alias, paused_too=paused_too)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from backends.sleep import Rest
-from gateway.capacity.plan import Demand, Engine, Rule, Step, Turn, decide, need
+from gateway.capacity.plan import Demand, Engine, EngineStep, Rule, Turn, decide, need
 
 M = "m"
 
@@ -107,7 +107,7 @@ def test_an_engine_going_to_sleep_is_put_to_sleep_once_idle_and_settled() -> Non
     assert steps(unsettled, "put_to_sleep") == []  # the other replicas may still send it work
     done = decide({M: rule}, {M: Demand(0)}, idle, 3.0, {}, settle=2)
     assert [s for s in done.steps if s.action == "put_to_sleep"] == [
-        Step("put_to_sleep", "e1", "idle", level=2, mode="wait")
+        EngineStep("put_to_sleep", "e1", "idle", level=2, mode="wait")
     ]
     late = decide({M: rule}, {M: Demand(2)}, busy, 100.0, {}, settle=2)
     assert steps(late, "put_to_sleep") == ["e1"]  # out of time: the mode says what happens

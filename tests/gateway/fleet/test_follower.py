@@ -16,8 +16,8 @@ import pytest
 from redis.asyncio import Redis
 
 from gateway.fleet.changes import Batch, Change, Position, Snapshot, change_id
-from gateway.fleet.follower import Follower, LogLost, Outcome
-from gateway.fleet.log import Appended, LogKeys, RedisLog, Refused
+from gateway.fleet.follower import ChangeOutcome, Follower, LogLost
+from gateway.fleet.log import Appended, AppendRefused, LogKeys, RedisLog
 from tests.redis_server import RedisServer
 from tests.waiting import wait_for
 
@@ -30,16 +30,16 @@ class Replica:
     drained: list[str] = field(default_factory=list)  # in the order applied: order matters
     seen: list[Position] = field(default_factory=list)
 
-    async def apply(self, position: Position, change: Change) -> Outcome:
+    async def apply(self, position: Position, change: Change) -> ChangeOutcome:
         self.seen.append(position)
         _, _, _, backend, verb = change.path.split("/")
         if backend not in self.backends:
-            return Outcome(404, f"no backend {backend}".encode())
+            return ChangeOutcome(404, f"no backend {backend}".encode())
         if verb == "drain" and backend not in self.drained:
             self.drained.append(backend)
         if verb == "undrain" and backend in self.drained:
             self.drained.remove(backend)
-        return Outcome(200, json.dumps({"drained": self.drained}).encode())
+        return ChangeOutcome(200, json.dumps({"drained": self.drained}).encode())
 
     async def restore(self, snapshot: Snapshot) -> None:
         self.drained = list(snapshot.state["drained"])
@@ -116,7 +116,7 @@ async def test_a_refused_change_is_refused_everywhere_and_its_answer_is_the_hand
     await f1.catch_up()
     await f2.catch_up()
     refused = await f1.reached(bad, within=1.0)
-    assert refused == Outcome(404, b"no backend b9")
+    assert refused == ChangeOutcome(404, b"no backend b9")
     assert one.drained == two.drained == ["b0"]
 
 
@@ -210,7 +210,7 @@ async def test_a_log_lost_with_its_redis_is_noticed_nothing_goes_into_it_and_hea
             assert losses[0].seen is None
             assert losses[0].known == EPOCH
             refused = await writer.append(change("drain", "b2"), epoch=EPOCH)
-            assert refused == Refused(epoch=None)  # nothing goes into a lost log
+            assert refused == AppendRefused(epoch=None)  # nothing goes into a lost log
             assert ahead.drained == ["b0", "b1"]
             assert behind_.drained == ["b0"]
             snapshot = await leader.snapshot()

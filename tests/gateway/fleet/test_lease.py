@@ -9,10 +9,10 @@ import asyncio
 import pytest
 from redis.asyncio import Redis
 
-from gateway.fleet.lease import Lease
+from gateway.fleet.lease import DutyLease
 
 
-async def taken(lease: Lease) -> int:
+async def taken(lease: DutyLease) -> int:
     """Poll until ``lease`` is taken (the other holder's lapsed); its token."""
     async with asyncio.timeout(10):
         while True:
@@ -24,7 +24,7 @@ async def taken(lease: Lease) -> int:
 
 async def test_one_holder_at_a_time_and_its_token(redis: Redis, redis_prefix: str) -> None:
     key = redis_prefix + "rollout:chat"
-    a, b = Lease(redis, key, "r0", ttl=30), Lease(redis, key, "r1", ttl=30)
+    a, b = DutyLease(redis, key, "r0", ttl=30), DutyLease(redis, key, "r1", ttl=30)
     assert await a.acquire() == 1
     assert await b.acquire() is None  # r0 holds it
     assert await a.acquire() == 1  # acquiring again extends it, the same token
@@ -37,8 +37,8 @@ async def test_a_holder_that_stops_renewing_is_taken_over_and_refused_after(
     redis: Redis, redis_prefix: str
 ) -> None:
     key = redis_prefix + "rollout:chat"
-    stalled = Lease(redis, key, "r0", ttl=0.2)
-    successor = Lease(redis, key, "r1", ttl=30)
+    stalled = DutyLease(redis, key, "r0", ttl=0.2)
+    successor = DutyLease(redis, key, "r1", ttl=30)
     first = await stalled.acquire()
     assert first is not None
     second = await taken(successor)  # r0 never renewed: its hold lapsed
@@ -53,7 +53,7 @@ async def test_release_frees_it_at_once_and_only_for_its_holder(
     redis: Redis, redis_prefix: str
 ) -> None:
     key = redis_prefix + "rollout:chat"
-    a, b = Lease(redis, key, "r0", ttl=30), Lease(redis, key, "r1", ttl=30)
+    a, b = DutyLease(redis, key, "r0", ttl=30), DutyLease(redis, key, "r1", ttl=30)
     first = await a.acquire()
     assert first is not None
     assert not await b.release()  # not b's to give up
@@ -64,12 +64,12 @@ async def test_release_frees_it_at_once_and_only_for_its_holder(
 
 
 async def test_leases_of_two_duties_are_apart(redis: Redis, redis_prefix: str) -> None:
-    chat = Lease(redis, redis_prefix + "rollout:chat", "r0", ttl=30)
-    embed = Lease(redis, redis_prefix + "rollout:embed", "r1", ttl=30)
+    chat = DutyLease(redis, redis_prefix + "rollout:chat", "r0", ttl=30)
+    embed = DutyLease(redis, redis_prefix + "rollout:embed", "r1", ttl=30)
     assert await chat.acquire() == 1
     assert await embed.acquire() == 1
 
 
 def test_a_lease_needs_a_ttl(redis: Redis) -> None:
     with pytest.raises(ValueError, match="ttl"):
-        Lease(redis, "k", "r0", ttl=0)
+        DutyLease(redis, "k", "r0", ttl=0)

@@ -15,7 +15,7 @@ from redis.asyncio import Redis
 from backends.errors import InvalidRequest
 from gateway.fleet.changes import Batch, Change, Known, Position, Snapshot, behind, change_id
 from gateway.fleet.files import FileLog
-from gateway.fleet.log import Appended, ChangeLog, LogKeys, RedisLog, Refused
+from gateway.fleet.log import Appended, AppendRefused, ChangeLog, LogKeys, RedisLog
 
 EPOCH = "0000000000001-test"
 
@@ -226,7 +226,7 @@ async def test_a_fenced_id_refuses_the_append_still_on_its_way_and_a_new_attempt
     assert fenced.known is None
     assert fenced.generation == 1
     late = await log.append(drain(2, cid="op-2"), epoch=EPOCH, attempt=0)
-    assert late == Refused(fenced=1)
+    assert late == AppendRefused(fenced=1)
     assert (await log.after(None)).entries == []
     retried = await log.append(drain(2, cid="op-2"), epoch=EPOCH, attempt=1)
     assert isinstance(retried, Appended)
@@ -240,7 +240,7 @@ async def test_an_append_under_another_epoch_is_refused_and_heal_starts_the_log_
 ) -> None:
     log = open_log("f")
     p = [await put(log, drain(i, cid=f"c{i}")) for i in range(3)]
-    assert await log.append(drain(9), epoch="0000000000000-old") == Refused(epoch=EPOCH)
+    assert await log.append(drain(9), epoch="0000000000000-old") == AppendRefused(epoch=EPOCH)
     state = Snapshot(p[1], {"drained": ["b0", "b1"]}, {"c0": Known(p[0], "fp0")})
     assert not await log.heal("0000000000000-old", "0000000000002-new", state)  # not the seen
     assert await log.heal(EPOCH, "0000000000002-new", state)

@@ -32,7 +32,7 @@ from gateway.request.routes import model_routes
 from gateway.request.services import Services
 from gateway.root import open_gateway
 from gateway.workers.private import private_app
-from gateway.workers.supervisor import Supervisor, Worker
+from gateway.workers.supervisor import Worker, WorkerSupervisor
 
 log = structlog.get_logger("gateway.server")
 
@@ -262,7 +262,7 @@ def serve(settings: Settings, loader: SettingsLoader | None = None) -> int:
 
     # In a fleet a reload is an admin change (in the log, replayed by a worker started again):
     # SIGHUP goes to worker 0, which appends it once.
-    return Supervisor(count, one, hup_to_first=settings.fleet_store is not None).run()
+    return WorkerSupervisor(count, one, hup_to_first=settings.fleet_store is not None).run()
 
 
 def free_port(host: str) -> int:

@@ -27,7 +27,7 @@ _FAILURES: Final = (RedisError, OSError, TimeoutError)
 _KEPT: Final = 64  # views remembered (a name per view and its parameters)
 _FORGET_S: Final = 120.0  # a view stale this long ago and not read since ends no outage
 
-Doc = dict[str, Any]
+ViewDoc = dict[str, Any]
 
 
 class ViewUnavailable(Exception):
@@ -38,16 +38,16 @@ class LastKnown:
     def __init__(self, timeout: float, *, clock: Callable[[], float] = time.time) -> None:
         self.timeout = timeout
         self._clock = clock
-        self._docs: OrderedDict[str, tuple[float, Doc]] = OrderedDict()
+        self._docs: OrderedDict[str, tuple[float, ViewDoc]] = OrderedDict()
         self.failing: str | None = None  # why the views answer stale, while they do
         self._stale: dict[str, float] = {}  # the views answering stale, since when
 
     async def read(
         self,
         name: str,
-        fetch: Callable[[], Awaitable[Doc]],
-        fallback: Callable[[], Doc],
-    ) -> Doc:
+        fetch: Callable[[], Awaitable[ViewDoc]],
+        fallback: Callable[[], ViewDoc],
+    ) -> ViewDoc:
         """``fetch``'s document, kept as ``name``'s last; if it fails (or takes longer than
         ``timeout``), the last one kept, else ``fallback``'s, marked stale."""
         try:
@@ -76,7 +76,7 @@ class LastKnown:
             )
             self.failing = why
 
-    def _answer_stale(self, name: str, fallback: Callable[[], Doc], why: str) -> Doc:
+    def _answer_stale(self, name: str, fallback: Callable[[], ViewDoc], why: str) -> ViewDoc:
         self._stale.setdefault(name, self._clock())
         self.note_failure(why)
         kept = self._docs.get(name)

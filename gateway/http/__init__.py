@@ -2,7 +2,7 @@
 
     message.py    Request, Body: a request's head, and its body as it arrives
     response.py   Response, StreamResponse, json_response: what handlers answer
-    routes.py     Router (Routes): method and path to handler; 404 and 405
+    routes.py     Routes: method and path to handler; 404 and 405
     protocol.py   Connection: one client connection (keep-alive, pipelining, refusals)
     server.py     Server: listeners, graceful stop
     config.py     ServerConfig: the server's limits and timeouts
@@ -17,7 +17,7 @@ from gateway.http.message import Body, Request
 from gateway.http.protocol import Connection
 from gateway.http.refusal import Refused, default_error_body, refusal_code
 from gateway.http.response import Response, StreamResponse, json_response
-from gateway.http.routes import Handler, MethodNotAllowed, RouteNotFound, Router, Routes
+from gateway.http.routes import Handler, MethodNotAllowed, RouteNotFound, Routes
 from gateway.http.sampling import LogSampler
 from gateway.http.server import Server
 
@@ -31,7 +31,6 @@ __all__ = [
     "Request",
     "Response",
     "RouteNotFound",
-    "Router",
     "Routes",
     "Server",
     "ServerConfig",

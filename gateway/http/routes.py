@@ -71,7 +71,7 @@ class _Pattern:
         return info
 
 
-class Router:
+class Routes:
     """Routes by method and path; ``resolve`` finds the handler and the path's parameters."""
 
     __slots__ = ("_fixed", "_patterns")
@@ -128,6 +128,3 @@ class Router:
         if "GET" in allowed:
             allowed.append("HEAD")
         raise MethodNotAllowed(f"Method Not Allowed ({method} {path})", allow=allowed)
-
-
-Routes = Router  # the name the gateway's wiring uses (``gateway.request.routes``)

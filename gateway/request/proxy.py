@@ -62,7 +62,7 @@ from gateway.request.endpoints import Endpoint
 from gateway.request.form import Upload
 from gateway.request.headers import REQUEST_ID, upstream_headers
 from gateway.request.priority import engine_priority
-from gateway.request.record import Outcome, RequestRecord, finish
+from gateway.request.record import RequestOutcome, RequestRecord, finish
 from gateway.request.resume import resume
 from gateway.request.rollout import Choice
 from gateway.request.router import Route, Step
@@ -100,7 +100,7 @@ async def _forward(
     limiter = svc.limiter
     grant: Grant | None = None
     upload: Upload | None = None
-    outcome: Outcome  # the answer's ending, or the exception that ended the request
+    outcome: RequestOutcome  # the answer's ending, or the exception that ended the request
     try:
         principal = limiter.authenticate(request.headers)
         record.key = principal.id

@@ -34,7 +34,7 @@ class Ending(enum.Enum):
 
 
 # What ended a request: its answer's ending, or the exception that ended it (``finish``).
-Outcome = Ending | BaseException
+RequestOutcome = Ending | BaseException
 
 
 @dataclass(slots=True)
@@ -143,7 +143,7 @@ class Finishing(Protocol):
     def cancel_reason(self) -> str: ...
 
 
-def conclude(record: RequestRecord, outcome: Outcome, cancel_reason: str) -> str:
+def conclude(record: RequestRecord, outcome: RequestOutcome, cancel_reason: str) -> str:
     """Say how the request ended, from what ended it: its answer's ending as the relay saw it,
     or what the exception means (a ``GatewayError``'s status and name; a cancellation before
     the answer ended: ``cancel_reason``, the client left or the gateway stops; anything
@@ -159,7 +159,7 @@ def conclude(record: RequestRecord, outcome: Outcome, cancel_reason: str) -> str
     return record.ending
 
 
-def finish(svc: Finishing, record: RequestRecord, outcome: Outcome) -> None:
+def finish(svc: Finishing, record: RequestRecord, outcome: RequestOutcome) -> None:
     """Record a finished request, ended by ``outcome`` (``conclude``): metrics always, the log
     event when info is enabled.
 

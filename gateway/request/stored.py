@@ -24,7 +24,7 @@ from backends.state import BackendState
 from gateway.http import Request, Response
 from gateway.keys import REQUEST_ID_KEY
 from gateway.request.headers import upstream_headers
-from gateway.request.record import Ending, Outcome, RequestRecord, finish
+from gateway.request.record import Ending, RequestOutcome, RequestRecord, finish
 from gateway.request.services import Services
 
 _TRUE = frozenset({"true", "1", "True"})
@@ -65,7 +65,7 @@ def _reachable(svc: Services, backend: str, response_id: str) -> BackendState:
 async def _to_home(request: Request, svc: Services, *, cancel: bool) -> Response:
     record = RequestRecord(request[REQUEST_ID_KEY], started=time.monotonic(), endpoint="responses")
     limiter, grant = svc.limiter, None
-    outcome: Outcome  # how it ended (``finish``)
+    outcome: RequestOutcome  # how it ended (``finish``)
     try:
         principal = limiter.authenticate(request.headers)
         record.key = principal.id

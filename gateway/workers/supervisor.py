@@ -109,7 +109,7 @@ async def ask_peer(
         return f"{type(exc).__name__}: {exc}"
 
 
-class Supervisor:
+class WorkerSupervisor:
     """Forks the workers, passes signals on, and starts again one that died."""
 
     def __init__(self, count: int, run: WorkerMain, hup_to_first: bool = False) -> None:

@@ -19,7 +19,7 @@ from gateway.http import (
     LogSampler,
     Request,
     Response,
-    Router,
+    Routes,
     Server,
     ServerConfig,
     StreamResponse,
@@ -66,7 +66,7 @@ async def serving(
         await server.cleanup(grace)
 
 
-def routed(router: Router) -> Handler:
+def routed(router: Routes) -> Handler:
     """A minimal middleware: the route, and a ``GatewayError`` as its JSON answer."""
 
     async def handle(request: Request) -> Response | StreamResponse:
@@ -82,7 +82,7 @@ def routed(router: Router) -> Handler:
 def one_route(
     handler: Callable[[Request], Awaitable[Response | StreamResponse]], path: str = "/x"
 ) -> Handler:
-    router = Router()
+    router = Routes()
     for method in ("GET", "POST"):
         router.add(method, path, handler)
     return routed(router)

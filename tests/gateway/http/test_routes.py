@@ -1,11 +1,11 @@
-"""Routing (``gateway.http.routes.Router``): fixed and ``{name}`` paths, HEAD, 404 and 405."""
+"""Routing (``gateway.http.routes.Routes``): fixed and ``{name}`` paths, HEAD, 404 and 405."""
 
 from __future__ import annotations
 
 import pytest
 
 from backends.errors import GatewayError, NotFound
-from gateway.http import MethodNotAllowed, Request, Response, RouteNotFound, Router, Routes
+from gateway.http import MethodNotAllowed, Request, Response, RouteNotFound, Routes
 
 
 async def a(request: Request) -> Response:
@@ -16,7 +16,7 @@ async def b(request: Request) -> Response:
     return Response(body=b"b")
 
 
-def router() -> Router:
+def router() -> Routes:
     r = Routes()
     r.add("POST", "/v1/chat/completions", a)
     r.add("GET", "/v1/responses/{response_id}", a)

@@ -22,7 +22,7 @@ import uvloop
 from aiohttp import web
 
 from backends.errors import BodyTooLarge
-from gateway.http import Request, Response, Router, StreamResponse, json_response
+from gateway.http import Request, Response, Routes, StreamResponse, json_response
 from tests.gateway.http.rig import RawClient, one_route, routed, serving
 from tests.waiting import wait_for
 
@@ -78,7 +78,7 @@ async def test_pipelined_requests_are_answered_in_order_one_at_a_time() -> None:
             await release.wait()
         return Response(body=request.path.encode())
 
-    router = Router()
+    router = Routes()
     for path in ("/1", "/2", "/3"):
         router.add("GET", path, handler)
     async with serving(routed(router)) as srv, await RawClient.open(srv.port) as c:
@@ -402,7 +402,7 @@ async def test_a_get_route_answers_head_with_the_head_alone() -> None:
     async def hello(request: Request) -> Response:
         return Response(body=b"hello", content_type="text/plain")
 
-    router = Router()
+    router = Routes()
     router.add("GET", "/x", hello)
     async with serving(routed(router)) as srv, await RawClient.open(srv.port) as c:
         await c.send(b"HEAD /x HTTP/1.1\r\n\r\n")
@@ -416,7 +416,7 @@ async def test_unknown_paths_are_404_and_wrong_methods_405_with_allow() -> None:
     async def ok(request: Request) -> Response:
         return Response()
 
-    router = Router()
+    router = Routes()
     router.add("GET", "/v1/models", ok)
     router.add("POST", "/v1/chat/completions", ok)
     async with (
@@ -456,7 +456,7 @@ async def test_the_request_as_the_handler_sees_it() -> None:
         )
         return Response()
 
-    router = Router()
+    router = Routes()
     router.add("POST", "/v1/responses/{response_id}/cancel", look)
     async with serving(routed(router)) as srv, await RawClient.open(srv.port) as c:
         await c.send(
@@ -573,7 +573,7 @@ async def test_a_graceful_stop_finishes_streams_closes_idle_connections_refuses_
         await resp.write_eof(b"two")
         return resp
 
-    router = Router()
+    router = Routes()
     router.add("GET", "/idle", handler)
     router.add("GET", "/stream", handler)
     async with serving(routed(router), grace=10) as srv:
@@ -605,7 +605,7 @@ async def test_a_graceful_stop_answers_the_requests_already_queued() -> None:
             await release.wait()
         return Response(body=request.path.encode())
 
-    router = Router()
+    router = Routes()
     router.add("GET", "/1", handler)
     router.add("GET", "/2", handler)
     async with serving(routed(router)) as srv, await RawClient.open(srv.port) as c:

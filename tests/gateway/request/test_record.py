@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from backends.errors import GatewayError, NoBackendAvailable, RateLimited, UpstreamTimeout
-from gateway.request.record import Ending, Outcome, RequestRecord, conclude
+from gateway.request.record import Ending, RequestOutcome, RequestRecord, conclude
 
 
 def _record(status: int = 0) -> RequestRecord:
@@ -33,7 +33,7 @@ def _record(status: int = 0) -> RequestRecord:
     ],
 )
 def test_every_way_a_request_ends_is_named(
-    outcome: Outcome, status_before: int, ending: str, status: int
+    outcome: RequestOutcome, status_before: int, ending: str, status: int
 ) -> None:
     record = _record(status_before)
     assert conclude(record, outcome, "client_disconnect") == ending

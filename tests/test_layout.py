@@ -1,6 +1,7 @@
 """The repository's shape: the README's layout table names every package folder, ``tests/``
 mirrors the package folders, imports point one way (``policies`` <- ``backends`` <- ``gateway``
-<- ``tools``, ``loadtest``), and nothing reaches outside the clone."""
+<- ``tools``, ``loadtest``), no class or type alias name is defined twice in the product, and
+nothing reaches outside the clone."""
 
 from __future__ import annotations
 
@@ -154,3 +155,40 @@ def test_the_request_path_calls_only_down(stage: str) -> None:
     after = set(REQUEST_PATH[REQUEST_PATH.index(stage) + 1 :])
     upward = request_path_imports(stage) - after
     assert upward == set(), f"gateway/request/{stage}.py imports {sorted(upward)}, which come first"
+
+
+# The packages a reader of the product meets; tools/ and loadtest/ are its helpers.
+PRODUCT = ("policies", "backends", "gateway")
+
+
+def type_names_of(path: Path) -> list[str]:
+    """The types ``path`` defines at module level: its classes and its type aliases, written
+    ``X: TypeAlias = ...`` or ``X = ...`` with a CapWords name (constants are UPPER_CASE)."""
+    found = []
+    for node in ast.parse(path.read_text(), filename=str(path)).body:
+        if isinstance(node, ast.ClassDef):
+            found.append(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if ast.unparse(node.annotation).rsplit(".", 1)[-1] == "TypeAlias":
+                found.append(node.target.id)
+        elif isinstance(node, ast.Assign):
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            found.extend(n for n in names if n[0].isupper() and not n.isupper())
+    return found
+
+
+def test_no_type_name_is_defined_twice_in_the_product() -> None:
+    """One name, one thing: a reader meeting ``Lease`` or ``Decision`` in the product need not
+    ask which module it came from (issue 57)."""
+    where: dict[str, list[str]] = {}
+    for package in PRODUCT:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for name in type_names_of(path):
+                where.setdefault(name, []).append(rel)
+    twice = {name: paths for name, paths in sorted(where.items()) if len(paths) > 1}
+    assert twice == {}, "class or type alias names defined more than once in {}:\n{}".format(
+        "/".join(PRODUCT),
+        "\n".join(f"  {name}: {', '.join(paths)}" for name, paths in twice.items())
+        + "\nrename the one whose name says less of what it is",
+    )

@@ -20,7 +20,7 @@ py=${PY:-$repo/.venv/bin/python}
 url=http://127.0.0.1:18100
 
 profile() {  # $1: seconds of load; writes $out/$1.prof and $out/$1.json
-  PYTHONPATH=$target taskset -c 0 "$py" -m cProfile -o "$out/$1.prof" -m gateway serve \
+  PYTHONSAFEPATH=1 PYTHONPATH=$target taskset -c 0 "$py" -m cProfile -o "$out/$1.prof" -m gateway serve \
     --host 127.0.0.1 --port 18100 --backends http://127.0.0.1:18001,http://127.0.0.1:18002 \
     >"$out/proxy-$1.log" 2>&1 &
   local proxy=$!

@@ -9,7 +9,8 @@
 #
 # TARGET: a directory holding the gateway's code (a worktree of any commit), or `bare`
 # (bare_proxy.py: aiohttp's server and backends.upstream.h1, no features). CONCURRENCY 0 measures the
-# idle gateway over SECONDS (its scrapes and probes), to subtract.
+# idle gateway over SECONDS (its scrapes and probes), to subtract. The target's code is what
+# runs whatever the working directory (PYTHONSAFEPATH: no checkout in it shadows the target).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)
@@ -22,7 +23,7 @@ grind=(valgrind --tool=callgrind --callgrind-out-file="$out/cg.out" --dump-instr
 case $target in
   bare) PYTHONPATH=$repo taskset -c 0 "${grind[@]}" "$py" "$here/bare_proxy.py" 18100 18001 18002 \
           >"$out/proxy.log" 2>&1 & ;;
-  *) PYTHONPATH=$target taskset -c 0 "${grind[@]}" "$py" -m gateway serve --host 127.0.0.1 \
+  *) PYTHONSAFEPATH=1 PYTHONPATH=$target taskset -c 0 "${grind[@]}" "$py" -m gateway serve --host 127.0.0.1 \
        --port 18100 --backends http://127.0.0.1:18001,http://127.0.0.1:18002 >"$out/proxy.log" 2>&1 & ;;
 esac
 proxy=$!

@@ -28,7 +28,7 @@ case $target in
        --host 127.0.0.1 --port 18100 --worker-urls http://127.0.0.1:18001 http://127.0.0.1:18002 \
        --policy round_robin --prometheus-port 18101 --log-level warning >"$out/proxy.log" 2>&1 & ;;
   direct) taskset -c 0 "$py" "$here/raw_proxy.py" 18100 18001 >"$out/proxy.log" 2>&1 & ;;
-  *) PYTHONPATH=$target taskset -c 0 "$py" -m gateway serve --host 127.0.0.1 --port 18100 \
+  *) PYTHONSAFEPATH=1 PYTHONPATH=$target taskset -c 0 "$py" -m gateway serve --host 127.0.0.1 --port 18100 \
        --backends http://127.0.0.1:18001,http://127.0.0.1:18002 >"$out/proxy.log" 2>&1 & ;;
 esac
 proxy=$!

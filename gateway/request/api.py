@@ -12,7 +12,7 @@ model-addressed endpoint; what differs is asked of the endpoint's ``Api`` (one m
   (a ``Continuing``, or None);
 - ``upstream_id``: the request id the backend gets;
 - ``serving``: what is kept while the request runs (the token-in generations the abort route
-  finds).
+  finds), or None.
 
 Whose shapes the clients parse (errors, the end of a stream) is the endpoint's ``Dialect``
 (``gateway.request.dialects``). Adding an API is a module in ``gateway.request.apis`` and a row
@@ -22,7 +22,7 @@ in ``gateway.request.endpoints``' table.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -104,10 +104,7 @@ class Api(Protocol):
 
     def serving(
         self, svc: Services, request_id: str, owner: str, record: RequestRecord
-    ) -> AbstractContextManager[object]: ...
-
-
-_NOTHING: AbstractContextManager[object] = nullcontext()  # reusable: it holds nothing
+    ) -> AbstractContextManager[object] | None: ...
 
 
 class Plain:
@@ -135,8 +132,8 @@ class Plain:
 
     def serving(
         self, svc: Services, request_id: str, owner: str, record: RequestRecord
-    ) -> AbstractContextManager[object]:
-        return _NOTHING
+    ) -> AbstractContextManager[object] | None:
+        return None  # nothing kept while it runs
 
 
 PLAIN = Plain()

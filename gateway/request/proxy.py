@@ -268,8 +268,10 @@ def _call(
 
 async def _findable(call: Call, routed: _Routed, owner: str, span: Span | None) -> Answered:
     """Serve ``call``, with what its API keeps meanwhile (``Api.serving``)."""
-    upstream_id = call.headers[REQUEST_ID]
-    with call.endpoint.api.serving(call.svc, upstream_id, owner, call.record):
+    kept = call.endpoint.api.serving(call.svc, call.headers[REQUEST_ID], owner, call.record)
+    if kept is None:
+        return await _serve(call, routed.route, routed.doc, span)
+    with kept:
         return await _serve(call, routed.route, routed.doc, span)
 
 
@@ -345,9 +347,5 @@ async def _answered(call: Call, step: Step, span: Span | None) -> Answered:
 
 
 def route_endpoint(endpoint: Endpoint, svc: Services) -> Handler:
-    """The request handler of one of ``gateway.request.endpoints``' JSON endpoints."""
-
-    async def handler(request: Request) -> StreamResponse:
-        return await forward(request, endpoint, svc)
-
-    return handler
+    """The request handler of one of ``gateway.request.endpoints``' endpoints."""
+    return partial(forward, endpoint=endpoint, svc=svc)

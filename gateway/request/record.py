@@ -6,6 +6,7 @@ import asyncio
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Final, Protocol
 
@@ -143,17 +144,19 @@ class Finishing(Protocol):
     def cancel_reason(self) -> str: ...
 
 
-def conclude(record: RequestRecord, outcome: RequestOutcome, cancel_reason: str) -> str:
+def conclude(
+    record: RequestRecord, outcome: RequestOutcome, cancel_reason: Callable[[], str]
+) -> str:
     """Say how the request ended, from what ended it: its answer's ending as the relay saw it,
     or what the exception means (a ``GatewayError``'s status and name; a cancellation before
-    the answer ended: ``cancel_reason``, the client left or the gateway stops; anything
+    the answer ended: ``cancel_reason()``, the client left or the gateway stops; anything
     else is a bug the client got a 500 for)."""
     if isinstance(outcome, Ending):
         record.ending = outcome.value
     elif isinstance(outcome, GatewayError):
         record.status, record.ending = outcome.status, type(outcome).__name__
     elif isinstance(outcome, asyncio.CancelledError):
-        record.ending = cancel_reason
+        record.ending = cancel_reason()
     else:
         record.status, record.ending = 500, "internal_error"
     return record.ending
@@ -168,7 +171,7 @@ def finish(svc: Finishing, record: RequestRecord, outcome: RequestOutcome) -> No
     """
     if record.ended_at is None:
         record.ended_at = time.monotonic()
-    ending = conclude(record, outcome, svc.cancel_reason())
+    ending = conclude(record, outcome, svc.cancel_reason)
     metrics = svc.metrics
     backend = record.backend
     model = record.model if svc.router.pool.serves(record.model) or record.pool else OTHER

@@ -36,13 +36,13 @@ def test_every_way_a_request_ends_is_named(
     outcome: RequestOutcome, status_before: int, ending: str, status: int
 ) -> None:
     record = _record(status_before)
-    assert conclude(record, outcome, "client_disconnect") == ending
+    assert conclude(record, outcome, lambda: "client_disconnect") == ending
     assert (record.ending, record.status) == (ending, status)
 
 
 def test_a_cancellation_while_the_gateway_stops_says_so() -> None:
     record = _record()
-    assert conclude(record, asyncio.CancelledError(), "shutdown") == "shutdown"
+    assert conclude(record, asyncio.CancelledError(), lambda: "shutdown") == "shutdown"
 
 
 def test_a_gateway_error_keeps_its_own_status() -> None:
@@ -50,5 +50,5 @@ def test_a_gateway_error_keeps_its_own_status() -> None:
         status = 418
 
     record = _record(200)
-    conclude(record, Teapot("no"), "client_disconnect")
+    conclude(record, Teapot("no"), lambda: "client_disconnect")
     assert (record.ending, record.status) == ("Teapot", 418)

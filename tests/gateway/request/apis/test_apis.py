@@ -192,17 +192,20 @@ def test_a_generation_is_findable_while_it_runs_and_only_then() -> None:
     s = _Svc()
     record = RequestRecord("rid", started=0.0, endpoint="generate")
     record.backends.append("b1")
-    with GENERATE_API.serving(svc(s), "mine", "key-a", record):
+    kept = GENERATE_API.serving(svc(s), "mine", "key-a", record)
+    assert kept is not None
+    with kept:
         where, unknown = s.generations.placed(["mine"], "key-a")
         assert where == {"b1": ["mine"]}
         assert unknown == []
         assert s.generations.placed(["mine"], "key-b") == ({}, ["mine"])  # not the owner's
     assert len(s.generations) == 0
-    with pytest.raises(RuntimeError), GENERATE_API.serving(svc(s), "x", "key-a", record):
+    kept = GENERATE_API.serving(svc(s), "x", "key-a", record)
+    assert kept is not None
+    with pytest.raises(RuntimeError), kept:
         raise RuntimeError
     assert len(s.generations) == 0  # ended on the way out, whatever it raised
-    with PLAIN.serving(svc(s), "y", "key-a", record), PLAIN.serving(svc(s), "z", "k", record):
-        assert len(s.generations) == 0  # the plain API keeps nothing (and nests)
+    assert PLAIN.serving(svc(s), "y", "key-a", record) is None  # the plain API keeps nothing
 
 
 def test_the_dialects_end_streams_and_reshape_errors_in_their_own_shapes() -> None:

@@ -13,9 +13,9 @@ success. A trial request that ends without a verdict (the client left) gives the
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 
 
 class Circuit(enum.Enum):
@@ -26,10 +26,10 @@ class Circuit(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class CircuitPolicy:
-    threshold: int = setting(5, "consecutive failures to open", ge=1)
-    cooldown: float = setting(5.0, "first open period, seconds", gt=0)
-    growth: float = setting(2.0, "cooldown factor on each re-opening", ge=1)
-    max_cooldown: float = setting(120.0, "longest open period, seconds", gt=0)
+    threshold: int = field(default=5, metadata=spec("consecutive failures to open", ge=1))
+    cooldown: float = field(default=5.0, metadata=spec("first open period, seconds", gt=0))
+    growth: float = field(default=2.0, metadata=spec("cooldown factor on each re-opening", ge=1))
+    max_cooldown: float = field(default=120.0, metadata=spec("longest open period, seconds", gt=0))
 
     def __post_init__(self) -> None:
         check_settings(self)

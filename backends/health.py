@@ -10,9 +10,9 @@ by one probe, but never marks a backend down on its own.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 
 
 class Health(enum.Enum):
@@ -23,8 +23,10 @@ class Health(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class HealthPolicy:
-    fall: int = setting(3, "consecutive failed probes to mark a backend down", ge=1)
-    rise: int = setting(2, "consecutive good probes to bring it back", ge=1)
+    fall: int = field(
+        default=3, metadata=spec("consecutive failed probes to mark a backend down", ge=1)
+    )
+    rise: int = field(default=2, metadata=spec("consecutive good probes to bring it back", ge=1))
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -42,7 +42,7 @@ from typing import Final
 
 from policies.facts import CHARS_PER_TOKEN
 from policies.fit import DecayingFit
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 from policies.types import BackendSnapshot, Outcome, RouteFacts
 
 TTFT_TERMS: Final = ("base", "per_ktok", "per_queued", "per_running", "per_ktok_ahead")
@@ -107,15 +107,19 @@ def _itl(c: Sequence[float], load: Load) -> float:
 
 @dataclass(frozen=True, slots=True)
 class LatencyConfig:
-    half_life: float = setting(
-        5.0,
-        "seconds for an observation's weight to halve: how fast a backend that slows down or "
-        "recovers is seen",
-        gt=0,
+    half_life: float = field(
+        default=5.0,
+        metadata=spec(
+            "seconds for an observation's weight to halve: how fast a backend that slows down or "
+            "recovers is seen",
+            gt=0,
+        ),
     )
     memory: float = 60.0  # the same, for the long-memory fit (what is rarely seen)
     # pseudo-observations pulling a fit toward the one behind it
-    ridge: float = setting(2.0, "observations' worth of pull toward the fleet's figures", gt=0)
+    ridge: float = field(
+        default=2.0, metadata=spec("observations' worth of pull toward the fleet's figures", gt=0)
+    )
     resolve_s: float = 0.25  # a changed fit is solved again at most this often
     max_backends: int = 4096
 

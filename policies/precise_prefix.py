@@ -49,7 +49,7 @@ from policies.prefix_affinity import (
     session_target,
 )
 from policies.scoring import Weights
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 from policies.types import BackendSnapshot, Decision, Needs, Outcome, Rng, RouteFacts
 
 REASONS: Final = (
@@ -82,7 +82,9 @@ class PrecisePrefix:
     weights: Weights = field(default_factory=Weights)
     rng: Rng = field(default_factory=random.Random)
     config: AffinityConfig = field(default_factory=AffinityConfig)
-    max_blocks: int = setting(MAX_BLOCKS, "leading blocks of a prompt that are keyed", ge=1)
+    max_blocks: int = field(
+        default=MAX_BLOCKS, metadata=spec("leading blocks of a prompt that are keyed", ge=1)
+    )
     # The block size assumed for a backend that has not reported one yet (no event so far),
     # so that tentative credit works on a fresh fleet too. vLLM's default is 16.
     default_block_size: int = 16

@@ -50,7 +50,7 @@ from policies.latency import LatencyTracker, prompt_size
 from policies.precise_prefix import PrecisePrefix
 from policies.prefix_affinity import AffinityConfig, PrefixAffinity, not_overloaded
 from policies.scoring import Weights
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 from policies.types import BackendSnapshot, Decision, Needs, Outcome, Rng, RouteFacts
 
 Objective = Literal["ttft", "e2e"]
@@ -81,54 +81,72 @@ def rescue_declined(others: Sequence[BackendSnapshot]) -> str | None:
 class PredictionConfig:
     """What ``predicted_latency`` minimises and whose prefix knowledge it uses (live)."""
 
-    objective: Objective = setting(
-        "ttft",
-        "what predicted_latency minimises: ttft (first token) or e2e (whole answer); a key "
-        "tier's objective overrides it",
+    objective: Objective = field(
+        default="ttft",
+        metadata=spec(
+            "what predicted_latency minimises: ttft (first token) or e2e (whole answer); a key "
+            "tier's objective overrides it",
+        ),
     )
-    prefix: PrefixSource = setting(
-        "approximate",
-        "prefix knowledge predicted_latency uses for cached tokens: approximate "
-        "(prefix_affinity's, [affinity]), precise (KV events, [kv_events]) or none",
+    prefix: PrefixSource = field(
+        default="approximate",
+        metadata=spec(
+            "prefix knowledge predicted_latency uses for cached tokens: approximate "
+            "(prefix_affinity's, [affinity]), precise (KV events, [kv_events]) or none",
+        ),
     )
     # A backend that has not been chosen lately (a new one, one that was slow and may have
     # recovered) is then tried again, while one that is known to be much slower is not.
-    explore: float = setting(
-        0.5,
-        "optimism for backends little observed lately: a prediction counts "
-        "(1 - explore / sqrt(1 + recent observations)) of itself, so they are tried again",
-        ge=0,
-        lt=1,
+    explore: float = field(
+        default=0.5,
+        metadata=spec(
+            "optimism for backends little observed lately: a prediction counts "
+            "(1 - explore / sqrt(1 + recent observations)) of itself, so they are tried again",
+            ge=0,
+            lt=1,
+        ),
     )
     # The fits know little of loads the policy itself avoids, so the guard keeps a backend
     # that just turned fast from taking a herd, however fast it is predicted.
-    balance_abs: float = setting(
-        6.0,
-        "predicted_latency's load guard: a backend one more request puts this far above the "
-        "least loaded (least_load score)...",
-        ge=0,
+    balance_abs: float = field(
+        default=6.0,
+        metadata=spec(
+            "predicted_latency's load guard: a backend one more request puts this far above the "
+            "least loaded (least_load score)...",
+            ge=0,
+        ),
     )
-    balance_rel: float = setting(1.5, "...and this many times, is not chosen", ge=1)
+    balance_rel: float = field(
+        default=1.5, metadata=spec("...and this many times, is not chosen", ge=1)
+    )
     # 0 or at least 1 (checked below): a rescue must not fire before its prediction.
-    rescue_factor: float = setting(
-        3.0,
-        "predicted_latency: a streamed request with no first token this many times later than "
-        "predicted is sent to another backend, once, before anything reached its client "
-        "(0: never; else at least 1)",
+    rescue_factor: float = field(
+        default=3.0,
+        metadata=spec(
+            "predicted_latency: a streamed request with no first token this many times later than "
+            "predicted is sent to another backend, once, before anything reached its client "
+            "(0: never; else at least 1)",
+        ),
     )
-    rescue_min: float = setting(0.1, "...and never before this many seconds", ge=0)
-    rescue_mode: RescueMode = setting(
-        "move",
-        "how predicted_latency rescues a late stream: move (take it back and send it to "
-        "another backend) or hedge (send a copy to another backend and keep the first: "
-        "whichever has its first token first answers, the other is closed unsent)",
+    rescue_min: float = field(
+        default=0.1, metadata=spec("...and never before this many seconds", ge=0)
     )
-    hedge_budget: float = setting(
-        0.1,
-        "hedges running at once: at most this share of the requests in flight (at least one; "
-        "0: none); a late stream over the budget waits on where it is",
-        ge=0,
-        le=1,
+    rescue_mode: RescueMode = field(
+        default="move",
+        metadata=spec(
+            "how predicted_latency rescues a late stream: move (take it back and send it to "
+            "another backend) or hedge (send a copy to another backend and keep the first: "
+            "whichever has its first token first answers, the other is closed unsent)",
+        ),
+    )
+    hedge_budget: float = field(
+        default=0.1,
+        metadata=spec(
+            "hedges running at once: at most this share of the requests in flight (at least one; "
+            "0: none); a late stream over the budget waits on where it is",
+            ge=0,
+            le=1,
+        ),
     )
 
     def __post_init__(self) -> None:

@@ -48,7 +48,7 @@ from policies.facts import CHARS_PER_TOKEN
 from policies.least_load import LeastLoad
 from policies.prefix import PrefixHasher, PrefixHeat, PrefixIndex
 from policies.scoring import Weights, score
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 from policies.types import BackendSnapshot, Decision, Needs, Outcome, Rng, RouteFacts
 
 BalanceOn = Literal["in_flight", "score"]
@@ -61,25 +61,39 @@ REASONS: Final = ("session", "session_overflow", "prefix", "balance", "load")
 class AffinityConfig:
     """Everything ``prefix_affinity`` can be tuned with (live, through the admin API)."""
 
-    block_chars: int = setting(64, "prompt characters per hashed block (about 16 tokens)", ge=8)
-    max_blocks: int = setting(128, "leading blocks of a prompt that are hashed", ge=1)
-    index_capacity: int = setting(
-        50_000, "block hashes remembered, least recently used dropped first", ge=128
+    block_chars: int = field(
+        default=64, metadata=spec("prompt characters per hashed block (about 16 tokens)", ge=8)
     )
-    balance_abs: float = setting(
-        8.0, "a backend one more request puts this far above the idlest loses affinity...", ge=0
+    max_blocks: int = field(
+        default=128, metadata=spec("leading blocks of a prompt that are hashed", ge=1)
     )
-    balance_rel: float = setting(1.5, "...if also this many times above it", ge=1)
-    balance_on: BalanceOn = setting(
-        "in_flight", "load for the guard: in-flight count or least_load score"
+    index_capacity: int = field(
+        default=50_000,
+        metadata=spec("block hashes remembered, least recently used dropped first", ge=128),
     )
-    placement: Placement = setting(
-        "room",
-        "a new prefix: least loaded, then most cache room; or hash (use with several gateway "
-        "replicas, so they agree)",
+    balance_abs: float = field(
+        default=8.0,
+        metadata=spec(
+            "a backend one more request puts this far above the idlest loses affinity...", ge=0
+        ),
     )
-    session_header: str | None = setting(
-        None, "request header naming a session (e.g. x-session-id); None: off"
+    balance_rel: float = field(
+        default=1.5, metadata=spec("...if also this many times above it", ge=1)
+    )
+    balance_on: BalanceOn = field(
+        default="in_flight",
+        metadata=spec("load for the guard: in-flight count or least_load score"),
+    )
+    placement: Placement = field(
+        default="room",
+        metadata=spec(
+            "a new prefix: least loaded, then most cache room; or hash (use with several gateway "
+            "replicas, so they agree)",
+        ),
+    )
+    session_header: str | None = field(
+        default=None,
+        metadata=spec("request header naming a session (e.g. x-session-id); None: off"),
     )
 
     def __post_init__(self) -> None:

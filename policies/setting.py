@@ -1,7 +1,9 @@
 """A setting of the pure code: its default, bounds and one-line description, declared once.
 
 A frozen dataclass of the pure layers (a policy's config, the circuit breaker's policy, ...)
-declares each field an operator may set with ``setting(default, description, ge=...)``, and
+declares each field an operator may set with ``field(default=..., metadata=spec(description,
+ge=...))`` (the standard ``dataclasses.field``, so a compiler of dataclasses sees the default as
+it is: mypyc), and
 calls ``check_settings(self)`` in ``__post_init__``. The configuration (``gateway.config``)
 builds its pydantic fields from these declarations and builds the dataclasses from its
 sections, so the settings file and the code cannot disagree on a default or a bound. Checks
@@ -13,10 +15,8 @@ Plain dataclass metadata, so the pure layers import nothing of pydantic.
 
 from __future__ import annotations
 
-from dataclasses import Field, dataclass, field, fields
-from typing import Any, Final, TypeVar
-
-T = TypeVar("T")
+from dataclasses import Field, dataclass, fields
+from typing import Any, Final
 
 # The key of a setting's ``Spec`` in its dataclass field's metadata.
 SETTING: Final = "setting"
@@ -53,17 +53,17 @@ class Spec:
         return None
 
 
-def setting(
-    default: T,
+def spec(
     description: str,
     *,
     ge: float | None = None,
     gt: float | None = None,
     le: float | None = None,
     lt: float | None = None,
-) -> T:
-    """A dataclass field an operator may set: ``default``, its bounds and what it is for."""
-    return field(default=default, metadata={SETTING: Spec(description, ge, gt, le, lt)})
+) -> dict[str, Spec]:
+    """A dataclass field's metadata that makes it a setting an operator may set: its bounds and
+    what it is for (``field(default=..., metadata=spec(...))``)."""
+    return {SETTING: Spec(description, ge, gt, le, lt)}
 
 
 def settings_of(cls: type) -> dict[str, tuple[Any, Spec]]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 
 if TYPE_CHECKING:
     from policies.prefix import PrefixHasher
@@ -42,9 +42,15 @@ if TYPE_CHECKING:
 class Weights:
     """Weights of each load signal in the score; ops tune them live."""
 
-    active: float = setting(2.0, "score weight of each request in flight", ge=0)
-    queue: float = setting(3.0, "score weight of each request queued in the engine", ge=0)
-    kv: float = setting(0.0, "score weight of the engine's KV-cache usage (0..1)", ge=0)
+    active: float = field(
+        default=2.0, metadata=spec("score weight of each request in flight", ge=0)
+    )
+    queue: float = field(
+        default=3.0, metadata=spec("score weight of each request queued in the engine", ge=0)
+    )
+    kv: float = field(
+        default=0.0, metadata=spec("score weight of the engine's KV-cache usage (0..1)", ge=0)
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

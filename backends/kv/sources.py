@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 from urllib.parse import urlsplit
 
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 
 STATES: Final = ("discovering", "off", "connecting", "live", "disconnected", "undecodable")
 _WILDCARDS: Final = ("*", "0.0.0.0", "::", "[::]", "")
@@ -21,16 +21,21 @@ _WILDCARDS: Final = ("*", "0.0.0.0", "::", "[::]", "")
 
 @dataclass(frozen=True, slots=True)
 class FeedSettings:
-    discover: bool = setting(True, "ask each backend's GET /kv_event_sources")
-    endpoint: str | None = setting(
-        None,
-        "else subscribe here: a template with {host}, the backend's host, e.g. tcp://{host}:5557",
+    discover: bool = field(default=True, metadata=spec("ask each backend's GET /kv_event_sources"))
+    endpoint: str | None = field(
+        default=None,
+        metadata=spec(
+            "else subscribe here: a template with {host}, the backend's host, e.g. tcp://{host}:5557",
+        ),
     )
-    replay_endpoint: str | None = setting(None, "e.g. tcp://{host}:5558")
-    topic: str = setting("", "the topic subscribed to (empty: every topic)")
-    replay_timeout: float = setting(2.0, "seconds a replay request may take", gt=0)
-    rediscover_interval: float = setting(
-        5.0, "seconds between looks at a backend that publishes no events", gt=0
+    replay_endpoint: str | None = field(default=None, metadata=spec("e.g. tcp://{host}:5558"))
+    topic: str = field(default="", metadata=spec("the topic subscribed to (empty: every topic)"))
+    replay_timeout: float = field(
+        default=2.0, metadata=spec("seconds a replay request may take", gt=0)
+    )
+    rediscover_interval: float = field(
+        default=5.0,
+        metadata=spec("seconds between looks at a backend that publishes no events", gt=0),
     )
     poll_interval: float = 0.25  # how often a feed looks at its backend's health
     silent_warning_s: float = 10.0  # no publisher connected this long: warn

@@ -17,10 +17,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal, Protocol
 
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 
 Kind = Literal["retry", "hedge", "continuation"]
 KINDS: Final[tuple[Kind, ...]] = ("retry", "hedge", "continuation")
@@ -28,14 +28,21 @@ KINDS: Final[tuple[Kind, ...]] = ("retry", "hedge", "continuation")
 
 @dataclass(frozen=True, slots=True)
 class RetryBudgetPolicy:
-    ratio: float = setting(
-        0.2, "extra attempts (retries, hedges, continuations) per request, over the window", ge=0
+    ratio: float = field(
+        default=0.2,
+        metadata=spec(
+            "extra attempts (retries, hedges, continuations) per request, over the window", ge=0
+        ),
     )
-    min_per_second: float = setting(
-        5.0, "extra attempts per second the fleet may always make, whatever its traffic", ge=0
+    min_per_second: float = field(
+        default=5.0,
+        metadata=spec(
+            "extra attempts per second the fleet may always make, whatever its traffic", ge=0
+        ),
     )
-    window: float = setting(
-        10.0, "seconds the budget counts requests and extra attempts over", gt=0
+    window: float = field(
+        default=10.0,
+        metadata=spec("seconds the budget counts requests and extra attempts over", gt=0),
     )
 
     def __post_init__(self) -> None:

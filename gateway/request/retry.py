@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
 from policies import Rng
-from policies.setting import check_settings, setting
+from policies.setting import check_settings, spec
 
 # Answers that mean "this backend cannot take it now", worth another backend's try.
 RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
@@ -14,12 +14,24 @@ RETRYABLE_STATUS: Final = frozenset({429, 502, 503, 504})
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    max_attempts: int = setting(3, "attempts per request, the first included", ge=1)
-    deadline: float = setting(15.0, "no new attempt after this many seconds", gt=0)
-    backoff_base: float = setting(0.05, "seconds to wait after the first failure", ge=0)
-    backoff_max: float = setting(2.0, "longest wait between attempts, seconds", ge=0)
-    backoff_factor: float = setting(1.5, "wait factor on each further failure", ge=1)
-    jitter: float = setting(0.2, "+/- this fraction of each backoff", ge=0, le=1)
+    max_attempts: int = field(
+        default=3, metadata=spec("attempts per request, the first included", ge=1)
+    )
+    deadline: float = field(
+        default=15.0, metadata=spec("no new attempt after this many seconds", gt=0)
+    )
+    backoff_base: float = field(
+        default=0.05, metadata=spec("seconds to wait after the first failure", ge=0)
+    )
+    backoff_max: float = field(
+        default=2.0, metadata=spec("longest wait between attempts, seconds", ge=0)
+    )
+    backoff_factor: float = field(
+        default=1.5, metadata=spec("wait factor on each further failure", ge=1)
+    )
+    jitter: float = field(
+        default=0.2, metadata=spec("+/- this fraction of each backoff", ge=0, le=1)
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)

@@ -3,7 +3,8 @@
 For each target: start two fake vLLM backends (loadtest/peers/fake_backend.py) on CPU 1, start
 the target proxy on CPU 0 pointing at both, wait until a request goes through, warm up, then
 run loadtest/peers/loadgen.py (on CPU 1) at several concurrencies for each backend profile.
-Records loadgen stats plus the proxy's CPU use and RSS (summed over its process tree). Writes
+Records loadgen stats plus the proxy's CPU use and RSS (summed over its process tree) and the
+two fake backends' CPU use (what the load costs the backends themselves). Writes
 docs/bench/peers-<date>[-<label>].json and .md (or into --results-dir).
 
 Stdlib only; backends and loadgen run as files under --bench-python (needs aiohttp, uvloop).
@@ -182,6 +183,7 @@ class Bench:
                 url=url,
                 workdir=workdir,
                 proxy=proxy,
+                backends=backends,
                 pres=pres,
             )
         except Exception as e:
@@ -231,6 +233,7 @@ class Bench:
         url: str,
         workdir: str,
         proxy: subprocess.Popen[bytes] | None,
+        backends: list[subprocess.Popen[bytes]],
         pres: dict[str, Any],
     ) -> None:
         args = self.args
@@ -273,6 +276,7 @@ class Bench:
                 _, cpu0 = tree_usage(proxy.pid)
                 sampler = Sampler(proxy.pid)
                 sampler.start()
+            backends_cpu0 = sum(tree_usage(b.pid)[1] for b in backends)
             t0 = time.time()
             res = run_loadgen(
                 args,
@@ -286,11 +290,14 @@ class Bench:
                 api_key=spec.get("api_key", ""),
             )
             wall = time.time() - t0
+            ev = (res.get("events_per_s") or 0) * (res.get("duration_s") or 0)
+            backends_cpu = sum(tree_usage(b.pid)[1] for b in backends) - backends_cpu0
+            res["backends_cpu_pct"] = round(100.0 * backends_cpu / wall, 1) if wall > 0 else None
+            res["backends_cpu_us_per_event"] = round(backends_cpu * 1e6 / ev, 2) if ev else None
             if proxy is not None and sampler is not None:
                 peak = sampler.finish()
                 rss, cpu1 = tree_usage(proxy.pid)
                 res["proxy_cpu_pct"] = round(100.0 * (cpu1 - cpu0) / wall, 1) if wall > 0 else None
-                ev = (res.get("events_per_s") or 0) * (res.get("duration_s") or 0)
                 res["proxy_cpu_us_per_event"] = round((cpu1 - cpu0) * 1e6 / ev, 2) if ev else None
                 res["proxy_peak_rss_mb"] = round(max(peak, rss), 1)
                 res["proxy_alive"] = proxy.poll() is None
@@ -300,6 +307,7 @@ class Bench:
                 f"err={res.get('errors')} to={res.get('timeouts')} "
                 f"ttft_p50={res.get('ttft_ms', {}).get('p50')} ev/s={res.get('events_per_s')} "
                 f"cpu%={res.get('proxy_cpu_pct')} rss={res.get('proxy_peak_rss_mb')} "
+                f"backends cpu%={res.get('backends_cpu_pct')} "
                 f"{res.get('error', '')}"
             )
             time.sleep(args.pause)

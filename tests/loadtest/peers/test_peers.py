@@ -106,3 +106,15 @@ def test_render_remakes_the_page_from_the_json(tmp_path: Path) -> None:
 def test_results_dir_is_recorded_relative_to_the_checkout() -> None:
     assert cli._shown(driver.RESULTS) == "docs/bench"
     assert cli._shown("/tmp/elsewhere") == "/tmp/elsewhere"
+
+
+def test_the_backends_cpu_gets_a_table_only_in_runs_that_measured_it() -> None:
+    docs = Path(__file__).resolve().parents[3] / "docs" / "bench"
+    res = json.loads(min(docs.glob("peers-*.json")).read_text())
+    assert "## The fake backends" not in render_md(res)
+    target = next(iter(res["targets"].values()))
+    level = next(iter(next(iter(target["profiles"].values()))["levels"].values()))
+    level.update(backends_cpu_pct=97.5, backends_cpu_us_per_event=4.25)
+    page = render_md(res)
+    assert "## The fake backends" in page
+    assert "| 97.5 | 4.25 |" in page

@@ -1,13 +1,14 @@
 """Side-by-side benchmark of LLM gateways forwarding OpenAI-style SSE streams.
 
-For each target: start two fake vLLM backends (loadtest/peers/fake_backend.py) on CPU 1, start
+For each target: start two fake vLLM backends (``python -m tools.fake_vllm``) on CPU 1, start
 the target proxy on CPU 0 pointing at both, wait until a request goes through, warm up, then
 run loadtest/peers/loadgen.py (on CPU 1) at several concurrencies for each backend profile.
 Records loadgen stats plus the proxy's CPU use and RSS (summed over its process tree) and the
 two fake backends' CPU use (what the load costs the backends themselves). Writes
 docs/bench/peers-<date>[-<label>].json and .md (or into --results-dir).
 
-Stdlib only; backends and loadgen run as files under --bench-python (needs aiohttp, uvloop).
+Stdlib only; the backends (as a module, the checkout on PYTHONPATH) and loadgen (as a file) run
+under --bench-python (needs aiohttp, uvloop).
 Targets are command templates (loadtest/peers/targets.py): the peers (nginx, vllm-router,
 sglang-router, litellm), the gateway of this checkout (gw) and the floors of scripts/proxy_cost
 (raw, lean, bare); --target adds one from the command line.
@@ -210,11 +211,12 @@ class Bench:
         and wait until each answers."""
         args = self.args
         for p in ports:
-            cmd = [args.bench_python, os.path.join(HERE, "fake_backend.py"), "--port", str(p)]
+            cmd = [args.bench_python, "-m", "tools.fake_vllm", "--port", str(p)]
             cmd += ["--model", args.model, "--ttft-ms", str(prof["ttft_ms"])]
             cmd += ["--itl-ms", str(prof["itl_ms"]), "--log-unknown"]
             log_path = os.path.join(workdir, f"backend-{p}.log")
-            started.append(self.procs.start(cmd, args.client_cpu, log_path))
+            env = {"PYTHONPATH": REPO}  # tools.fake_vllm needs only aiohttp
+            started.append(self.procs.start(cmd, args.client_cpu, log_path, env))
         for p in ports:
             ok, _ = wait_ready(f"http://127.0.0.1:{p}", args.model, None, 20)
             if not ok:

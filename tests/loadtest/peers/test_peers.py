@@ -1,5 +1,5 @@
-"""The peer bench's fake backend and load generator speak to each other, in process, and every
-built-in target's templates render."""
+"""The peer bench's load generator and its fake backends (``tools.fake_vllm``) speak to each
+other, in process; every built-in target's templates render; the driver starts its backends."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from loadtest.peers import cli, driver, fake_backend, loadgen
+from loadtest.peers import cli, driver, loadgen
 from loadtest.peers.report import render_md
 from loadtest.peers.targets import BUILTIN_TARGETS, render_ctx
+from tools.fake_vllm import create_app
 
 
 @pytest.fixture
 async def backend() -> AsyncIterator[str]:
     """The fake backend, as fast as it can stream, on a port of its own."""
-    runner = web.AppRunner(fake_backend.make_app(fake_backend.parse_args(["--model", "tiny"])))
+    runner = web.AppRunner(create_app("tiny"))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()

@@ -197,17 +197,16 @@ def vllm(ttft: float = 0.0, itl: float = 0.0) -> Behaviour:
         await resp.prepare(request)
         events = chunks(a, rid, created)
         n = a.tokens
+        first = t0 + ttft
         sent = 0
         try:
-            await _until(t0 + ttft)
+            await _until(first)
             if events.opening is not None:
                 await resp.write(events.opening)
             for i in range(n):
-                if i:
-                    if itl > 0:
-                        await _until(t0 + ttft + i * itl)
-                    else:
-                        await asyncio.sleep(0)  # sleep-ok: let the other streams step too
+                if i:  # the wait inline, not in _until: a coroutine less a token
+                    delay = first + i * itl - time.perf_counter() if itl > 0 else 0
+                    await asyncio.sleep(delay if delay > 0 else 0)  # sleep-ok: the schedule
                 await resp.write(events.token(i, n))
                 sent += 1
             if events.usage is not None:

@@ -285,7 +285,7 @@ def overhead_section(
     lines = [
         "## Gateway overhead",
         "",
-        "The same closed-loop load against two fake backends (`tools/fake_vllm.py`: paced "
+        "The same closed-loop load against two fake backends (`tools/fake_vllm`: paced "
         "token streams, no engine model) directly and through one gateway process "
         f"(policy `{oargs.policy}`, log level info). Gateway pinned to CPU {oargs.gateway_cpu}; "
         f"backends and the load generator to CPU {oargs.client_cpu}; {oargs.duration:g} s per "

@@ -25,13 +25,11 @@ ALLOWED: dict[str, frozenset[str]] = {
     "loadtest": frozenset({"loadtest", "tools", "gateway", "backends", "policies"}),
 }
 # The only imports against the grain, each inside a function, so importing the gateway never
-# imports them: the console script's subcommands, and the simulator's word tokenizer for a
-# gateway in front of simulators.
+# imports them: the console script's subcommands.
 LAZY_EXCEPTIONS: frozenset[tuple[str, str]] = frozenset(
     {
         ("gateway/cli.py", "tools"),
         ("gateway/cli.py", "loadtest"),
-        ("gateway/tokenizer/sim.py", "tools"),
     }
 )
 

@@ -18,8 +18,8 @@ say faithfully"), and the caller falls back to routing without them.
   gpt-oss's Harmony chats are not. Its parts: the model directory's files (``hf_load.py``),
   the messages as the template sees them (``messages.py``), the template's compilation and
   rendering (``chat_template.py``).
-- ``SimTokenizer`` (``sim.py``): the simulator's word tokenizer, as ``tools/sim/protocol.py``
-  computes a prompt.
+- ``SimTokenizer`` (``sim.py``): the simulator's word tokenizer (``words.py``, which the
+  simulator imports from here), as ``tools/sim/protocol.py`` computes a prompt.
 - ``load_tokenizer(spec)`` (``pool.py``): ``"sim"`` or a path, with start-up errors an operator
   can act on.
 - ``Tokenizers`` (``pool.py``): one tokenizer per model, behind an async ``tokens()`` that

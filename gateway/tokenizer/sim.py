@@ -1,7 +1,8 @@
 """``SimTokenizer``: the simulator's prompt ids, for a gateway in front of simulators.
 
-The simulator (``tools/sim``) tokenizes by words; this computes a request's prompt from
-its body as the simulator does, with the simulator's own functions.
+The simulator (``tools/sim``) tokenizes by words, with the word tokenizer of ``words.py``
+(which it imports from here: the gateway never imports the simulator); this computes a
+request's prompt from its body as the simulator does, with the same functions.
 """
 
 from __future__ import annotations
@@ -10,11 +11,12 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from gateway.tokenizer.protocol import PathKind, _refuse
+from gateway.tokenizer.words import render_chat, tokenize
 
 
 class SimTokenizer:
     """The simulator's prompt ids (``tools/sim/protocol.py``: `_completion_prompt`,
-    `_chat_prompt`, `_generation_prompt`), from its word tokenizer (``tools/sim/tokens.py``).
+    `_chat_prompt`, `_generation_prompt`), from its word tokenizer (``words.py``).
 
     Only the prompt is checked: a body the simulator would reject for another field (``n``,
     ``max_tokens``, ...) still gets its prompt's ids, which nobody will cache.
@@ -22,12 +24,6 @@ class SimTokenizer:
 
     name: Final = "sim"
     kind: Final = "sim"
-
-    def __init__(self) -> None:
-        from tools.sim import tokens  # the simulator package, only when asked for
-
-        self._tokenize = tokens.tokenize
-        self._render_chat = tokens.render_chat
 
     def prompt_tokens(self, path_kind: PathKind, doc: Mapping[str, Any]) -> list[int] | None:
         try:
@@ -41,7 +37,7 @@ class SimTokenizer:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return self._tokenize(prompt)
+            return tokenize(prompt)
         if isinstance(prompt, list) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
@@ -70,4 +66,4 @@ class SimTokenizer:
             generation_prompt = False
         else:
             generation_prompt = add is not False
-        return self._tokenize(self._render_chat(messages, add_generation_prompt=generation_prompt))
+        return tokenize(render_chat(messages, add_generation_prompt=generation_prompt))

@@ -1,12 +1,14 @@
 """Side-by-side benchmark of LLM gateways forwarding OpenAI-style SSE streams.
 
-For each target: start two fake vLLM backends (loadtest/peers/fake_backend.py) on CPU 1, start
+For each target: start two fake vLLM backends (``python -m tools.fake_vllm``) on CPU 1, start
 the target proxy on CPU 0 pointing at both, wait until a request goes through, warm up, then
 run loadtest/peers/loadgen.py (on CPU 1) at several concurrencies for each backend profile.
-Records loadgen stats plus the proxy's CPU use and RSS (summed over its process tree). Writes
+Records loadgen stats plus the proxy's CPU use and RSS (summed over its process tree) and the
+two fake backends' CPU use (what the load costs the backends themselves). Writes
 docs/bench/peers-<date>[-<label>].json and .md (or into --results-dir).
 
-Stdlib only; backends and loadgen run as files under --bench-python (needs aiohttp, uvloop).
+Stdlib only; the backends (as a module, the checkout on PYTHONPATH) and loadgen (as a file) run
+under --bench-python (needs aiohttp, uvloop).
 Targets are command templates (loadtest/peers/targets.py): the peers (nginx, vllm-router,
 sglang-router, litellm), the gateway of this checkout (gw) and the floors of scripts/proxy_cost
 (raw, lean, bare); --target adds one from the command line.
@@ -182,6 +184,7 @@ class Bench:
                 url=url,
                 workdir=workdir,
                 proxy=proxy,
+                backends=backends,
                 pres=pres,
             )
         except Exception as e:
@@ -208,11 +211,12 @@ class Bench:
         and wait until each answers."""
         args = self.args
         for p in ports:
-            cmd = [args.bench_python, os.path.join(HERE, "fake_backend.py"), "--port", str(p)]
+            cmd = [args.bench_python, "-m", "tools.fake_vllm", "--port", str(p)]
             cmd += ["--model", args.model, "--ttft-ms", str(prof["ttft_ms"])]
             cmd += ["--itl-ms", str(prof["itl_ms"]), "--log-unknown"]
             log_path = os.path.join(workdir, f"backend-{p}.log")
-            started.append(self.procs.start(cmd, args.client_cpu, log_path))
+            env = {"PYTHONPATH": REPO}  # tools.fake_vllm needs only aiohttp
+            started.append(self.procs.start(cmd, args.client_cpu, log_path, env))
         for p in ports:
             ok, _ = wait_ready(f"http://127.0.0.1:{p}", args.model, None, 20)
             if not ok:
@@ -231,6 +235,7 @@ class Bench:
         url: str,
         workdir: str,
         proxy: subprocess.Popen[bytes] | None,
+        backends: list[subprocess.Popen[bytes]],
         pres: dict[str, Any],
     ) -> None:
         args = self.args
@@ -273,6 +278,7 @@ class Bench:
                 _, cpu0 = tree_usage(proxy.pid)
                 sampler = Sampler(proxy.pid)
                 sampler.start()
+            backends_cpu0 = sum(tree_usage(b.pid)[1] for b in backends)
             t0 = time.time()
             res = run_loadgen(
                 args,
@@ -286,11 +292,14 @@ class Bench:
                 api_key=spec.get("api_key", ""),
             )
             wall = time.time() - t0
+            ev = (res.get("events_per_s") or 0) * (res.get("duration_s") or 0)
+            backends_cpu = sum(tree_usage(b.pid)[1] for b in backends) - backends_cpu0
+            res["backends_cpu_pct"] = round(100.0 * backends_cpu / wall, 1) if wall > 0 else None
+            res["backends_cpu_us_per_event"] = round(backends_cpu * 1e6 / ev, 2) if ev else None
             if proxy is not None and sampler is not None:
                 peak = sampler.finish()
                 rss, cpu1 = tree_usage(proxy.pid)
                 res["proxy_cpu_pct"] = round(100.0 * (cpu1 - cpu0) / wall, 1) if wall > 0 else None
-                ev = (res.get("events_per_s") or 0) * (res.get("duration_s") or 0)
                 res["proxy_cpu_us_per_event"] = round((cpu1 - cpu0) * 1e6 / ev, 2) if ev else None
                 res["proxy_peak_rss_mb"] = round(max(peak, rss), 1)
                 res["proxy_alive"] = proxy.poll() is None
@@ -300,6 +309,7 @@ class Bench:
                 f"err={res.get('errors')} to={res.get('timeouts')} "
                 f"ttft_p50={res.get('ttft_ms', {}).get('p50')} ev/s={res.get('events_per_s')} "
                 f"cpu%={res.get('proxy_cpu_pct')} rss={res.get('proxy_peak_rss_mb')} "
+                f"backends cpu%={res.get('backends_cpu_pct')} "
                 f"{res.get('error', '')}"
             )
             time.sleep(args.pause)

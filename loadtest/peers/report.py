@@ -92,6 +92,28 @@ def _profile(res: dict[str, Any], prof: str) -> list[str]:
     return out
 
 
+def _backends(res: dict[str, Any]) -> list[str]:
+    """The fake backends' own CPU, in the runs that measured it (none before 2026-12-07)."""
+    rows = [
+        f"| {name} | {prof} | {c} | {_f(r.get('events_per_s'), 0)} "
+        f"| {_f(r.get('backends_cpu_pct'))} | {_f(r.get('backends_cpu_us_per_event'), 2)} |"
+        for name, t in res["targets"].items()
+        for prof, p in (t.get("profiles") or {}).items()
+        for c, r in (p.get("levels") or {}).items()
+        if r.get("backends_cpu_pct") is not None
+    ]
+    if not rows:
+        return []
+    head = [
+        "## The fake backends\n",
+        "Both backends' CPU (CPU 1, shared with loadgen) over each level; µs/event is per "
+        "content event the client received.\n",
+        "| target | profile | c | events/s | backends CPU% | CPU µs/event |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    return [*head, *rows, ""]
+
+
 def render_md(res: dict[str, Any]) -> str:
     """The page for one run's results, as the bench has written it since its first run."""
     m = res["meta"]
@@ -109,6 +131,7 @@ def render_md(res: dict[str, Any]) -> str:
     out += _peers(res)
     for prof in a["profiles"]:
         out += _profile(res, prof)
+    out += _backends(res)
     fails = [(n, t) for n, t in res["targets"].items() if t.get("status") != "ok"]
     if fails:
         out.append("## Failures\n")

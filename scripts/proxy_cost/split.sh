@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # What one proxy costs per request and per event, on its own core: two fake vLLM backends
-# (loadtest/peers/fake_backend.py, paced: TTFT 20 ms, 10 ms a token) and its load generator on CPU 1, the
+# (tools/fake_vllm, paced: TTFT 20 ms, 10 ms a token) and its load generator on CPU 1, the
 # proxy on CPU 0; CPU from /proc/<pid>/stat over the measured run.
 #
 #   scripts/proxy_cost/split.sh TARGET MAX_TOKENS [CONCURRENCY=64] [SECONDS=10]
@@ -12,7 +12,7 @@
 # /tmp/peerbench/venvs), or `direct` (no proxy: the load generator on one backend; its TTFT is
 # the reference the others add to, its CPU figures mean nothing). Run it at two MAX_TOKENS (say 16 and 64) and solve
 # cpu = requests x a + events x b for the cost per request (a) and per event (b).
-# BENCH (default loadtest/peers) holds fake_backend.py and loadgen.py; PY the Python.
+# BENCH (default loadtest/peers) holds loadgen.py; PY the Python.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 repo=$(cd "$here/../.." && pwd)

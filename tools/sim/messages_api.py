@@ -36,11 +36,12 @@ import uuid
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from gateway.tokenizer.words import VOCAB, VOCAB_SIZE, word_id
 from tools.sim.config import SimConfig
 from tools.sim.engine import TokenEvent
 from tools.sim.protocol import ApiError, GenerateParams, Outcome, error_envelope, plan_output
 from tools.sim.responses import named_event
-from tools.sim.tokens import VOCAB, VOCAB_SIZE, OutputText, mix64, prompt_seed, word_id
+from tools.sim.tokens import OutputText, mix64, prompt_seed
 from tools.sim.validation import Fields, Problems, sanitize
 
 ROLES: Final = ("user", "assistant", "system")

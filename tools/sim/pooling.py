@@ -18,8 +18,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any, Final
 
+from gateway.tokenizer.words import tokenize
 from tools.sim.protocol import ApiError
-from tools.sim.tokens import mix64, tokenize
+from tools.sim.tokens import mix64
 
 EMBEDDING_DIM: Final = 32  # the tiny e2e model's hidden size is 128; any size will do here
 

@@ -14,17 +14,9 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final
 
+from gateway.tokenizer.words import message_text, render_chat, tokenize
 from tools.sim.config import SimConfig
-from tools.sim.tokens import (
-    OutputText,
-    cut_at_stops,
-    message_text,
-    mix64,
-    natural_length,
-    prompt_seed,
-    render_chat,
-    tokenize,
-)
+from tools.sim.tokens import OutputText, cut_at_stops, mix64, natural_length, prompt_seed
 
 COMPLETIONS_DEFAULT_MAX_TOKENS: Final = 16  # OpenAI's and vLLM's default for /v1/completions
 # What a decode instance needs from the prefill instance's kv_transfer_params (NIXL).

@@ -6,7 +6,7 @@ in the engine, queued or running, as vLLM does. The mid-stream faults (``faults.
 end their streams through the same ``finally``: a hung stream when the client gives up,
 a reset or an error event at once.
 
-``POST /tokenize`` answers with the simulator's own tokenizer (``tokens.py``), the
+``POST /tokenize`` answers with the word tokenizer (``gateway/tokenizer/words.py``), the
 count a gateway reads to know how many tokens a broken stream had delivered.
 
 With ``--kv-events-config`` the app publishes its KV-cache events (``kvevents.py``) from
@@ -28,6 +28,7 @@ from typing import Final
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gateway.tokenizer.words import tokenize
 from tools.sim import admin, apis, serving, sleep_api
 from tools.sim.config import SimConfig
 from tools.sim.faults import Faults
@@ -45,7 +46,6 @@ from tools.sim.protocol import ApiError, parse_generate, parse_tokenize
 from tools.sim.protocol import plan_output as plan
 from tools.sim.responses import ChunkStream, ResponseFormat
 from tools.sim.state import SimState
-from tools.sim.tokens import tokenize
 
 VLLM_VERSION: Final = "0.32.0"
 KV_EVENTS: Final = web.AppKey("sim_kv_events", KvEvents)

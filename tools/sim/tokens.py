@@ -1,11 +1,11 @@
-"""Tokenisation and output text: simple, deterministic, stable across processes.
+"""Output text: simple, deterministic, stable across processes.
 
-A token is a whitespace-separated word. Words of the simulator's own vocabulary get
-ids 0..VOCAB_SIZE-1, any other word a stable id above that (CRC-32, never Python's
-salted ``hash`` of a string), so the same text always gives the same ids, in every
-process. Generated words come from the vocabulary, so a generated answer pasted into
-the next prompt tokenises back to the ids that were generated, and a multi-turn chat
-hits the prefix cache the way it would on a real server.
+The tokenizer is the gateway's word tokenizer (``gateway/tokenizer/words.py``: a token is a
+whitespace-separated word, vocabulary words have ids 0..VOCAB_SIZE-1), so the gateway's
+``SimTokenizer`` and the simulator give a prompt the same ids by construction. Generated words
+come from the vocabulary, so a generated answer pasted into the next prompt tokenises back to
+the ids that were generated, and a multi-turn chat hits the prefix cache the way it would on a
+real server.
 
 Stop strings (``cut_at_stops``) end an answer as vLLM's detokenizer does: at the token whose
 text completes the earliest match, the text cut just before it, and, while streaming, the
@@ -15,65 +15,19 @@ the start of a match.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Final
+from typing import Final
+
+from gateway.tokenizer.words import VOCAB, VOCAB_SIZE, word_id
 
 _M64: Final = (1 << 64) - 1
-_ONSETS: Final = ("b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "st", "tr")
-_VOWELS: Final = ("a", "e", "i", "o", "u", "ai", "ou", "ea")
-_CODAS: Final = ("", "n", "r", "s")
-
-VOCAB: Final[tuple[str, ...]] = tuple(o + v + c for o in _ONSETS for v in _VOWELS for c in _CODAS)
-VOCAB_SIZE: Final = len(VOCAB)
-_VOCAB_INDEX: Final[dict[str, int]] = {w: i for i, w in enumerate(VOCAB)}
-
-
-def word_id(word: str) -> int:
-    known = _VOCAB_INDEX.get(word)
-    if known is not None:
-        return known
-    return VOCAB_SIZE + zlib.crc32(word.encode("utf-8", "surrogatepass"))
-
-
-def tokenize(text: str) -> list[int]:
-    """Token ids of ``text``: one per whitespace-separated word."""
-    return [word_id(w) for w in text.split()]
 
 
 def detokenize(ids: Sequence[int]) -> str:
     """The text of token ids: vocabulary words joined by spaces (an id outside the
     vocabulary, a hashed word, cannot be told back and is left out)."""
     return " ".join(VOCAB[i] for i in ids if 0 <= i < VOCAB_SIZE)
-
-
-def render_chat(messages: Sequence[dict[str, Any]], *, add_generation_prompt: bool = True) -> str:
-    """One prompt string for a chat, the same for the same messages.
-
-    Each message becomes ``<|role|> content`` on its own line, then (unless
-    ``add_generation_prompt`` is false, as with ``continue_final_message``) the generation
-    prompt ``<|assistant|>``; content given as parts keeps its text parts. The template
-    closes no message, so a final assistant message is left open to be continued: its
-    tokens are the generation prompt's followed by the content's, as if generated.
-    """
-    lines = [f"<|{m['role']}|> {message_text(m)}" for m in messages]
-    if add_generation_prompt:
-        lines.append("<|assistant|>")
-    return "\n".join(lines)
-
-
-def message_text(message: dict[str, Any]) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return " ".join(
-        part["text"]
-        for part in content
-        if isinstance(part, dict) and isinstance(part.get("text"), str)
-    )
 
 
 def mix64(x: int) -> int:

@@ -1,6 +1,6 @@
 """A stream whose backend fails mid-way goes on from another backend (issue 18).
 
-The fake backends run the counting "model" (``tools.fake_vllm.counting``): its answer is
+The fake backends run the counting "model" (``loadtest.counting``): its answer is
 " w0 w1 w2 ...", and a prompt ending in " wK" is answered from " wK+1" on, so the stitched
 stream can be checked word for word against an answer that never broke.
 """

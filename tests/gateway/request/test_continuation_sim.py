@@ -20,10 +20,10 @@ import aiohttp
 
 from backends.health import Health
 from gateway.request.messages import chat_view
+from gateway.tokenizer.words import render_chat, tokenize
 from tests.anthropic_stream import read_stream
 from tests.helpers import RunningGateway, events, running_gateway, sample, wait_for
 from tools.sim import FAST, Faults, RunningSim, SimConfig, running_sim
-from tools.sim.tokens import render_chat, tokenize
 
 MODEL = FAST.model_name
 # About 50 tokens a second for each stream; natural answers (a Messages stream has no

@@ -14,9 +14,9 @@ from typing import Any
 import aiohttp
 
 from gateway.limits.keys import hash_key
+from gateway.tokenizer.words import tokenize
 from tests.helpers import RunningGateway, running_gateway, sample, wait_for
 from tools.sim import FAST, Faults, RunningSim, running_sim
-from tools.sim.tokens import tokenize
 
 SCALE_OUT = FAST.replace(enable_scale_out=True, output_len_min=200)
 MODEL = FAST.model_name

@@ -1,5 +1,5 @@
-"""The peer bench's fake backend and load generator speak to each other, in process, and every
-built-in target's templates render."""
+"""The peer bench's load generator and its fake backends (``tools.fake_vllm``) speak to each
+other, in process; every built-in target's templates render; the driver starts its backends."""
 
 from __future__ import annotations
 
@@ -12,15 +12,16 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from loadtest.peers import cli, driver, fake_backend, loadgen
+from loadtest.peers import cli, driver, loadgen
 from loadtest.peers.report import render_md
 from loadtest.peers.targets import BUILTIN_TARGETS, render_ctx
+from tools.fake_vllm import create_app
 
 
 @pytest.fixture
 async def backend() -> AsyncIterator[str]:
     """The fake backend, as fast as it can stream, on a port of its own."""
-    runner = web.AppRunner(fake_backend.make_app(fake_backend.parse_args(["--model", "tiny"])))
+    runner = web.AppRunner(create_app("tiny"))
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -106,3 +107,15 @@ def test_render_remakes_the_page_from_the_json(tmp_path: Path) -> None:
 def test_results_dir_is_recorded_relative_to_the_checkout() -> None:
     assert cli._shown(driver.RESULTS) == "docs/bench"
     assert cli._shown("/tmp/elsewhere") == "/tmp/elsewhere"
+
+
+def test_the_backends_cpu_gets_a_table_only_in_runs_that_measured_it() -> None:
+    docs = Path(__file__).resolve().parents[3] / "docs" / "bench"
+    res = json.loads(min(docs.glob("peers-*.json")).read_text())
+    assert "## The fake backends" not in render_md(res)
+    target = next(iter(res["targets"].values()))
+    level = next(iter(next(iter(target["profiles"].values()))["levels"].values()))
+    level.update(backends_cpu_pct=97.5, backends_cpu_us_per_event=4.25)
+    page = render_md(res)
+    assert "## The fake backends" in page
+    assert "| 97.5 | 4.25 |" in page

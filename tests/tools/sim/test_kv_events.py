@@ -30,13 +30,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from gateway.tokenizer.words import tokenize
 from tests.waiting import wait_for
 from tools.sim import FAST, RunningSim, SimConfig, running_sim
 from tools.sim.cli import add_arguments, config_from_args, run
 from tools.sim.engine import Engine, Request
 from tools.sim.kvcache import BlockPool, CacheCleared, CacheRemoved, CacheStored
 from tools.sim.kvevents import KvEventsConfig, block_hashes
-from tools.sim.tokens import OutputText, tokenize
+from tools.sim.tokens import OutputText
 
 from .conftest import completion_body
 

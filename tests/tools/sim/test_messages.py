@@ -12,9 +12,9 @@ import anthropic
 import pytest
 from anthropic.types import MessageParam, ToolParam
 
+from gateway.tokenizer.words import tokenize
 from tests.waiting import wait_for
 from tools.sim import FAST, Faults, RunningSim, running_sim
-from tools.sim.tokens import tokenize
 
 from .conftest import assert_clean
 

@@ -11,10 +11,11 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.tokenizer.words import tokenize
 from tests.waiting import wait_for
 from tools.sim import FAST, Faults, RunningSim, running_sim
 from tools.sim.scale_out import ROUTES
-from tools.sim.tokens import EOS_TOKEN_ID, tokenize
+from tools.sim.tokens import EOS_TOKEN_ID
 
 from .conftest import assert_clean, completion_body, sse_events
 

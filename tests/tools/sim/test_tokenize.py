@@ -9,9 +9,9 @@ from typing import Any
 import aiohttp
 import pytest
 
+from gateway.tokenizer.words import tokenize
 from tools.sim import FAST, RunningSim
 from tools.sim.protocol import ApiError, parse_generate, parse_tokenize
-from tools.sim.tokens import tokenize
 
 from .conftest import chat_body, completion_body, sse_events
 

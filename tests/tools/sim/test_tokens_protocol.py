@@ -7,9 +7,10 @@ from typing import Any
 
 import pytest
 
+from gateway.tokenizer.words import VOCAB_SIZE, render_chat, tokenize
 from tools.sim.config import SimConfig
 from tools.sim.protocol import ApiError, GenerateParams, parse_generate, plan_output
-from tools.sim.tokens import VOCAB_SIZE, OutputText, render_chat, tokenize
+from tools.sim.tokens import OutputText
 
 CFG = SimConfig(max_model_len=100, output_len_min=5, output_len_max=10)
 

@@ -18,7 +18,7 @@ from tests.helpers import serve_app
 from tools.fake_vllm import create_app
 from tools.fake_vllm.vllm import Asked, chunks, whole
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def chat(tokens: int, *, stream: bool = True, usage: bool = False) -> dict[str, object]:

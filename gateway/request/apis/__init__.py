@@ -1,3 +1,3 @@
 """One module per API the gateway routes, each implementing ``gateway.request.api.Api`` for
-what it does differently; the endpoints' table (``gateway.request.endpoints``) names which API
-each endpoint is. An API that does nothing differently is ``gateway.request.api.PLAIN``."""
+what it does differently; the endpoints' table (``gateway.request.endpoints``) names the API of
+every endpoint. An API that does nothing differently is ``gateway.request.api.PLAIN``."""

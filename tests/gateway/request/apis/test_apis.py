@@ -5,6 +5,8 @@ the id upstream, what is kept while it runs; and the table's rows name them."""
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -228,3 +230,22 @@ def test_a_new_api_is_a_plain_subclass_with_only_what_differs() -> None:
 
     assert Upper().view({"text": "hi"})["prompt"] == "HI"
     assert Upper().continuing({"stream": True}) is None  # the rest is Plain's
+
+
+def test_the_request_path_asks_the_api_and_never_tests_which_it_is() -> None:
+    """Outside the API modules and the table, no module of the request path compares an
+    endpoint or a dialect with a particular one: what differs is asked of them."""
+    request = Path(__file__).resolve().parents[4] / "gateway" / "request"
+    tests = re.compile(
+        r"\bendpoint\)? (?:is|is not|==|!=) [A-Z]"  # endpoint is CHAT
+        r"|\bendpoint (?:not )?in [(A-Z]"  # endpoint in (CHAT, COMPLETIONS)
+        r"|dialect\)? ?(?:==|!=)"  # dialect == "anthropic"
+    )
+    found = [
+        f"{path.relative_to(request)}:{n}: {line.strip()}"
+        for path in sorted(request.rglob("*.py"))
+        if path.parent.name != "apis" and path.name != "endpoints.py"
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if tests.search(line)
+    ]
+    assert found == []

@@ -145,7 +145,7 @@ async def _forward(
                 response_id=prepared.response_id,
                 engine_priority=engine_priority(routed.doc, request.headers, principal, priority),
             )
-            answered = await _findable(call, routed, principal.id, span)
+            answered = await _served(call, routed, principal.id, span)
         finally:
             if ticket is not None:
                 ticket.release()
@@ -266,7 +266,7 @@ def _call(
     )
 
 
-async def _findable(call: Call, routed: _Routed, owner: str, span: Span | None) -> Answered:
+async def _served(call: Call, routed: _Routed, owner: str, span: Span | None) -> Answered:
     """Serve ``call``, with what its API keeps meanwhile (``Api.serving``)."""
     kept = call.endpoint.api.serving(call.svc, call.headers[REQUEST_ID], owner, call.record)
     if kept is None:
